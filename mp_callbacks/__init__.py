@@ -1,0 +1,34 @@
+"""mp_callbacks: one mixed-precision core for Lightning and Keras.
+
+The core imports no deep-learning framework: the scaler transition is written
+over a small array-ops protocol (:mod:`mp_callbacks.ops`), evaluated here with
+NumPy float32 and by the adapters with torch tensors or ``keras.ops``.
+"""
+
+from .diagnostics import METRICS, History, StepStats
+from .master import MasterPlan, MemoryEstimate, bytes_per_param, estimate_memory
+from .ops import NUMPY_OPS, ArrayOps, NumpyOps
+from .policy import PolicyError, PrecisionPolicy
+from .recipes import RECIPE_NAMES, Recipe, RecipeError, canonical_recipe_name, get_recipe
+from .scaler import (
+    PRESETS,
+    ConfigError,
+    DynamicLossScaler,
+    ScaleFloorError,
+    ScaleFloorWarning,
+    ScalerConfig,
+    ScalerState,
+    StateDictError,
+    initial_state,
+    next_state,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArrayOps", "ConfigError", "DynamicLossScaler", "History", "METRICS", "MasterPlan",
+    "MemoryEstimate", "NUMPY_OPS", "NumpyOps", "PRESETS", "PolicyError", "PrecisionPolicy",
+    "RECIPE_NAMES", "Recipe", "RecipeError", "ScaleFloorError", "ScaleFloorWarning",
+    "ScalerConfig", "ScalerState", "StateDictError", "StepStats", "bytes_per_param",
+    "canonical_recipe_name", "estimate_memory", "get_recipe", "initial_state", "next_state",
+]

@@ -1,0 +1,202 @@
+"""Shared diagnostics: metric names, per-step records and a bounded history.
+
+Both frameworks log the same names (:data:`METRICS`) through their own
+channels.  A :class:`History` keeps the last ``maxlen`` :class:`StepStats` and
+exports/imports JSON lines; it is plain data, so it can live in checkpoints.
+No framework is imported here (matplotlib only inside :func:`plot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections import deque
+from typing import Any, Iterable, Iterator, Mapping
+
+SCALE = "mp/scale"
+OVERFLOW = "mp/overflow"
+OVERFLOWS_TOTAL = "mp/overflows_total"
+SKIPPED_TOTAL = "mp/skipped_total"
+GROWTHS_TOTAL = "mp/growths_total"
+GRAD_NORM = "mp/grad_norm"
+GRAD_UNDERFLOW_FRAC = "mp/grad_underflow_frac"
+UPDATE_SWAMPED_FRAC = "mp/update_swamped_frac"
+OVERFLOW_MODULE = "mp/overflow_module"
+
+METRICS = (
+    SCALE, OVERFLOW, OVERFLOWS_TOTAL, SKIPPED_TOTAL, GROWTHS_TOTAL, GRAD_NORM,
+    GRAD_UNDERFLOW_FRAC, UPDATE_SWAMPED_FRAC, OVERFLOW_MODULE,
+)
+"""Every shared metric name, in logging order."""
+
+HISTORY_SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one optimizer step looked like.  Optional fields are None when not measured."""
+
+    step: int
+    scale: float
+    overflow: bool
+    overflows_total: int
+    skipped_total: int
+    growths_total: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    grad_underflow_frac: float | None = None
+    update_swamped_frac: float | None = None
+    overflow_module: str | None = None
+
+    def metrics(self) -> dict[str, float | str]:
+        """The shared metric names -> values (unmeasured ones left out)."""
+        out: dict[str, float | str] = {
+            SCALE: float(self.scale), OVERFLOW: float(self.overflow),
+            OVERFLOWS_TOTAL: float(self.overflows_total), SKIPPED_TOTAL: float(self.skipped_total),
+            GROWTHS_TOTAL: float(self.growths_total),
+        }
+        for name, value in ((GRAD_NORM, self.grad_norm), (GRAD_UNDERFLOW_FRAC, self.grad_underflow_frac),
+                            (UPDATE_SWAMPED_FRAC, self.update_swamped_frac)):
+            if value is not None:
+                out[name] = float(value)
+        if self.overflow_module is not None:
+            out[OVERFLOW_MODULE] = self.overflow_module
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_number(v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StepStats":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown StepStats field(s) {unknown}; valid: {sorted(names)}")
+        return cls(**{k: _from_json_number(v) for k, v in data.items()})
+
+
+def _json_number(value: Any) -> Any:
+    # JSON has no inf/nan: store them as strings so a line always parses.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _from_json_number(value: Any) -> Any:
+    if value in ("inf", "-inf", "nan"):
+        return float(value)
+    return value
+
+
+class History:
+    """The last ``maxlen`` steps, plus events (overflow attributions, fallbacks)."""
+
+    def __init__(self, maxlen: int = 100_000) -> None:
+        if not isinstance(maxlen, int) or maxlen < 1:
+            raise ValueError(f"History maxlen={maxlen!r} must be an integer >= 1")
+        self.maxlen = maxlen
+        self._steps: deque[StepStats] = deque(maxlen=maxlen)
+        self.events: deque[dict[str, Any]] = deque(maxlen=maxlen)
+
+    def append(self, stats: StepStats) -> None:
+        self._steps.append(stats)
+
+    def add_event(self, kind: str, **fields: Any) -> None:
+        """Record something that happened (``kind``: e.g. ``"overflow"``, ``"fallback"``)."""
+        self.events.append({"kind": kind, **fields})
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __iter__(self) -> Iterator[StepStats]:
+        return iter(self._steps)
+
+    def __getitem__(self, index: int) -> StepStats:
+        return self._steps[index]
+
+    def series(self, name: str) -> list[Any]:
+        """Values of a metric name (``mp/scale``) or a field (``loss``) in step order."""
+        field = name.removeprefix("mp/")
+        return [getattr(s, field) for s in self._steps]
+
+    # -- plain data -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"schema_version": HISTORY_SCHEMA_VERSION, "maxlen": self.maxlen,
+                "steps": [s.to_dict() for s in self._steps], "events": list(self.events)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        version = state.get("schema_version") if isinstance(state, Mapping) else None
+        if version != HISTORY_SCHEMA_VERSION:
+            raise ValueError(f"history state has schema_version={version!r}; expected {HISTORY_SCHEMA_VERSION}")
+        self.maxlen = int(state["maxlen"])
+        self._steps = deque((StepStats.from_dict(s) for s in state["steps"]), maxlen=self.maxlen)
+        self.events = deque(state["events"], maxlen=self.maxlen)
+
+    def to_jsonl(self, path: str | os.PathLike[str]) -> None:
+        """One JSON object per step, then one per event (``{"event": {...}}``)."""
+        with open(path, "w", encoding="utf-8") as fh:
+            for s in self._steps:
+                fh.write(json.dumps(s.to_dict()) + "\n")
+            for e in self.events:
+                fh.write(json.dumps({"event": e}) + "\n")
+
+    @classmethod
+    def from_jsonl(cls, path: str | os.PathLike[str], maxlen: int = 100_000) -> "History":
+        history = cls(maxlen=maxlen)
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+                if "event" in data:
+                    history.events.append(data["event"])
+                else:
+                    history.append(StepStats.from_dict(data))
+        return history
+
+    @classmethod
+    def from_steps(cls, steps: Iterable[StepStats], maxlen: int = 100_000) -> "History":
+        history = cls(maxlen=maxlen)
+        for s in steps:
+            history.append(s)
+        return history
+
+
+def plot(history: History, path: str | os.PathLike[str], title: str = "") -> None:
+    """Draw the loss-scale curve with overflow markers, and the loss, to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s.step for s in history]
+    if not steps:
+        raise ValueError("cannot plot an empty history")
+    losses = [s.loss for s in history]
+    has_loss = any(v is not None for v in losses)
+    fig, axes = plt.subplots(2 if has_loss else 1, 1, figsize=(8, 6 if has_loss else 3.5),
+                             sharex=True, squeeze=False)
+    ax = axes[0][0]
+    ax.step(steps, [s.scale for s in history], where="post", label="loss scale")
+    over = [(s.step, s.scale) for s in history if s.overflow]
+    if over:
+        ax.scatter(*zip(*over), color="red", marker="x", zorder=3, label="overflow (skipped)")
+    ax.set_yscale("log", base=2)
+    ax.set_ylabel("scale")
+    ax.legend(loc="best")
+    if title:
+        ax.set_title(title)
+    if has_loss:
+        lx = [st for st, v in zip(steps, losses) if v is not None and math.isfinite(v)]
+        ly = [v for v in losses if v is not None and math.isfinite(v)]
+        axes[1][0].plot(lx, ly)
+        axes[1][0].set_ylabel("loss")
+    axes[-1][0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

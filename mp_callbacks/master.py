@@ -1,0 +1,121 @@
+"""Master weights: which parameters get FP32 copies, and what training state costs.
+
+The rule of the ``*-master`` recipes: a parameter stored in fp16/bf16 gets an
+FP32 master copy inside the optimizer; the optimizer's update and its states
+(momentum, Adam's m and v) live in FP32 on the master; after every *applied*
+step the master is rounded back into the low-precision parameter.  Parameters
+the policy keeps in FP32 need no copy: they are their own master.
+
+Memory per parameter (model state only, no activations)::
+
+    storage bytes (weight) + storage bytes (grad) + 4 (master, if any)
+    + 4 * optimizer slots
+
+AdamW under ``bf16-master``: 2 + 2 + 4 + 4 + 4 = 16 B/param.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from .dtypes import canonical_dtype, dtype_bytes
+
+# FP32 state slots per parameter kept by each optimizer.
+OPTIMIZER_SLOTS: dict[str, int] = {
+    "sgd": 0, "sgd-momentum": 1, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2,
+    "adamax": 2, "nadam": 2, "radam": 2, "lamb": 2, "rmsprop": 1, "adagrad": 1, "adadelta": 2,
+    "lion": 1,
+}
+
+
+def optimizer_slots(optimizer: str) -> int:
+    """FP32 state tensors per parameter for an optimizer name (case-insensitive)."""
+    key = str(optimizer).lower().replace("_", "-")
+    if key not in OPTIMIZER_SLOTS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(sorted(OPTIMIZER_SLOTS))}")
+    return OPTIMIZER_SLOTS[key]
+
+
+@dataclass(frozen=True)
+class MasterPlan:
+    """How a recipe stores weights and optimizer state.
+
+    Attributes:
+      param_dtype: storage dtype of module parameters (those not kept in FP32).
+      master_weights: True when the optimizer holds FP32 master copies of
+        low-precision parameters.
+      state_dtype: dtype of optimizer states and of the update arithmetic.
+    """
+
+    param_dtype: str = "float32"
+    master_weights: bool = False
+    state_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype, "param_dtype"))
+        object.__setattr__(self, "state_dtype", canonical_dtype(self.state_dtype, "state_dtype"))
+        if self.master_weights and self.param_dtype == "float32":
+            raise ValueError("master_weights=True needs a low-precision param_dtype (float16 or bfloat16)")
+
+    def needs_master(self, storage_dtype: str) -> bool:
+        """True when a parameter stored in ``storage_dtype`` gets an FP32 master copy."""
+        return self.master_weights and canonical_dtype(storage_dtype) != "float32"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"param_dtype": self.param_dtype, "master_weights": self.master_weights,
+                "state_dtype": self.state_dtype}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MasterPlan":
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Model-state bytes, split by what holds them."""
+
+    params: int
+    weights: int
+    grads: int
+    masters: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.masters + self.optimizer_state
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total / self.params if self.params else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {"params": self.params, "weights": self.weights, "grads": self.grads,
+                "masters": self.masters, "optimizer_state": self.optimizer_state,
+                "total": self.total, "bytes_per_param": self.bytes_per_param}
+
+
+def estimate_memory(
+    plan: MasterPlan, optimizer: str, params: Iterable[tuple[int, str]] | int
+) -> MemoryEstimate:
+    """Bytes of model state for ``params``: an int (all stored in ``plan.param_dtype``)
+    or ``(numel, storage_dtype)`` pairs (FP32-kept parameters included)."""
+    if isinstance(params, int):
+        params = [(params, plan.param_dtype)]
+    slots = optimizer_slots(optimizer)
+    state_bytes = dtype_bytes(plan.state_dtype)
+    n = w = g = m = s = 0
+    for numel, dtype in params:
+        size = dtype_bytes(dtype)
+        n += numel
+        w += numel * size
+        g += numel * size
+        if plan.needs_master(dtype):
+            m += numel * 4
+        s += numel * slots * state_bytes
+    return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s)
+
+
+def bytes_per_param(plan: MasterPlan, optimizer: str) -> float:
+    """Bytes of model state per parameter when every parameter uses ``plan.param_dtype``."""
+    return estimate_memory(plan, optimizer, 1).bytes_per_param

@@ -1,0 +1,215 @@
+"""Operator precision policy: which ops and modules run in low precision.
+
+Rules, in order of precedence, for a module or layer:
+
+1. explicit module rules (``{"pattern": dtype}``), first match wins; a pattern
+   matches the class name exactly or the dotted path as a glob
+   (``"encoder.*.attn"``);
+2. the class name mapped to an op kind (``Linear`` -> ``linear``,
+   ``LayerNorm`` -> ``layer_norm``...), then the op rules below;
+3. anything else is *unknown* and runs in FP32.
+
+For an op kind: in ``low_precision_ops`` -> the compute dtype; in
+``fp32_ops`` -> float32; in ``passthrough_ops`` (elementwise activations,
+dropout, reshapes) -> the compute dtype (they follow their input); otherwise
+unknown -> float32.  Unknown or custom ops run in FP32 unless declared.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from .dtypes import canonical_dtype
+
+DEFAULT_LOW_PRECISION_OPS = frozenset({
+    "matmul", "bmm", "baddbmm", "addmm", "mm", "einsum", "linear", "dense", "einsum_dense",
+    "conv", "conv1d", "conv2d", "conv3d", "conv_transpose", "attention", "multi_head_attention",
+    "scaled_dot_product_attention", "lstm", "gru", "rnn",
+})
+DEFAULT_FP32_OPS = frozenset({
+    "softmax", "log_softmax", "layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm",
+    "normalization", "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "bce", "bce_with_logits",
+    "kl_div", "loss", "exp", "log", "pow", "sum", "mean", "norm", "cumsum", "prod", "logsumexp",
+    "softplus", "embedding",
+})
+DEFAULT_PASSTHROUGH_OPS = frozenset({
+    "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "elu", "activation", "dropout",
+    "identity", "flatten", "reshape", "add", "max_pool", "avg_pool", "pool", "concatenate",
+})
+
+# Class names (torch.nn and keras.layers) -> op kind.
+CLASS_TO_OP: dict[str, str] = {
+    "Linear": "linear", "Bilinear": "linear", "Dense": "dense", "EinsumDense": "einsum_dense",
+    "Conv1d": "conv1d", "Conv2d": "conv2d", "Conv3d": "conv3d", "Conv1D": "conv1d",
+    "Conv2D": "conv2d", "Conv3D": "conv3d", "ConvTranspose1d": "conv_transpose",
+    "ConvTranspose2d": "conv_transpose", "ConvTranspose3d": "conv_transpose",
+    "Conv1DTranspose": "conv_transpose", "Conv2DTranspose": "conv_transpose",
+    "MultiheadAttention": "attention", "MultiHeadAttention": "attention",
+    "LSTM": "lstm", "GRU": "gru", "RNN": "rnn",
+    "Softmax": "softmax", "LogSoftmax": "log_softmax",
+    "LayerNorm": "layer_norm", "LayerNormalization": "layer_norm", "RMSNorm": "rms_norm",
+    "RMSNormalization": "rms_norm", "GroupNorm": "group_norm", "GroupNormalization": "group_norm",
+    "BatchNorm1d": "batch_norm", "BatchNorm2d": "batch_norm", "BatchNorm3d": "batch_norm",
+    "BatchNormalization": "batch_norm", "InstanceNorm1d": "instance_norm",
+    "InstanceNorm2d": "instance_norm", "Embedding": "embedding",
+    "CrossEntropyLoss": "cross_entropy", "NLLLoss": "nll_loss", "MSELoss": "mse_loss",
+    "ReLU": "relu", "GELU": "gelu", "SiLU": "silu", "Tanh": "tanh", "Sigmoid": "sigmoid",
+    "LeakyReLU": "leaky_relu", "ELU": "elu", "Activation": "activation", "Dropout": "dropout",
+    "Identity": "identity", "Flatten": "flatten", "Reshape": "reshape", "Add": "add",
+    "MaxPool1d": "max_pool", "MaxPool2d": "max_pool", "AvgPool2d": "avg_pool",
+    "MaxPooling2D": "max_pool", "AveragePooling2D": "avg_pool", "GlobalAveragePooling2D": "avg_pool",
+    "GlobalAveragePooling1D": "avg_pool", "Concatenate": "concatenate", "InputLayer": "identity",
+}
+
+_FIELDS = ("params", "compute", "output")
+
+
+class PolicyError(ValueError):
+    """A policy string, dtype, op name or rule is invalid."""
+
+
+def _dtype(value: Any, name: str) -> str:
+    try:
+        return canonical_dtype(value, field=name)
+    except ValueError as exc:
+        raise PolicyError(str(exc)) from None
+
+
+def _ops(values: Iterable[str], name: str) -> frozenset[str]:
+    if isinstance(values, str):
+        raise PolicyError(f"{name} must be a collection of op names, not the string {values!r}")
+    out = set()
+    for v in values:
+        if not isinstance(v, str) or not v:
+            raise PolicyError(f"{name} holds {v!r}; op names are non-empty strings")
+        out.add(v.lower())
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Dtypes of parameters, compute and outputs, plus op and module rules.
+
+    >>> p = PrecisionPolicy.parse("params=float32,compute=bfloat16,output=float32")
+    >>> p.resolve("linear"), p.resolve("softmax"), p.resolve("my_custom_op")
+    ('bfloat16', 'float32', 'float32')
+    """
+
+    params: str = "float32"
+    compute: str = "float32"
+    output: str = "float32"
+    low_precision_ops: frozenset[str] = DEFAULT_LOW_PRECISION_OPS
+    fp32_ops: frozenset[str] = DEFAULT_FP32_OPS
+    passthrough_ops: frozenset[str] = DEFAULT_PASSTHROUGH_OPS
+    module_rules: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in _FIELDS:
+            object.__setattr__(self, name, _dtype(getattr(self, name), name))
+        for name in ("low_precision_ops", "fp32_ops", "passthrough_ops"):
+            object.__setattr__(self, name, _ops(getattr(self, name), name))
+        both = self.low_precision_ops & self.fp32_ops
+        if both:
+            raise PolicyError(f"ops {sorted(both)} are in both low_precision_ops and fp32_ops")
+        rules = self.module_rules
+        if isinstance(rules, Mapping):
+            rules = tuple(rules.items())
+        checked = []
+        for item in rules:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str) and item[0]):
+                raise PolicyError(f"module rule {item!r} must be a (pattern, dtype) pair")
+            checked.append((item[0], _dtype(item[1], f"module rule {item[0]!r}")))
+        object.__setattr__(self, "module_rules", tuple(checked))
+
+    # -- strings --------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str, **kwargs: Any) -> "PrecisionPolicy":
+        """From ``"params=float32,compute=bfloat16,output=float32"`` (omitted fields: float32)."""
+        if not isinstance(text, str) or not text.strip():
+            raise PolicyError(f"a policy string must be non-empty text like {cls().format()!r}, got {text!r}")
+        values: dict[str, str] = {}
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            key, value = key.strip().lower(), value.strip()
+            if not sep or not value:
+                raise PolicyError(f"policy string {text!r}: {part.strip()!r} is not key=dtype")
+            if key not in _FIELDS:
+                raise PolicyError(f"policy string {text!r}: unknown key {key!r}; valid keys: {', '.join(_FIELDS)}")
+            if key in values:
+                raise PolicyError(f"policy string {text!r}: {key!r} given twice")
+            values[key] = value
+        return cls(**values, **kwargs)
+
+    def format(self) -> str:
+        """Inverse of :meth:`parse` (dtypes only)."""
+        return ",".join(f"{name}={getattr(self, name)}" for name in _FIELDS)
+
+    # -- rules ----------------------------------------------------------------
+    def with_fp32_modules(self, *patterns: str) -> "PrecisionPolicy":
+        """A copy that keeps modules matching ``patterns`` in float32 (added first)."""
+        new = tuple((p, "float32") for p in patterns if (p, "float32") not in self.module_rules)
+        return replace(self, module_rules=new + self.module_rules)
+
+    def op_kind(self, op_or_module: Any) -> str:
+        """The op kind of a name, a class name or an object (by its class name)."""
+        if isinstance(op_or_module, str):
+            return CLASS_TO_OP.get(op_or_module, op_or_module.lower())
+        name = type(op_or_module).__name__
+        return CLASS_TO_OP.get(name, name.lower())
+
+    def classify_op(self, op: str) -> str:
+        """``"low"``, ``"fp32"``, ``"passthrough"`` or ``"unknown"`` for an op kind."""
+        op = op.lower()
+        if op in self.fp32_ops:
+            return "fp32"
+        if op in self.low_precision_ops:
+            return "low"
+        if op in self.passthrough_ops:
+            return "passthrough"
+        return "unknown"
+
+    def match_module_rule(self, class_name: str, path: str = "") -> str | None:
+        """The dtype of the first module rule that matches, else None."""
+        for pattern, dtype in self.module_rules:
+            if pattern == class_name or (path and fnmatch.fnmatchcase(path, pattern)):
+                return dtype
+        return None
+
+    def resolve(self, op_or_module: Any, path: str = "") -> str:
+        """The dtype ``op_or_module`` computes in (``path``: its dotted name in the model)."""
+        class_name = op_or_module if isinstance(op_or_module, str) else type(op_or_module).__name__
+        ruled = self.match_module_rule(class_name, path)
+        if ruled is not None:
+            return ruled
+        kind = self.classify_op(self.op_kind(op_or_module))
+        if kind in ("low", "passthrough"):
+            return self.compute
+        return "float32"
+
+    def keeps_fp32(self, op_or_module: Any, path: str = "") -> bool:
+        """True when the module must run (and, under master recipes, store params) in FP32."""
+        return self.compute != "float32" and self.resolve(op_or_module, path) == "float32"
+
+    # -- plain data ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (sorted lists), for checkpoints and JSON."""
+        return {
+            "params": self.params, "compute": self.compute, "output": self.output,
+            "low_precision_ops": sorted(self.low_precision_ops), "fp32_ops": sorted(self.fp32_ops),
+            "passthrough_ops": sorted(self.passthrough_ops),
+            "module_rules": [list(r) for r in self.module_rules],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PrecisionPolicy":
+        """Inverse of :meth:`to_dict`; unknown keys are an error."""
+        valid = set(cls().to_dict())
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise PolicyError(f"unknown policy key(s) {unknown}; valid keys: {sorted(valid)}")
+        kwargs = dict(data)
+        if "module_rules" in kwargs:
+            kwargs["module_rules"] = tuple(tuple(r) for r in kwargs["module_rules"])
+        return cls(**kwargs)

@@ -1,0 +1,118 @@
+"""Named recipes: a policy, a scaler and a master-weight plan under one name.
+
+| recipe        | params | compute       | master weights | loss scaling  |
+|---------------|--------|---------------|----------------|---------------|
+| ``32-true``     | fp32   | fp32          | -              | off           |
+| ``16-mixed``    | fp32   | fp16 autocast | params are fp32| dynamic       |
+| ``bf16-mixed``  | fp32   | bf16 autocast | params are fp32| off (opt-in)  |
+| ``16-master``   | fp16   | fp16          | fp32 in optim. | dynamic       |
+| ``bf16-master`` | bf16   | bf16          | fp32 in optim. | off (opt-in)  |
+
+Optimizer states are FP32 in every recipe.  Keras policy names
+(``mixed_float16``, ``mixed_bfloat16``, ``float32``) and Lightning's short
+names (``32``, ``16``, ``bf16``) are accepted as aliases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from .master import MasterPlan
+from .policy import PrecisionPolicy
+from .scaler import ScalerConfig
+
+RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")
+
+RECIPE_ALIASES = {
+    "32": "32-true", "fp32": "32-true", "float32": "32-true",
+    "16": "16-mixed", "mixed_float16": "16-mixed", "mixed-float16": "16-mixed",
+    "bf16": "bf16-mixed", "mixed_bfloat16": "bf16-mixed", "mixed-bfloat16": "bf16-mixed",
+}
+
+
+class RecipeError(ValueError):
+    """An unknown recipe name or an inconsistent recipe."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a recipe name means: op policy, loss scaler, master-weight plan."""
+
+    name: str
+    policy: PrecisionPolicy
+    scaler: ScalerConfig
+    master: MasterPlan
+
+    @property
+    def low_precision(self) -> bool:
+        """True when compute runs below FP32."""
+        return self.policy.compute != "float32"
+
+    @property
+    def autocast(self) -> bool:
+        """True for ``*-mixed``: FP32 params, low-precision compute by autocast."""
+        return self.low_precision and not self.master.master_weights
+
+    def with_scaler(self, scaler: ScalerConfig | str | Mapping[str, Any] | None) -> "Recipe":
+        """A copy using ``scaler`` (a config, preset name or dict); None keeps the recipe's."""
+        if scaler is None:
+            return self
+        return replace(self, scaler=ScalerConfig.coerce(scaler))
+
+    def with_policy(self, policy: PrecisionPolicy | str | Mapping[str, Any] | None) -> "Recipe":
+        """A copy using ``policy`` (an object, a policy string or a dict); None keeps it."""
+        if policy is None:
+            return self
+        if isinstance(policy, str):
+            policy = PrecisionPolicy.parse(policy)
+        elif isinstance(policy, Mapping):
+            policy = PrecisionPolicy.from_dict(policy)
+        elif not isinstance(policy, PrecisionPolicy):
+            raise RecipeError(f"policy must be a PrecisionPolicy, a string or a dict, not {type(policy).__name__}")
+        return replace(self, policy=policy)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "policy": self.policy.to_dict(), "scaler": self.scaler.to_dict(),
+                "master": self.master.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Recipe":
+        return cls(name=canonical_recipe_name(data["name"]),
+                   policy=PrecisionPolicy.from_dict(data["policy"]),
+                   scaler=ScalerConfig.from_dict(data["scaler"]),
+                   master=MasterPlan.from_dict(data["master"]))
+
+
+def canonical_recipe_name(name: Any) -> str:
+    """``"mixed_float16"`` -> ``"16-mixed"``; unknown names list the valid ones."""
+    if isinstance(name, str):
+        key = name.strip().lower()
+        if key in RECIPE_NAMES:
+            return key
+        if key in RECIPE_ALIASES:
+            return RECIPE_ALIASES[key]
+    raise RecipeError(
+        f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPE_NAMES)} "
+        f"(aliases: {', '.join(sorted(RECIPE_ALIASES))})"
+    )
+
+
+def get_recipe(name: str, *, scaler: Any = None, policy: Any = None) -> Recipe:
+    """The named recipe, optionally with another scaler config/preset or policy."""
+    name = canonical_recipe_name(name)
+    low = {"16": "float16", "bf16": "bfloat16"}.get(name.split("-")[0])
+    if low is None:
+        recipe = Recipe(name, PrecisionPolicy(), ScalerConfig(enabled=False), MasterPlan())
+    elif name.endswith("-mixed"):
+        recipe = Recipe(name, PrecisionPolicy(params="float32", compute=low, output="float32"),
+                        _default_scaler(low), MasterPlan())
+    else:
+        recipe = Recipe(name, PrecisionPolicy(params=low, compute=low, output="float32"),
+                        _default_scaler(low), MasterPlan(param_dtype=low, master_weights=True))
+    return recipe.with_scaler(scaler).with_policy(policy)
+
+
+def _default_scaler(compute: str) -> ScalerConfig:
+    # fp16 needs dynamic scaling; bf16 has fp32's range, so scaling is opt-in.
+    return ScalerConfig.preset("torch") if compute == "float16" else ScalerConfig(enabled=False)

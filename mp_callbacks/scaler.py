@@ -1,0 +1,452 @@
+"""Dynamic loss scaling: configuration, presets and the one transition.
+
+The rule (every preset is a setting of it)::
+
+    on overflow:   growth_tracker = 0
+                   hysteresis_left = max(hysteresis_left - 1, 0)
+                   if hysteresis_left == 0:
+                       scale = max(scale * backoff_factor, min_scale)
+                   the step is skipped
+    on clean step: growth_tracker += 1
+                   if consecutive_hysteresis: hysteresis_left = hysteresis
+                   if growth_tracker == growth_interval:
+                       growth_tracker = 0
+                       hysteresis_left = hysteresis
+                       if isfinite(scale * growth_factor):
+                           scale = min(scale * growth_factor, max_scale)
+
+The scale is a float32 number; everything is evaluated in float32 exactly as
+the anchors do (powers of two stay exact).  An overflow that asks for a backoff
+while the scale already sits at ``min_scale`` is a *floor hit*: ``clamp``
+ignores it, ``warn`` warns, ``raise`` raises :class:`ScaleFloorError`.
+
+``enabled=False`` turns scaling off: the scale is 1.0, every step is applied,
+overflows are still counted.  ``dynamic=False`` keeps the scale at
+``init_scale`` forever but still skips steps whose gradients are not finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+
+from .ops import NUMPY_OPS, Array, ArrayOps
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY_SUBNORMAL = 2.0**-149
+"""The smallest positive float32: the floor of presets whose anchor has none."""
+
+ON_MIN_SCALE_CHOICES = ("clamp", "warn", "raise")
+SCHEMA_VERSION = 1
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of its allowed range."""
+
+
+class StateDictError(ValueError):
+    """A state dict does not fit: wrong schema version, missing key, bad value."""
+
+
+class ScaleFloorError(RuntimeError):
+    """Gradients keep overflowing while the loss scale sits at ``min_scale``."""
+
+
+class ScaleFloorWarning(RuntimeWarning):
+    """Gradients overflowed while the loss scale sits at ``min_scale``."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerConfig:
+    """Settings of the dynamic loss scaler.
+
+    Attributes:
+      init_scale: the scale of the first step (> 0, finite, within
+        ``[min_scale, max_scale]``).
+      growth_factor: multiplier after ``growth_interval`` clean steps (> 1).
+      backoff_factor: multiplier on an overflow that exhausts hysteresis (in (0, 1)).
+      growth_interval: clean steps in a row before the scale grows (>= 1).
+      hysteresis: overflows tolerated before a backoff (>= 1; 1 = back off on
+        every overflow).  Refilled when the scale grows.
+      consecutive_hysteresis: also refill hysteresis on every clean step.
+      min_scale: the floor of the scale (> 0).
+      max_scale: the ceiling of the scale (finite, >= min_scale).
+      on_min_scale: what a floor hit does: ``"clamp"``, ``"warn"`` or ``"raise"``.
+      enabled: ``False`` turns loss scaling off (scale 1.0, no skipping).
+      dynamic: ``False`` keeps the scale at ``init_scale`` (steps with
+        non-finite gradients are still skipped).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_scale: float = FLOAT32_TINY_SUBNORMAL
+    max_scale: float = FLOAT32_MAX
+    on_min_scale: str = "clamp"
+    enabled: bool = True
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _fail(self, name: str, allowed: str) -> None:
+        value = getattr(self, name)
+        raise ConfigError(f"ScalerConfig.{name}={value!r} is invalid: must be {allowed}")
+
+    def _validate(self) -> None:
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                self._fail(name, "a finite number")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                self._fail(name, "an integer >= 1")
+        for name in ("consecutive_hysteresis", "enabled", "dynamic"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "True or False")
+        if self.growth_factor <= 1.0:
+            self._fail("growth_factor", "> 1")
+        if not 0.0 < self.backoff_factor < 1.0:
+            self._fail("backoff_factor", "in the open interval (0, 1)")
+        if not self.min_scale > 0.0 or np.float32(self.min_scale) == 0.0:
+            self._fail("min_scale", f"> 0 and representable in float32 (>= {FLOAT32_TINY_SUBNORMAL:g})")
+        if self.max_scale > FLOAT32_MAX:
+            self._fail("max_scale", f"<= float32 max ({FLOAT32_MAX:g})")
+        if self.max_scale < self.min_scale:
+            self._fail("max_scale", f">= min_scale ({self.min_scale!r})")
+        if not self.min_scale <= self.init_scale <= self.max_scale:
+            self._fail("init_scale", f"in [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]")
+        if self.on_min_scale not in ON_MIN_SCALE_CHOICES:
+            self._fail("on_min_scale", f"one of {', '.join(ON_MIN_SCALE_CHOICES)}")
+
+    # -- construction helpers -------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ScalerConfig":
+        """The configuration that reproduces the named anchor (see :data:`PRESETS`)."""
+        if not isinstance(name, str) or name not in PRESETS:
+            raise ConfigError(
+                f"unknown scaler preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}"
+            )
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    @classmethod
+    def coerce(cls, value: "ScalerConfig | str | Mapping[str, Any] | None", default: str = "torch") -> "ScalerConfig":
+        """Accept a config, a preset name, a dict of fields, or ``None`` (the default preset)."""
+        if value is None:
+            return cls.preset(default)
+        if isinstance(value, ScalerConfig):
+            return value
+        if isinstance(value, str):
+            return cls.preset(value)
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        raise ConfigError(
+            f"a scaler must be a ScalerConfig, a preset name or a dict, not {type(value).__name__}"
+        )
+
+    def replace(self, **changes: Any) -> "ScalerConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: every field by name."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ScalerConfig":
+        """Inverse of :meth:`to_dict`; unknown keys are an error that lists the valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"unknown ScalerConfig field(s) {unknown}; valid fields: {sorted(names)}")
+        return cls(**dict(data))
+
+
+PRESETS: dict[str, ScalerConfig] = {
+    # torch.amp.GradScaler: no floor, grows only while the result is finite.
+    "torch": ScalerConfig(init_scale=2.0**16, growth_interval=2000),
+    # keras.optimizers.LossScaleOptimizer (Keras 3): 2**15, 2000 steps.  Keras
+    # itself has no floor and no finite check on growth; ours stays finite and
+    # positive where Keras's becomes inf or 0 (identical before that).
+    "keras": ScalerConfig(init_scale=2.0**15, growth_interval=2000),
+    # tf.keras.mixed_precision.LossScaleOptimizer (Keras 2): floor 1.
+    "tf-keras": ScalerConfig(init_scale=2.0**15, growth_interval=2000, min_scale=1.0),
+    # Megatron-LM DynamicGradScaler defaults (initial 2**32, window 1000, hysteresis 2, min 1).
+    "megatron": ScalerConfig(init_scale=2.0**32, growth_interval=1000, hysteresis=2, min_scale=1.0),
+    # DeepSpeed DynamicLossScaler with the fp16 config defaults
+    # (initial_scale_power 16, loss_scale_window 1000, hysteresis 2, min 1,
+    # raise_error_at_min_scale).
+    "deepspeed": ScalerConfig(
+        init_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0, on_min_scale="raise"
+    ),
+    # NVIDIA apex amp LossScaler: 2**16, window 2000, max 2**24, no floor.
+    "apex": ScalerConfig(init_scale=2.0**16, growth_interval=2000, max_scale=2.0**24),
+    # jmp.DynamicLossScale: period 2000, factor 2, min_loss_scale 1 (initial
+    # scale as in jmp's README example, 2**15).
+    "jmp": ScalerConfig(init_scale=2.0**15, growth_interval=2000, min_scale=1.0),
+}
+
+
+class ScalerState(NamedTuple):
+    """Everything the transition reads and writes, as backend scalars.
+
+    ``scale`` is float32; all other fields are int32.
+    """
+
+    scale: Array
+    growth_tracker: Array
+    hysteresis_left: Array
+    steps: Array
+    overflows: Array
+    skipped: Array
+    growths: Array
+    floor_hits: Array
+
+
+STATE_FIELDS = ScalerState._fields
+COUNTER_FIELDS = ("steps", "overflows", "skipped", "growths", "floor_hits")
+
+
+def initial_state(config: ScalerConfig, ops: ArrayOps = NUMPY_OPS) -> ScalerState:
+    """The state before the first step."""
+    scale = config.init_scale if config.enabled else 1.0
+    zero = ops.i32(0)
+    return ScalerState(
+        scale=ops.f32(scale),
+        growth_tracker=zero,
+        hysteresis_left=ops.i32(config.hysteresis),
+        steps=zero,
+        overflows=zero,
+        skipped=zero,
+        growths=zero,
+        floor_hits=zero,
+    )
+
+
+def next_state(
+    config: ScalerConfig, state: ScalerState, found_inf: Array, ops: ArrayOps = NUMPY_OPS
+) -> tuple[ScalerState, Array]:
+    """One step of the scaler: returns ``(new_state, applied)``.
+
+    ``found_inf`` is a boolean backend scalar: any non-finite gradient in the
+    step, already reduced over data-parallel ranks.  ``applied`` is False when
+    the step must be skipped.  Pure and branch-free: traceable by every backend.
+    """
+    found_inf = ops.boolean(found_inf)
+    one = ops.i32(1)
+    zero = ops.i32(0)
+    count = lambda flag: ops.where(flag, one, zero)  # noqa: E731
+
+    if not config.enabled:
+        applied = ops.boolean(True)
+        new = state._replace(
+            steps=ops.add(state.steps, one),
+            overflows=ops.add(state.overflows, count(found_inf)),
+        )
+        return new, applied
+
+    skip = found_inf
+    clean = ops.logical_not(found_inf)
+    if not config.dynamic:
+        new = state._replace(
+            steps=ops.add(state.steps, one),
+            overflows=ops.add(state.overflows, count(found_inf)),
+            skipped=ops.add(state.skipped, count(skip)),
+        )
+        return new, clean
+
+    scale = state.scale
+    min_scale = ops.f32(config.min_scale)
+
+    # Overflow branch.
+    hyst_after = ops.maximum(ops.add(state.hysteresis_left, ops.i32(-1)), zero)
+    backoff = ops.logical_and(found_inf, ops.less_equal(hyst_after, zero))
+    backed = ops.maximum(ops.mul(scale, ops.f32(config.backoff_factor)), min_scale)
+    floor_hit = ops.logical_and(backoff, ops.less_equal(scale, min_scale))
+
+    # Clean branch.
+    tracker_after = ops.add(state.growth_tracker, one)
+    grow = ops.logical_and(clean, ops.greater_equal(tracker_after, ops.i32(config.growth_interval)))
+    candidate = ops.mul(scale, ops.f32(config.growth_factor))
+    grown = ops.where(ops.isfinite(candidate), ops.minimum(candidate, ops.f32(config.max_scale)), scale)
+
+    new_scale = ops.where(backoff, backed, ops.where(grow, grown, scale))
+    new_tracker = ops.where(ops.logical_or(found_inf, grow), zero, tracker_after)
+    refill = grow
+    if config.consecutive_hysteresis:
+        refill = clean
+    new_hyst = ops.where(
+        found_inf, hyst_after, ops.where(refill, ops.i32(config.hysteresis), state.hysteresis_left)
+    )
+    scale_grew = ops.logical_and(grow, ops.not_equal(new_scale, scale))
+
+    new = ScalerState(
+        scale=new_scale,
+        growth_tracker=new_tracker,
+        hysteresis_left=new_hyst,
+        steps=ops.add(state.steps, one),
+        overflows=ops.add(state.overflows, count(found_inf)),
+        skipped=ops.add(state.skipped, count(skip)),
+        growths=ops.add(state.growths, count(scale_grew)),
+        floor_hits=ops.add(state.floor_hits, count(floor_hit)),
+    )
+    return new, clean
+
+
+# -- plain-data state -----------------------------------------------------------
+
+
+def state_to_dict(state: ScalerState) -> dict[str, float | int]:
+    """Python numbers from backend scalars (one host sync; for checkpoints and logs)."""
+    out: dict[str, float | int] = {"scale": float(np.asarray(state.scale, dtype=np.float32))}
+    for name in STATE_FIELDS[1:]:
+        out[name] = int(np.asarray(getattr(state, name)))
+    return out
+
+
+def validate_state_fields(data: Mapping[str, Any], where: str = "scaler state") -> dict[str, float | int]:
+    """Check a plain-data state: every field present, scale a positive finite float32."""
+    missing = [name for name in STATE_FIELDS if name not in data]
+    if missing:
+        raise StateDictError(f"{where} is missing {missing}; expected fields {list(STATE_FIELDS)}")
+    out: dict[str, float | int] = {}
+    scale = data["scale"]
+    if not _is_number(scale) or not math.isfinite(scale) or scale <= 0:
+        raise StateDictError(f"{where}: scale={scale!r} must be a positive finite number")
+    out["scale"] = float(scale)
+    for name in STATE_FIELDS[1:]:
+        value = data[name]
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise StateDictError(f"{where}: {name}={value!r} must be a non-negative integer")
+        out[name] = int(value)
+    return out
+
+
+def state_from_dict(data: Mapping[str, Any], ops: ArrayOps = NUMPY_OPS) -> ScalerState:
+    """Backend scalars from plain data (validated)."""
+    clean = validate_state_fields(data)
+    return ScalerState(
+        scale=ops.f32(clean["scale"]), **{name: ops.i32(clean[name]) for name in STATE_FIELDS[1:]}
+    )
+
+
+def make_state_dict(config: ScalerConfig, state: ScalerState) -> dict[str, Any]:
+    """The versioned checkpoint record of a scaler."""
+    return {"schema_version": SCHEMA_VERSION, "config": config.to_dict(), "state": state_to_dict(state)}
+
+
+def check_state_dict(config: ScalerConfig, sd: Mapping[str, Any]) -> dict[str, float | int]:
+    """Validate a checkpoint record against ``config``; return its plain state.
+
+    A different schema version, a different config or a malformed state is an
+    error naming both sides, never a silent reset.
+    """
+    if not isinstance(sd, Mapping):
+        raise StateDictError(f"a scaler state dict must be a dict, not {type(sd).__name__}")
+    version = sd.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise StateDictError(
+            f"scaler state dict has schema_version={version!r}; this version of mp_callbacks reads {SCHEMA_VERSION}"
+        )
+    for key in ("config", "state"):
+        if not isinstance(sd.get(key), Mapping):
+            raise StateDictError(f"scaler state dict lacks a {key!r} dict")
+    try:
+        saved = ScalerConfig.from_dict(sd["config"])
+    except (ConfigError, TypeError) as exc:
+        raise StateDictError(f"scaler state dict holds an invalid config: {exc}") from exc
+    if saved != config:
+        diffs = {
+            k: (v, getattr(config, k)) for k, v in saved.to_dict().items() if getattr(config, k) != v
+        }
+        detail = ", ".join(f"{k}: saved {a!r} vs current {b!r}" for k, (a, b) in diffs.items())
+        raise StateDictError(f"scaler state dict was saved with a different config ({detail})")
+    return validate_state_fields(sd["state"])
+
+
+def floor_message(step: int, scale: float, config: ScalerConfig) -> str:
+    """The text of a floor hit: what was seen and what to try."""
+    return (
+        f"gradients overflowed at step {step} while the loss scale sits at its floor "
+        f"(scale={scale:g}, min_scale={config.min_scale:g}). Try: lower the learning rate, "
+        "switch to bf16 (wider range), keep more ops in FP32 (norms, softmax, losses, custom ops), "
+        "or check the data for extreme values."
+    )
+
+
+class DynamicLossScaler:
+    """Eager Python front end of the transition (NumPy float32 reference).
+
+    >>> s = DynamicLossScaler(ScalerConfig.preset("torch"))
+    >>> s.scale, s.update(found_inf=True), s.scale
+    (65536.0, False, 32768.0)
+    """
+
+    def __init__(self, config: ScalerConfig | str | Mapping[str, Any] | None = None) -> None:
+        self.config = ScalerConfig.coerce(config)
+        self._state = initial_state(self.config)
+
+    # -- reading ------------------------------------------------------------------
+    @property
+    def state(self) -> ScalerState:
+        """The current state (NumPy scalars)."""
+        return self._state
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale."""
+        return float(self._state.scale)
+
+    def _counter(self, name: str) -> int:
+        return int(getattr(self._state, name))
+
+    steps = property(lambda self: self._counter("steps"), doc="Steps seen by :meth:`update`.")
+    overflows = property(lambda self: self._counter("overflows"), doc="Steps with non-finite gradients.")
+    skipped = property(lambda self: self._counter("skipped"), doc="Steps whose update was skipped.")
+    growths = property(lambda self: self._counter("growths"), doc="Times the scale grew.")
+    floor_hits = property(lambda self: self._counter("floor_hits"), doc="Overflows at the floor.")
+
+    # -- stepping -----------------------------------------------------------------
+    def scale_loss(self, loss: Any) -> Any:
+        """``loss * scale``."""
+        return loss * self.scale
+
+    def update(self, found_inf: bool) -> bool:
+        """Advance one step; True when the step's update is applied."""
+        new, applied = next_state(self.config, self._state, bool(found_inf))
+        hit = int(new.floor_hits) > int(self._state.floor_hits)
+        self._state = new
+        if hit and self.config.on_min_scale != "clamp":
+            message = floor_message(int(new.steps), float(new.scale), self.config)
+            if self.config.on_min_scale == "raise":
+                raise ScaleFloorError(message)
+            warnings.warn(message, ScaleFloorWarning, stacklevel=2)
+        return bool(applied)
+
+    # -- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data with a schema version."""
+        return make_state_dict(self.config, self._state)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore; a mismatched or corrupt dict raises :class:`StateDictError`."""
+        self._state = state_from_dict(check_state_dict(self.config, state_dict))
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicLossScaler(scale={self.scale:g}, steps={self.steps}, overflows={self.overflows}, "
+            f"skipped={self.skipped}, growths={self.growths})"
+        )
