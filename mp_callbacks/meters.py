@@ -1,0 +1,141 @@
+"""The rules behind the diagnostics meters, with NumPy reference implementations.
+
+Adapters evaluate the same rules on their own tensors and are tested against
+the references here.
+
+Gradient underflow (``mp/grad_underflow_frac``)
+    Share of the non-zero FP32 (unscaled) gradient elements ``g`` that would
+    flush to zero in the compute dtype at the current scale:
+    ``|g| * scale < smallest_subnormal(compute) / 2``.
+
+Update swamping (``mp/update_swamped_frac``)
+    Share of non-zero parameter updates ``d`` that are lost when added to a
+    weight ``w`` stored in the storage dtype (the "1.0 + 1e-5 stays 1.0 in
+    bf16" effect): ``|d| < ulp(w) / 2`` where ``ulp(w) = 2**(e - mantissa_bits)``
+    for ``|w|`` in ``[2**e, 2**(e+1))`` (subnormal weights use the subnormal
+    spacing).  These are the updates that master weights keep.
+
+Divergence guard
+    When overflows keep coming while the scale sits at its floor for
+    ``patience`` consecutive overflow steps, training stops with
+    :class:`DivergenceError` naming what was seen and what to try.
+
+Auto-fallback
+    After ``threshold`` overflows blamed on the same module, that module is
+    moved to the policy's FP32 rules (:class:`FallbackTracker`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .dtypes import FORMATS, canonical_dtype
+
+CHECKLIST = (
+    "lower the learning rate (or warm it up), switch to bf16 (fp32's range), keep more ops in FP32 "
+    "(norms, softmax, losses, custom ops: PrecisionPolicy.with_fp32_modules), check the data for "
+    "extreme values, and look at mp/overflow_module for the first non-finite module"
+)
+
+
+def underflow_threshold(compute: str, scale: float) -> float:
+    """Unscaled gradient magnitude below which a value flushes to zero in ``compute``."""
+    return FORMATS[canonical_dtype(compute)].smallest_subnormal / 2.0 / float(scale)
+
+
+def grad_underflow_fraction(grads: list[Any], compute: str, scale: float) -> float:
+    """NumPy reference of the underflow rule over FP32 gradients."""
+    limit = underflow_threshold(compute, scale)
+    total = lost = 0
+    for g in grads:
+        a = np.abs(np.asarray(g, dtype=np.float64)).ravel()
+        nz = a[a > 0]
+        total += nz.size
+        lost += int(np.count_nonzero(nz < limit))
+    return lost / total if total else 0.0
+
+
+def half_ulp(weights: Any, storage: str) -> np.ndarray:
+    """Half the spacing of representable ``storage`` numbers at each weight."""
+    fmt = FORMATS[canonical_dtype(storage)]
+    w = np.abs(np.asarray(weights, dtype=np.float64))
+    floor = np.float64(fmt.tiny)
+    exp = np.floor(np.log2(np.maximum(w, floor)))
+    return np.exp2(exp - fmt.mantissa_bits - 1)
+
+
+def update_swamped_fraction(weights: list[Any], updates: list[Any], storage: str) -> float:
+    """NumPy reference of the swamping rule: share of non-zero updates lost in ``storage``."""
+    total = lost = 0
+    for w, d in zip(weights, updates):
+        d = np.abs(np.asarray(d, dtype=np.float64)).ravel()
+        h = half_ulp(np.asarray(w).ravel(), storage)
+        mask = d > 0
+        total += int(mask.sum())
+        lost += int(np.count_nonzero(d[mask] < h[mask]))
+    return lost / total if total else 0.0
+
+
+class DivergenceError(RuntimeError):
+    """Training keeps overflowing with the loss scale at its floor."""
+
+
+class DivergenceGuard:
+    """Stops a run whose scale sits at its floor for ``patience`` consecutive overflows."""
+
+    def __init__(self, patience: int = 20) -> None:
+        if not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"DivergenceGuard patience={patience!r} must be an integer >= 1")
+        self.patience = patience
+        self.streak = 0
+
+    def observe(self, step: int, scale: float, min_scale: float, overflow: bool,
+                module: str | None = None) -> None:
+        """Feed one step; raises :class:`DivergenceError` when the streak reaches ``patience``."""
+        if overflow and scale <= min_scale:
+            self.streak += 1
+        elif not overflow:
+            self.streak = 0
+        if self.streak >= self.patience:
+            where = f", first non-finite module {module!r}" if module else ""
+            raise DivergenceError(
+                f"training diverged: {self.streak} consecutive overflows with the loss scale at its "
+                f"floor (scale={scale:g}, min_scale={min_scale:g}) up to step {step}{where}. Try: {CHECKLIST}."
+            )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"patience": self.patience, "streak": self.streak}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.patience, self.streak = int(state["patience"]), int(state["streak"])
+
+
+class FallbackTracker:
+    """Counts overflows blamed on each module; names a module once it reaches ``threshold``."""
+
+    def __init__(self, threshold: int = 3) -> None:
+        if not isinstance(threshold, int) or threshold < 1:
+            raise ValueError(f"FallbackTracker threshold={threshold!r} must be an integer >= 1")
+        self.threshold = threshold
+        self.blame: dict[str, int] = {}
+        self.moved: list[str] = []
+
+    def blame_module(self, module: str) -> bool:
+        """Record one overflow on ``module``; True exactly when it must move to FP32 now."""
+        if module in self.moved:
+            return False
+        self.blame[module] = self.blame.get(module, 0) + 1
+        if self.blame[module] >= self.threshold:
+            self.moved.append(module)
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "blame": dict(self.blame), "moved": list(self.moved)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.threshold = int(state["threshold"])
+        self.blame = {str(k): int(v) for k, v in state["blame"].items()}
+        self.moved = [str(m) for m in state["moved"]]
