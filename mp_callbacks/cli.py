@@ -1,9 +1,13 @@
 """Command line: ``python -m mp_callbacks`` (also installed as ``mpx``).
 
 Subcommands:
-  demo     the scale trajectory of every preset on one overflow pattern,
-           the recipes table and the bytes/param estimate (core only; no
-           framework needed).
+  compare  train the same model under each recipe in Lightning and/or Keras
+           and print/write the comparison (samples/s, speed-up, peak memory,
+           bytes/param, final loss and accuracy, overflows, skipped steps).
+  presets  the scale trajectory of every preset on one overflow pattern,
+           the recipes table and the bytes/param estimate (core only).
+  demo     ``make demo``: a short ``compare`` of every recipe in both
+           frameworks, with one injected overflow to show recovery.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def sparkline(values: Sequence[float], width: int = 48) -> str:
     return "".join(SPARK[int((v - lo) / span * (len(SPARK) - 1))] for v in picked)
 
 
-def demo(args: argparse.Namespace) -> int:
+def presets(args: argparse.Namespace) -> int:
     flags = overflow_pattern(args.steps, args.seed, args.rate)
     print(f"Loss-scale trajectories over {args.steps} steps, {int(flags.sum())} injected overflows "
           f"(seed {args.seed}), growth_interval={args.growth_interval} for every preset:\n")
@@ -67,15 +71,77 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def compare(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .compare import RunSpec, format_table, runner, write_report
+    from .recipes import canonical_recipe_name
+
+    try:
+        recipes = list(dict.fromkeys(canonical_recipe_name(r) for r in args.recipes))
+    except ValueError as exc:
+        raise SystemExit(f"mpx compare: error: {exc}") from None
+    if "32-true" not in recipes:
+        recipes.insert(0, "32-true")  # the baseline every delta is measured against
+    try:
+        spec = RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden, depth=args.depth,
+                       seed=args.seed, inject=tuple(args.inject), lr=args.lr, threads=args.threads)
+    except ValueError as exc:
+        raise SystemExit(f"mpx compare: error: {exc}") from None
+    results = []
+    with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), transient=True, disable=args.quiet) as progress:
+        for framework in args.frameworks:
+            run = runner(framework)
+            for recipe in recipes:
+                task = progress.add_task(f"{framework} {recipe}", total=spec.steps)
+                results.append(run(recipe, spec, lambda n, t=task: progress.update(t, completed=n)))
+                progress.remove_task(task)
+    print(format_table(results))
+    out = write_report(results, spec, args.out)
+    print(f"\nreport written to {out}/ (README.md, results.json, *.jsonl, *.png)")
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    ns = build_parser().parse_args(["compare", "--steps", "120", "--inject", "40", "--out", args.out])
+    return compare(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .compare import FRAMEWORKS
+    from .recipes import RECIPE_NAMES
+
     parser = argparse.ArgumentParser(prog="mpx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="scale trajectories of every preset on one overflow pattern")
+
+    p = sub.add_parser("compare", help="train one model under several recipes and frameworks")
+    p.add_argument("--frameworks", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS))
+    p.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), metavar="RECIPE",
+                   help=f"any of {', '.join(RECIPE_NAMES)} (32-true is always run as the baseline)")
+    p.add_argument("--steps", type=_positive_int, default=300)
+    p.add_argument("--batch-size", type=_positive_int, default=128)
+    p.add_argument("--hidden", type=_positive_int, default=512, help="MLP width")
+    p.add_argument("--depth", type=_positive_int, default=2, help="hidden layers")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: framework default)")
+    p.add_argument("--inject", type=int, nargs="*", default=[], metavar="STEP",
+                   help="steps whose loss is made inf, to show skip and recovery")
+    p.add_argument("--out", default="mp_report", help="report folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=compare)
+
+    p = sub.add_parser("presets", help="scale trajectories of every preset on one overflow pattern")
     p.add_argument("--steps", type=_positive_int, default=6000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate", type=_probability, default=0.002, help="overflow probability per step")
     p.add_argument("--growth-interval", type=_positive_int, default=200)
+    p.set_defaults(func=presets)
+
+    p = sub.add_parser("demo", help="make demo: a short compare of every recipe in both frameworks")
+    p.add_argument("--out", default="mp_report", help="report folder")
     p.set_defaults(func=demo)
     return parser
 

@@ -9,14 +9,14 @@ def _run(*args):
 
 
 def test_demo_prints_every_preset_and_recipe():
-    out = _run("demo", "--steps", "400", "--growth-interval", "20")
+    out = _run("presets", "--steps", "400", "--growth-interval", "20")
     assert out.returncode == 0, out.stderr
     for name in ("torch", "keras", "tf-keras", "megatron", "deepspeed", "apex", "jmp", "bf16-master"):
         assert name in out.stdout
 
 
 def test_bad_flags_are_named():
-    out = _run("demo", "--rate", "2")
+    out = _run("presets", "--rate", "2")
     assert out.returncode == 2 and "--rate: 2.0 must be in [0, 1]" in out.stderr
     out = _run("nonsense")
     assert out.returncode == 2 and "invalid choice" in out.stderr

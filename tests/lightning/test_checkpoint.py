@@ -1,0 +1,90 @@
+"""Plugin state in Lightning checkpoints: plain data, safe to load, resumes bit-for-bit."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
+from lx_models import TinyRegressor, loader, params_of, trainer_kwargs
+
+from lightning_ext import MixedPrecision
+from mp_callbacks import StateDictError
+
+SCALER = {"init_scale": 2.0**8, "growth_interval": 4}
+INF = {3, 12, 21}
+
+
+def _plugin(recipe: str) -> MixedPrecision:
+    return MixedPrecision(recipe, scaler=SCALER)
+
+
+def _fit(recipe: str, epochs: int, ckpt_path=None):
+    model = TinyRegressor(inf_steps=INF, scheduler=True, norm=True)
+    trainer = pl.Trainer(plugins=[_plugin(recipe)], max_epochs=epochs, **trainer_kwargs())
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def _opt_state(trainer) -> list[dict]:
+    return [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for s in trainer.optimizers[0].state_dict()["state"].values()]
+
+
+@pytest.mark.parametrize("recipe", ["16-master", "16-mixed"])
+def test_resume_is_bit_for_bit(tmp_path, recipe):
+    full_model, full_trainer = _fit(recipe, 4)
+
+    _, first = _fit(recipe, 2)
+    path = tmp_path / "k.ckpt"
+    first.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)  # plain data only: no pickled code
+    state = ckpt["MixedPrecision"]
+    assert state["recipe"] == recipe and state["scaler"]["state"]["steps"] == 16
+    assert bool(state["masters"]) == recipe.endswith("master")
+
+    resumed_model, resumed = _fit(recipe, 4, ckpt_path=path)
+    ref, got = params_of(full_model), params_of(resumed_model)
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+    a, b = full_trainer.precision_plugin.state_dict(), resumed.precision_plugin.state_dict()
+    assert a["scaler"] == b["scaler"]  # scale, trackers and every counter
+    assert a["masters"].keys() == b["masters"].keys()
+    for name in a["masters"]:
+        assert torch.equal(a["masters"][name], b["masters"][name]), name
+    for sa, sb in zip(_opt_state(full_trainer), _opt_state(resumed)):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert full_trainer.optimizers[0].param_groups[0]["lr"] == resumed.optimizers[0].param_groups[0]["lr"]
+    assert full_model.scales[16:] == resumed_model.scales
+
+
+def test_other_recipe_or_schema_is_a_clear_error(tmp_path):
+    _, trainer = _fit("16-master", 1)
+    state = trainer.precision_plugin.state_dict()
+    with pytest.raises(StateDictError, match=r"'16-master'.*'bf16-master'"):
+        MixedPrecision("bf16-master").load_state_dict(state)
+    with pytest.raises(StateDictError, match="different config"):
+        MixedPrecision("16-master").load_state_dict(state)  # default torch preset, not SCALER
+    with pytest.raises(StateDictError, match="schema v99"):
+        _plugin("16-master").load_state_dict({**state, "schema_version": 99})
+    native = torch.amp.GradScaler("cpu")
+    native.scale(torch.ones(()))
+    with pytest.raises(StateDictError, match="GradScaler.*lightning_ext.MixedPrecision\\('16-mixed'\\)"):
+        MixedPrecision("16-mixed").load_state_dict(native.state_dict())
+
+    # through the Trainer: a checkpoint of another recipe fails at resume, naming both
+    path = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(path)
+    model = TinyRegressor(norm=True)
+    other = pl.Trainer(plugins=[MixedPrecision("bf16-master")], max_epochs=2, **trainer_kwargs())
+    with pytest.raises(StateDictError, match=r"'16-master'.*'bf16-master'"):
+        other.fit(model, loader(), ckpt_path=path)
+
+
+def test_native_checkpoint_is_rejected_by_name(tmp_path):
+    model = TinyRegressor()
+    trainer = pl.Trainer(plugins=[NativeMixedPrecision("16-mixed", "cpu")], max_steps=1, **trainer_kwargs())
+    trainer.fit(model, loader())
+    path = tmp_path / "native.ckpt"
+    trainer.save_checkpoint(path)
+    ours = pl.Trainer(plugins=[MixedPrecision("16-mixed")], max_steps=2, **trainer_kwargs())
+    with pytest.raises(StateDictError, match="native MixedPrecision"):
+        ours.fit(TinyRegressor(), loader(), ckpt_path=path)

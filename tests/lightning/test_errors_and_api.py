@@ -1,0 +1,109 @@
+"""Clear errors, constructor coercions, TorchOps == the NumPy reference, and the scaler view."""
+
+import random
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lx_models import TinyRegressor, loader, trainer_kwargs
+
+from lightning_ext import MixedPrecision, TorchOps, check_strategy
+from mp_callbacks import RecipeError, ScaleFloorError, ScalerConfig, initial_state, next_state
+from mp_callbacks.scaler import state_to_dict
+
+
+def test_bad_recipe_names_list_the_valid_ones():
+    with pytest.raises(RecipeError, match="valid recipes: 32-true, 16-mixed, bf16-mixed, 16-master, bf16-master"):
+        MixedPrecision("fp8-mixed")
+    with pytest.raises(RecipeError, match="Trainer\\(precision='bf16-true'\\).*'bf16-master'"):
+        MixedPrecision("bf16-true")
+    with pytest.raises(ValueError, match="unknown scaler preset"):
+        MixedPrecision("16-mixed", scaler="nope")
+
+
+def test_aliases_and_scaler_sources():
+    assert MixedPrecision("16").precision == "16-mixed"
+    assert MixedPrecision("mixed_bfloat16").precision == "bf16-mixed"
+    gs = torch.amp.GradScaler("cpu", init_scale=128.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+    cfg = MixedPrecision("16-mixed", scaler=gs).recipe.scaler
+    assert (cfg.init_scale, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval) == (128.0, 4.0, 0.25, 7)
+    assert MixedPrecision("16-mixed", scaler="megatron").recipe.scaler == ScalerConfig.preset("megatron")
+    assert not MixedPrecision("bf16-mixed").scaler.is_enabled()
+    assert MixedPrecision("bf16-master", scaler="torch").scaler.is_enabled()  # opt-in scaling for bf16
+    assert not MixedPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", enabled=False)).scaler.is_enabled()
+
+
+@pytest.mark.parametrize("recipe", ["16-mixed", "bf16-master"])
+def test_lbfgs_is_rejected_with_the_alternative(recipe):
+    trainer = pl.Trainer(plugins=[MixedPrecision(recipe)], max_steps=1, **trainer_kwargs())
+    with pytest.raises(MisconfigurationException, match="LBFGS.*first-order optimizer.*32-true"):
+        trainer.fit(TinyRegressor(optimizer="lbfgs"), loader())
+
+
+def test_lbfgs_runs_under_32_true():
+    model = TinyRegressor(optimizer="lbfgs", lr=0.1)
+    trainer = pl.Trainer(plugins=[MixedPrecision("32-true")], max_steps=2, **trainer_kwargs())
+    trainer.fit(model, loader())
+    assert trainer.global_step == 2
+
+
+def test_unsupported_strategies_name_the_alternative():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*precision='bf16-mixed'"):
+        check_strategy(FSDPStrategy())
+
+    class DeepSpeedStrategy(DDPStrategy):  # stands in for lightning's (deepspeed is not installed)
+        pass
+
+    with pytest.raises(MisconfigurationException, match="DeepSpeedStrategy.*DeepSpeed's own fp16/bf16"):
+        check_strategy(DeepSpeedStrategy())
+    check_strategy(SingleDeviceStrategy("cpu"))
+    check_strategy(DDPStrategy())
+
+
+def test_scale_floor_raise_names_step_and_scale():
+    plugin = MixedPrecision("16-mixed", scaler={"init_scale": 2.0, "min_scale": 1.0, "on_min_scale": "raise"})
+    trainer = pl.Trainer(plugins=[plugin], max_steps=6, **trainer_kwargs())
+    with pytest.raises(ScaleFloorError, match="step 2 .*scale=1"):
+        trainer.fit(TinyRegressor(inf_steps={0, 1, 2}), loader())
+
+
+def test_torch_ops_match_the_numpy_reference():
+    ops = TorchOps("cpu")
+    configs = [
+        ScalerConfig.preset("torch", growth_interval=3),
+        ScalerConfig.preset("megatron", growth_interval=2),
+        ScalerConfig(init_scale=4.0, min_scale=1.0, max_scale=64.0, growth_interval=2, hysteresis=2,
+                     consecutive_hysteresis=True),
+        ScalerConfig(init_scale=2.0**-148, growth_interval=1),
+        ScalerConfig(enabled=False),
+        ScalerConfig(dynamic=False),
+    ]
+    for cfg in configs:
+        ref, got = initial_state(cfg), initial_state(cfg, ops)
+        rng = random.Random(0)
+        for _ in range(200):
+            flag = rng.random() < 0.35
+            ref, ref_applied = next_state(cfg, ref, flag)
+            got, got_applied = next_state(cfg, got, torch.tensor(flag), ops)
+            assert state_to_dict(ref) == state_to_dict(got)
+            assert bool(ref_applied) == bool(got_applied)
+            assert got.scale.dtype == torch.float32 and got.steps.dtype == torch.int32
+            assert np.float32(ref.scale).tobytes() == got.scale.numpy().tobytes()
+
+
+def test_scaler_view_and_latest_stats():
+    plugin = MixedPrecision("16-mixed", scaler={"init_scale": 2.0**4})
+    assert plugin.latest_stats() == {}
+    trainer = pl.Trainer(plugins=[plugin], max_steps=3, **trainer_kwargs())
+    trainer.fit(TinyRegressor(inf_steps={2}), loader())
+    assert trainer.scaler is plugin.scaler
+    stats = plugin.scaler.latest()
+    assert bool(stats["overflow"]) and not bool(stats["applied"])
+    assert float(stats["scale"]) == 16.0 and float(stats["next_scale"]) == 8.0
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
+    assert (plugin.scaler.steps, plugin.scaler.skipped, plugin.scaler.overflows, plugin.scaler.growths) == (3, 1, 1, 0)
+    assert plugin.scaler.get_scale() == 8.0 and plugin.last_step_skipped()
