@@ -85,7 +85,8 @@ def compare(args: argparse.Namespace) -> int:
         recipes.insert(0, "32-true")  # the baseline every delta is measured against
     try:
         spec = RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden, depth=args.depth,
-                       seed=args.seed, inject=tuple(args.inject), lr=args.lr, threads=args.threads)
+                       seed=args.seed, inject=tuple(args.inject), lr=args.lr, threads=args.threads,
+                       skip_nonfinite=not args.no_skip_nonfinite)
     except ValueError as exc:
         raise SystemExit(f"mpx compare: error: {exc}") from None
     results = []
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: framework default)")
     p.add_argument("--inject", type=int, nargs="*", default=[], metavar="STEP",
                    help="steps whose loss is made inf, to show skip and recovery")
+    p.add_argument("--no-skip-nonfinite", action="store_true",
+                   help="let recipes without loss scaling apply non-finite steps (see the NaNs)")
     p.add_argument("--out", default="mp_report", help="report folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=compare)

@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .diagnostics import History, plot
+from .recipes import get_recipe
+from .scaler import ScalerConfig
 
 FRAMEWORKS = {"lightning": "lightning_ext.compare", "keras": "keras_ext.compare"}
 
@@ -37,6 +39,7 @@ class RunSpec:
     inject: tuple[int, ...] = ()
     lr: float = 1e-3
     threads: int = 0  # 0: leave the framework's default
+    skip_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "hidden", "depth"):
@@ -46,6 +49,15 @@ class RunSpec:
         bad = [s for s in self.inject if not 0 <= s < self.steps]
         if bad:
             raise ValueError(f"inject steps {bad} are outside [0, steps={self.steps})")
+
+
+def scaler_for(recipe: str, spec: RunSpec) -> ScalerConfig | None:
+    """The scaler a run uses: the recipe's own, except that with ``skip_nonfinite``
+    a recipe without loss scaling gets a static scale of 1.0 that still skips
+    non-finite steps (so an injected inf does not turn its weights into NaN)."""
+    if spec.skip_nonfinite and not get_recipe(recipe).scaler.enabled:
+        return ScalerConfig(init_scale=1.0, dynamic=False)
+    return None
 
 
 @dataclasses.dataclass
@@ -198,7 +210,9 @@ def write_report(results: Sequence[RunResult], spec: RunSpec, out: str | os.Path
         "# Mixed-precision comparison", "",
         f"Same seed ({spec.seed}), data (scikit-learn digits), {spec.steps} steps of batch "
         f"{spec.batch_size}, MLP {spec.depth}x{spec.hidden}, AdamW lr {spec.lr}; "
-        f"injected overflow steps: {list(spec.inject) or 'none'}.", "",
+        f"injected overflow steps: {list(spec.inject) or 'none'}"
+        + (" (recipes without loss scaling skip non-finite steps at a static scale of 1)."
+           if spec.inject and spec.skip_nonfinite else "."), "",
         "```", format_table(results), "```", "",
         "Speed-up, loss and accuracy deltas are against the same framework's `32-true`. "
         "B/param is measured from the tensors held (weights, grads, masters, optimizer state); "

@@ -1,0 +1,172 @@
+"""Lightning runner of ``mpx compare``: one recipe, the shared :class:`RunSpec`.
+
+The model is an MLP (``depth`` hidden layers of ``hidden`` units, ReLU) on
+scikit-learn's digits, trained with AdamW through ``Trainer`` and
+:class:`lightning_ext.MixedPrecision`.  The loss is the weighted mean
+cross-entropy ``sum(l * w) / batch`` with the spec's sample weights, so an
+injected ``inf`` weight overflows the step exactly as in the Keras runner.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from mp_callbacks.compare import (
+    PeakRSS, RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for,
+)
+from mp_callbacks.diagnostics import History, StepStats
+from mp_callbacks.master import estimate_memory
+from mp_callbacks.recipes import get_recipe
+
+from .plugin import MixedPrecision
+
+__all__ = ["run", "mlp", "state_bytes"]
+
+
+def mlp(hidden: int, depth: int) -> nn.Sequential:
+    """64 -> ``depth`` x (Linear(hidden), ReLU) -> 10."""
+    layers: list[nn.Module] = []
+    width = 64
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+class _Module(pl.LightningModule):
+    def __init__(self, net: nn.Module, lr: float) -> None:
+        super().__init__()
+        self.net, self.lr = net, lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, w = batch
+        losses = F.cross_entropy(self(x).float(), y, reduction="none")
+        return (losses * w).sum() / w.shape[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer, plugin: MixedPrecision) -> int:
+    """Bytes of model state held right now: params, grads, FP32 masters, optimizer state."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    for p in module.parameters():
+        add(p)
+        add(p.grad)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            add(p)
+            add(p.grad)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:  # scalar step counters are not per-param
+                add(v)
+    return total
+
+
+class _Batches(Dataset):
+    """Precomputed batches, served in order (``DataLoader(batch_size=None)``)."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, ...]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return self.batches[i]
+
+
+class _Recorder(pl.Callback):
+    """Per-step wall time, loss, scale and overflow flag; model-state bytes at the last step."""
+
+    def __init__(self, plugin: MixedPrecision, steps: int, progress: Callable[[int], None] | None) -> None:
+        self.plugin, self.steps, self.progress = plugin, steps, progress
+        self.times: list[float] = []
+        self.history = History()
+        self.state_bytes = 0
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == self.steps - 1:  # grads, masters and slots all alive
+            self.state_bytes = state_bytes(pl_module, optimizer, self.plugin)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.times.append(time.perf_counter() - self._t0)
+        view = trainer.precision_plugin.scaler if hasattr(trainer.precision_plugin, "scaler") else None
+        stats = self.plugin.latest_stats()
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.history.append(StepStats(
+            step=batch_idx, scale=float(stats["scale"]) if stats else 1.0,
+            overflow=bool(stats["overflow"]) if stats else False,
+            overflows_total=view.overflows if view else 0, skipped_total=view.skipped if view else 0,
+            growths_total=view.growths if view else 0,
+            loss=float(loss.detach()) if loss is not None else None,
+        ))
+        if self.progress:
+            self.progress(batch_idx + 1)
+
+
+def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = None) -> RunResult:
+    """Train ``spec`` under ``recipe`` and measure it."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    pl.seed_everything(spec.seed, verbose=False)
+    x_tr, y_tr, x_te, y_te = digits_data(spec.seed)
+    idx = batch_indices(len(x_tr), spec)
+    weights = sample_weights(spec)
+    batches = [(torch.from_numpy(x_tr[i]), torch.from_numpy(y_tr[i]), torch.from_numpy(weights[s]))
+               for s, i in enumerate(idx)]
+    module = _Module(mlp(spec.hidden, spec.depth), spec.lr)
+    plugin = MixedPrecision(recipe, "cpu", scaler=scaler_for(recipe, spec))
+    recorder = _Recorder(plugin, spec.steps, progress)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_steps=spec.steps, max_epochs=1,
+                         callbacks=[recorder], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    with PeakRSS() as rss:
+        trainer.fit(module, train_dataloaders=DataLoader(_Batches(batches), batch_size=None))
+    module.eval()
+    with torch.no_grad(), plugin.forward_context():
+        logits = module(torch.from_numpy(x_te)).float()
+        accuracy = float((logits.argmax(-1).numpy() == y_te).mean())
+    n_params = sum(p.numel() for p in module.parameters())
+    storage = [(p.numel(), str(p.dtype).replace("torch.", "")) for p in module.parameters()]
+    estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage)
+    timed = recorder.times[max(1, len(recorder.times) // 10):] or recorder.times
+    losses = [s.loss for s in recorder.history if s.loss is not None and np.isfinite(s.loss)]
+    tail = losses[-10:] or [float("nan")]
+    view = plugin.scaler
+    return RunResult(
+        framework="lightning", recipe=get_recipe(recipe).name, params=n_params,
+        samples_per_s=spec.batch_size * len(timed) / sum(timed),
+        step_time_ms=1000 * statistics.median(timed), peak_rss_mb=rss.peak_mb,
+        state_bytes_per_param=recorder.state_bytes / n_params,
+        estimate_bytes_per_param=estimate.bytes_per_param,
+        final_loss=float(np.mean(tail)), accuracy=accuracy,
+        overflows=view.overflows, skipped=view.skipped, history=recorder.history,
+    )
