@@ -29,7 +29,7 @@ from mp_callbacks.recipes import get_recipe
 
 from .plugin import MixedPrecision
 
-__all__ = ["run", "mlp", "state_bytes"]
+__all__ = ["fit_once", "mlp", "run", "state_bytes"]
 
 
 def mlp(hidden: int, depth: int) -> nn.Sequential:
@@ -60,7 +60,7 @@ class _Module(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer, plugin: MixedPrecision) -> int:
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of model state held right now: params, grads, FP32 masters, optimizer state."""
     seen: set[int] = set()
     total = 0
@@ -101,8 +101,9 @@ class _Batches(Dataset):
 class _Recorder(pl.Callback):
     """Per-step wall time, loss, scale and overflow flag; model-state bytes at the last step."""
 
-    def __init__(self, plugin: MixedPrecision, steps: int, progress: Callable[[int], None] | None) -> None:
+    def __init__(self, plugin: Any, steps: int, progress: Callable[[int], None] | None) -> None:
         self.plugin, self.steps, self.progress = plugin, steps, progress
+        self.record = isinstance(plugin, MixedPrecision)  # native plugins: times only
         self.times: list[float] = []
         self.history = History()
         self.state_bytes = 0
@@ -111,14 +112,22 @@ class _Recorder(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._t0 = time.perf_counter()
 
+    def timed(self) -> list[float]:
+        """Step times without the first 10% (warm-up)."""
+        return self.times[max(1, len(self.times) // 10):] or self.times
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if trainer.global_step == self.steps - 1:  # grads, masters and slots all alive
-            self.state_bytes = state_bytes(pl_module, optimizer, self.plugin)
+        if self.record and trainer.global_step == self.steps - 1:  # grads, masters and slots all alive
+            self.state_bytes = state_bytes(pl_module, optimizer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.times.append(time.perf_counter() - self._t0)
-        view = trainer.precision_plugin.scaler if hasattr(trainer.precision_plugin, "scaler") else None
+        if not self.record:
+            if self.progress:
+                self.progress(batch_idx + 1)
+            return
+        view = self.plugin.scaler
         stats = self.plugin.latest_stats()
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.history.append(StepStats(
@@ -132,24 +141,31 @@ class _Recorder(pl.Callback):
             self.progress(batch_idx + 1)
 
 
-def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = None) -> RunResult:
-    """Train ``spec`` under ``recipe`` and measure it."""
+def fit_once(plugin: Any, spec: RunSpec, progress: Callable[[int], None] | None = None) -> tuple[_Module, _Recorder]:
+    """Train the spec's MLP once with ``plugin`` (ours or a native Lightning precision plugin)."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
     pl.seed_everything(spec.seed, verbose=False)
-    x_tr, y_tr, x_te, y_te = digits_data(spec.seed)
+    x_tr, y_tr, _, _ = digits_data(spec.seed)
     idx = batch_indices(len(x_tr), spec)
     weights = sample_weights(spec)
     batches = [(torch.from_numpy(x_tr[i]), torch.from_numpy(y_tr[i]), torch.from_numpy(weights[s]))
                for s, i in enumerate(idx)]
     module = _Module(mlp(spec.hidden, spec.depth), spec.lr)
-    plugin = MixedPrecision(recipe, "cpu", scaler=scaler_for(recipe, spec))
     recorder = _Recorder(plugin, spec.steps, progress)
     trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_steps=spec.steps, max_epochs=1,
                          callbacks=[recorder], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=DataLoader(_Batches(batches), batch_size=None))
+    return module, recorder
+
+
+def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = None) -> RunResult:
+    """Train ``spec`` under ``recipe`` and measure it."""
+    plugin = MixedPrecision(recipe, "cpu", scaler=scaler_for(recipe, spec))
     with PeakRSS() as rss:
-        trainer.fit(module, train_dataloaders=DataLoader(_Batches(batches), batch_size=None))
+        module, recorder = fit_once(plugin, spec, progress)
+    _, _, x_te, y_te = digits_data(spec.seed)
     module.eval()
     with torch.no_grad(), plugin.forward_context():
         logits = module(torch.from_numpy(x_te)).float()
@@ -157,7 +173,7 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     n_params = sum(p.numel() for p in module.parameters())
     storage = [(p.numel(), str(p.dtype).replace("torch.", "")) for p in module.parameters()]
     estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage)
-    timed = recorder.times[max(1, len(recorder.times) // 10):] or recorder.times
+    timed = recorder.timed()
     losses = [s.loss for s in recorder.history if s.loss is not None and np.isfinite(s.loss)]
     tail = losses[-10:] or [float("nan")]
     view = plugin.scaler

@@ -1,0 +1,72 @@
+"""Lightning: our plugin vs Lightning's MixedPrecision, and bf16-master vs bf16-mixed / 32-true.
+
+    python benchmarks/bench_lightning.py [--threads 1 2] [--rounds 7] [--steps 40]
+
+Prints median per-step times and median ratios (ours / native), measured in
+one process, alternating, on the same MLP and batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed  # noqa: E402
+from lightning.pytorch.plugins.precision import Precision  # noqa: E402
+
+from common import alternate, print_table  # noqa: E402
+from lightning_ext import MixedPrecision  # noqa: E402
+from lightning_ext.compare import fit_once  # noqa: E402
+from mp_callbacks.compare import RunSpec  # noqa: E402
+
+
+def measure(make_plugin, spec: RunSpec):
+    def once() -> float:
+        _, recorder = fit_once(make_plugin(), spec)
+        return statistics.median(recorder.timed())
+    return once
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=512)
+    args = parser.parse_args()
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    for threads in args.threads:
+        spec = RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden, depth=args.depth,
+                       threads=threads)
+        torch.set_num_threads(threads)
+        variants = {
+            "ours 16-mixed": lambda: MixedPrecision("16-mixed", "cpu"),
+            "native 16-mixed": lambda: NativeMixed("16-mixed", "cpu", torch.amp.GradScaler("cpu")),
+            "ours bf16-mixed": lambda: MixedPrecision("bf16-mixed", "cpu"),
+            "native bf16-mixed": lambda: NativeMixed("bf16-mixed", "cpu"),
+            "ours bf16-master": lambda: MixedPrecision("bf16-master", "cpu"),
+            "native 32-true": lambda: Precision(),
+        }
+        times = alternate({k: measure(v, spec) for k, v in variants.items()}, args.rounds)
+        print_table(
+            f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s)", times,
+            [("ours 16-mixed", "native 16-mixed", "<= 1.03"),
+             ("ours bf16-mixed", "native bf16-mixed", "<= 1.03"),
+             ("ours bf16-master", "native bf16-mixed", "<= 1.00"),
+             ("ours bf16-master", "native 32-true", "<= 0.50")],
+        )
+
+
+if __name__ == "__main__":
+    main()

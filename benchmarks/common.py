@@ -1,0 +1,34 @@
+"""Alternating side-by-side timing: every round runs each variant once, in turn.
+
+Ratios are computed per round (ours / native on the same round, so slow
+phases of the machine hit both) and summarised by their median.  No
+thresholds here: the scripts print figures, the README records them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Mapping
+
+
+def alternate(variants: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Run each variant's ``measure() -> seconds per step`` ``rounds`` times, interleaved."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, measure in variants.items():
+            times[name].append(measure())
+    return times
+
+
+def ratio(times: Mapping[str, list[float]], ours: str, native: str) -> float:
+    """Median over rounds of ours/native."""
+    return statistics.median(a / b for a, b in zip(times[ours], times[native]))
+
+
+def print_table(title: str, times: Mapping[str, list[float]], pairs: list[tuple[str, str, str]]) -> None:
+    """``pairs``: (ours, native, target text)."""
+    print(f"\n{title}")
+    for name, ts in times.items():
+        print(f"  {name:<34} median step {1000 * statistics.median(ts):8.3f} ms over {len(ts)} rounds")
+    for ours, native, target in pairs:
+        print(f"  ratio {ours} / {native}: {ratio(times, ours, native):.3f}   (target {target})")
