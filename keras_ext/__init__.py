@@ -1,0 +1,52 @@
+"""keras_ext: the Keras adapter of the mp_callbacks mixed-precision core.
+
+* :class:`LossScaleOptimizer`: a drop-in for ``keras.optimizers.LossScaleOptimizer``
+  whose decisions come from the core's loss-scaler transition (evaluated with
+  ``keras.ops``), with a cross-replica overflow check, tf-keras'
+  ``get_scaled_loss``/``get_unscaled_gradients``, and optional FP32 master
+  weights (``master_weights=True`` or :func:`master_optimizer`).
+* :func:`set_global_policy` / :func:`apply_policy`: the core's recipes and op
+  policy as Keras dtype policies (softmax, norms, output and custom layers in FP32).
+* :class:`KerasOps`: the core's array-ops protocol over ``keras.ops``.
+
+Typical use::
+
+    keras_ext.set_global_policy("bf16-master")          # Keras global policy + core rules
+    model = keras_ext.apply_policy(build_model())       # softmax/norm/output/custom -> FP32
+    model.compile(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-3), "bf16-master"), loss)
+
+    # or, the Keras drop-in (``keras`` preset reproduces keras.optimizers.LossScaleOptimizer):
+    model.compile(keras_ext.LossScaleOptimizer(keras.optimizers.Adam(), "torch"), loss)
+
+Design notes: the optimizer subclasses Keras' ``LossScaleOptimizer`` so that
+``compile()`` under ``mixed_float16`` does not wrap it again and Keras
+callbacks that unwrap ``inner_optimizer`` keep working; everything that
+decides (finite check, transition, skip, master weights) is overridden.
+The finite check runs per replica in ``apply`` and its flag is all-reduced
+(SUM over ``tf.distribute`` replicas) before the transition, which runs once
+in the cross-replica context; Keras 3's own optimizer checks per replica.
+"""
+
+from .keras_ops import KERAS_OPS, KerasOps
+from .optimizer import LossScaleOptimizer, master_optimizer
+from .policy import (
+    apply_policy,
+    get_global_policy,
+    keras_dtype_policy,
+    layer_dtype_policies,
+    resolve_policy,
+    set_global_policy,
+)
+
+__all__ = [
+    "KERAS_OPS",
+    "KerasOps",
+    "LossScaleOptimizer",
+    "apply_policy",
+    "get_global_policy",
+    "keras_dtype_policy",
+    "layer_dtype_policies",
+    "master_optimizer",
+    "resolve_policy",
+    "set_global_policy",
+]
