@@ -71,7 +71,7 @@ from mp_callbacks.scaler import (
     state_from_dict,
 )
 
-from .module_policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
+from .module_policy import ModulePolicyHandle, _Fp32Region, apply_module_policy, cast_module_storage, torch_dtype
 from .torch_ops import TorchOps
 
 __all__ = ["MixedPrecision", "LossScalerView", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
@@ -581,6 +581,49 @@ class MixedPrecision(Precision):
         if clip_val and clip_val > 0:
             self.unscale_gradients(optimizer)
         super().clip_gradients(_unwrap_optimizer(optimizer), clip_val, gradient_clip_algorithm)
+
+    # ------------------------------------------------------ runtime FP32 moves
+    def keep_in_fp32(self, path: str, module: Optional[nn.Module] = None) -> PrecisionPolicy:
+        """Move the module at dotted ``path`` to FP32 now; training continues.
+
+        The policy becomes ``policy.with_fp32_modules(path)`` (so a later
+        ``convert_module`` and the checkpointed policy keep it), and the module
+        gets the same FP32 region hooks :func:`~lightning_ext.module_policy.apply_module_policy`
+        installs (autocast off, floating inputs cast to FP32), removed in
+        :meth:`teardown`.  Under ``*-master`` its low-precision parameters and
+        buffers are re-stored in FP32 (parameters from their FP32 masters, which
+        keep driving the update).  Idempotent.  Returns the new policy.
+
+        Args:
+          path: the module's dotted name in the LightningModule (``"net.1"``).
+          module: the module object; looked up from ``path`` when omitted.
+        """
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"keep_in_fp32 needs a non-empty dotted module path, not {path!r}")
+        self.recipe = self.recipe.with_policy(self.recipe.policy.with_fp32_modules(path))
+        root = self._hooked_module if self._hooked_module is not None else self._lightning_module
+        if module is None:
+            if root is None:
+                return self.policy  # not fitting yet: convert_module applies the rule
+            module = root.get_submodule(path)
+        if self.recipe.low_precision and self._policy_handle is not None and path not in self._policy_handle.paths:
+            region = _Fp32Region(self._device_type)
+            self._policy_handle.handles.append(module.register_forward_pre_hook(region.pre_hook, with_kwargs=True))
+            self._policy_handle.handles.append(
+                module.register_forward_hook(region.post_hook, with_kwargs=True, always_call=True))
+            self._policy_handle.paths.append(path)
+        if self.master_weights:
+            with torch.no_grad():
+                for param in module.parameters():
+                    if param.is_floating_point() and param.dtype != torch.float32:
+                        entry = self._masters.get(id(param))
+                        source = entry[2] if entry is not None and entry[1] is param else param
+                        param.data = source.detach().to(torch.float32, copy=True)
+                for sub in module.modules():
+                    for name, buf in sub.named_buffers(recurse=False):
+                        if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                            sub._buffers[name] = buf.float()
+        return self.policy
 
     # ----------------------------------------------------------- diagnostics
     def latest_stats(self) -> dict[str, Tensor]:

@@ -1,0 +1,607 @@
+"""``lightning_ext.MixedPrecisionMonitor``: the core's diagnostics as a Lightning callback.
+
+A thin translation: :class:`~mp_callbacks.monitor.MonitorCore` decides the
+cadence, keeps the :class:`~mp_callbacks.diagnostics.History`, records
+overflow attributions, runs the divergence guard and the auto-fallback
+tracker; this callback gathers the numbers from torch and
+:class:`lightning_ext.MixedPrecision`, and writes the shared metric names
+(:data:`mp_callbacks.diagnostics.METRICS`) to every Lightning logger with
+``logger.log_metrics`` (CSVLogger, TensorBoardLogger...).
+``mp/overflow_module`` is text: it goes to the history, to the checkpoint and
+to loggers that take text (TensorBoard's ``add_text``), never to a metric.
+
+Step numbering: one step per scaler transition (optimizer steps that ran a
+backward), 1-based, continuing across resumes (read from the plugin's
+counter once at train start).  Loggers get ``step=`` this number.
+``mp/scale`` is the scale the step's gradients were produced with, the
+counters are the totals after the step (see :mod:`mp_callbacks.monitor_helpers`).
+
+Host syncs (the point of the design):
+
+* per step, when the step is neither a logging step nor an overflow: **none**.
+  The overflow is known from :meth:`MixedPrecision.last_step_skipped`, the
+  host bool the plugin already read for its skip decision.  Overflow
+  attribution only queues tiny device reductions (one ``isfinite().all()``
+  per module output, input gradient and parameter gradient).  With loss
+  scaling off (``bf16-*``, ``32-true``) nothing is skipped, so overflows are
+  seen on logging steps only (the counters stay exact).
+* logging steps (every ``log_every_n_steps``): one read of a stacked vector
+  (scale, overflow, counters, grad norm, meter counts, loss).  The meters are
+  queued in ``on_before_optimizer_step`` (unscaled FP32 grads, before
+  clipping) and the parameters (FP32 masters under ``*-master``) are
+  snapshotted there to diff after the step (one extra parameter copy on
+  logging steps only).
+* overflow steps: the same read, plus one read of the attribution flags
+  (under DDP the ranks then exchange their local culprits, one small
+  ``all_gather_object``, so every rank blames the same module).
+* train start / end: the plugin's step counter (start) and the memory report
+  (tensor sizes: metadata, no sync).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+
+from mp_callbacks.diagnostics import OVERFLOW_MODULE, History, StepStats
+from mp_callbacks.dtypes import canonical_dtype
+from mp_callbacks.master import MemoryEstimate, estimate_memory, optimizer_slots
+from mp_callbacks.monitor import MonitorCore
+from mp_callbacks.monitor_helpers import LOSS_SOURCE, swamp_storage_dtype
+
+from .plugin import MixedPrecision
+from .torch_meters import grad_norm, swamped_counts, underflow_counts
+
+__all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor", "OverflowTracer"]
+
+MONITOR_SCHEMA = "lightning_ext.MixedPrecisionMonitor"
+"""The ``schema`` tag of the callback's checkpoint record."""
+MONITOR_SCHEMA_VERSION = 1
+"""The version of the callback's checkpoint record."""
+
+MEMORY_BYTES_PER_PARAM = "mp/memory_bytes_per_param"
+"""Logged at train start and end: bytes of model state actually held per parameter."""
+MEMORY_ESTIMATE_BYTES_PER_PARAM = "mp/memory_bytes_per_param_estimate"
+"""Logged next to it: the core's :func:`~mp_callbacks.master.estimate_memory` for the same parameters."""
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def _opt_params(optimizer: Any) -> list[Tensor]:
+    return [p for g in _unwrap(optimizer).param_groups for p in g["params"]]
+
+
+class OverflowTracer:
+    """Device-side "became non-finite" flags per module, in the order they happened (no host sync).
+
+    While :attr:`active`, every hooked module appends ``(path, flag)`` records:
+    after its forward (any floating output non-finite), when the gradient of
+    its inputs is computed (the gradient its backward produced) and when the
+    gradient of its own parameters is computed.  :meth:`on_loss` adds the
+    loss itself (:data:`~mp_callbacks.monitor_helpers.LOSS_SOURCE`).
+    :meth:`first_bad` reads the flags (one sync) and names the first record
+    that is non-finite: the first module whose forward output, or else whose
+    gradient, became non-finite.  The root module is not hooked (its forward
+    is the whole model); when several modules receive the same input tensor
+    the innermost (last to register) owns its gradient record.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self.records: list[tuple[str, Tensor]] = []
+        self._handles: list[Any] = []
+        self._inputs: dict[int, tuple[Any, list[str]]] = {}
+
+    def install(self, root: nn.Module) -> None:
+        """Hook every sub-module of ``root`` (and its directly owned parameters)."""
+        self.remove()
+        seen: set[int] = set()
+        for path, module in root.named_modules():
+            if module is root or not path:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook(path), always_call=False))
+            for param in module.parameters(recurse=False):
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    self._handles.append(param.register_hook(self._grad_hook([path])))
+
+    def remove(self) -> None:
+        """Take every hook off and forget the records."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.records.clear()
+        self._inputs.clear()
+
+    @staticmethod
+    def _bad(tensors: Iterator[Tensor]) -> Optional[Tensor]:
+        flag = None
+        with torch.no_grad():
+            for t in tensors:
+                if t.is_floating_point() and t.numel():
+                    b = torch.logical_not(torch.isfinite(t.detach()).all())
+                    flag = b if flag is None else torch.logical_or(flag, b.to(flag.device))
+        return flag
+
+    def _grad_hook(self, owner: list[str]) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            if self.active:
+                flag = self._bad(iter((grad,)))
+                if flag is not None:
+                    self.records.append((owner[0], flag))
+        return hook
+
+    def _pre_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self.active or not torch.is_grad_enabled():
+                return None
+            for t in _tensors((args, kwargs)):
+                if not (t.requires_grad and t.is_floating_point()):
+                    continue
+                known = self._inputs.get(id(t))
+                if known is not None and known[0]() is t:
+                    known[1][0] = path  # the innermost module receiving this tensor owns its gradient
+                    continue
+                owner = [path]
+                try:
+                    t.register_hook(self._grad_hook(owner))
+                except RuntimeError:
+                    continue
+                self._inputs[id(t)] = (weakref.ref(t), owner)
+            return None
+        return hook
+
+    def _post_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self.active:
+                flag = self._bad(_tensors(output))
+                if flag is not None:
+                    self.records.append((path, flag))
+            return None
+        return hook
+
+    def on_loss(self, loss: Tensor) -> None:
+        """Record whether the (scaled) loss about to be back-propagated is non-finite."""
+        if self.active:
+            flag = self._bad(iter((loss,)))
+            if flag is not None:
+                self.records.append((LOSS_SOURCE, flag))
+
+    def take(self, count: Optional[int] = None) -> list[tuple[str, Tensor]]:
+        """Remove and return the first ``count`` records (all when None)."""
+        count = len(self.records) if count is None else count
+        taken, self.records = self.records[:count], self.records[count:]
+        if not self.records:
+            self._inputs.clear()
+        return taken
+
+    @staticmethod
+    def first_bad(records: list[tuple[str, Tensor]]) -> Optional[str]:
+        """The path of the first non-finite record (reads the flags: one sync), None if all are finite."""
+        if not records:
+            return None
+        device = records[0][1].device
+        flags = torch.stack([f.to(device) for _, f in records]).tolist()
+        for (path, _), bad in zip(records, flags):
+            if bad:
+                return path
+        return None
+
+
+@dataclass
+class _Pending:
+    """An optimizer step seen in ``on_before_optimizer_step``, finalized once the plugin has decided it."""
+
+    optimizer: Any
+    state: Any
+    cut: int
+    logging: bool
+    grad_norm: Optional[Tensor] = None
+    underflow: Optional[tuple[Tensor, Tensor]] = None
+    before: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+
+class MixedPrecisionMonitor(Callback):
+    """Mixed-precision diagnostics for :class:`lightning_ext.MixedPrecision`, with the shared metric names.
+
+    Args:
+      log_every_n_steps: log a full record (all shared metrics) every N steps;
+        overflow steps are always recorded.  Between logging steps no host
+        sync is added (see the module docstring).
+      divergence_patience: raise :class:`~mp_callbacks.meters.DivergenceError`
+        after this many consecutive overflows with the scale at its floor
+        (None: never).  The message names the scale, the step, the first
+        non-finite module and a checklist.
+      auto_fallback_after: after this many overflows blamed on the same module,
+        move it to FP32 with :meth:`MixedPrecision.keep_in_fp32` (None: never).
+      attribute_overflows: name the first non-finite module on overflow steps
+        (forward hooks + gradient hooks queue tiny device reductions every step).
+      measure_grads: compute ``mp/grad_norm`` and ``mp/grad_underflow_frac`` on logging steps.
+      measure_swamping: compute ``mp/update_swamped_frac`` on logging steps
+        (snapshots the optimizer's parameters before the step).
+      log_memory: log :meth:`memory_report` at train start and end.
+      history_maxlen: records kept in :attr:`history`.
+
+    ``mp/update_swamped_frac`` measures the applied update of every optimizer
+    parameter (the FP32 master under ``*-master``) against the dtype chosen by
+    :func:`~mp_callbacks.monitor_helpers.swamp_storage_dtype`: the actual
+    low-precision storage under ``*-master``, the policy's compute dtype under
+    ``*-mixed`` (float32 for modules the policy keeps in FP32); skipped steps
+    have no update and log no value.
+
+    Example::
+
+        monitor = MixedPrecisionMonitor(log_every_n_steps=50, auto_fallback_after=3)
+        Trainer(plugins=[MixedPrecision("16-mixed", "cuda")], callbacks=[monitor],
+                logger=CSVLogger("logs"))
+        monitor.history.to_jsonl("mp.jsonl")
+    """
+
+    def __init__(self, log_every_n_steps: int = 50, divergence_patience: Optional[int] = None,
+                 auto_fallback_after: Optional[int] = None, attribute_overflows: bool = True,
+                 measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
+                 history_maxlen: int = 100_000) -> None:
+        self.core = MonitorCore(log_every_n_steps=log_every_n_steps, divergence_patience=divergence_patience,
+                                auto_fallback_after=auto_fallback_after, history_maxlen=history_maxlen)
+        self.attribute_overflows = bool(attribute_overflows)
+        self.measure_grads = bool(measure_grads)
+        self.measure_swamping = bool(measure_swamping)
+        self.log_memory = bool(log_memory)
+        self.tracer = OverflowTracer()
+        self.memory_reports: list[dict[str, Any]] = []
+        self._step = 0
+        self._pending: Optional[_Pending] = None
+
+    # ------------------------------------------------------------------ API
+    @property
+    def history(self) -> History:
+        """The run's :class:`~mp_callbacks.diagnostics.History` (steps and events)."""
+        return self.core.history
+
+    @property
+    def log_every_n_steps(self) -> int:
+        """The logging cadence."""
+        return self.core.log_every_n_steps
+
+    @property
+    def step(self) -> int:
+        """Scaler transitions seen so far (the last recorded or skipped step's number)."""
+        return self._step
+
+    @staticmethod
+    def _plugin(trainer: "pl.Trainer") -> MixedPrecision:
+        plugin = trainer.precision_plugin
+        if not isinstance(plugin, MixedPrecision):
+            raise MisconfigurationException(
+                f"MixedPrecisionMonitor reads the loss scaler of lightning_ext.MixedPrecision, but the trainer "
+                f"uses {type(plugin).__name__}. Pass Trainer(plugins=[lightning_ext.MixedPrecision('16-mixed')]) "
+                "(or another recipe) together with the monitor."
+            )
+        return plugin
+
+    def _storage_dtypes(self, trainer: "pl.Trainer") -> dict[int, tuple[str, str]]:
+        """``id(optimizer param) -> (stored dtype, swamping dtype)`` of every optimizer parameter."""
+        plugin = self._plugin(trainer)
+        module = trainer.lightning_module
+        kept: dict[int, bool] = {}
+        named: dict[str, Tensor] = {}
+        for path, sub in module.named_modules():
+            k = plugin.policy.keeps_fp32(sub, path)
+            for name, p in sub.named_parameters(recurse=False):
+                if id(p) not in kept:
+                    kept[id(p)] = k
+                    named[f"{path}.{name}" if path else name] = p
+        by_ptr = {m.data_ptr(): name for name, m in plugin.master_state_dict().items() if m.numel()}
+        out: dict[int, tuple[str, str]] = {}
+        for opt in trainer.optimizers:
+            for p in _opt_params(opt):
+                low = named.get(by_ptr.get(p.data_ptr(), ""), p) if p.numel() else p
+                stored = canonical_dtype(low.dtype)
+                out[id(p)] = (stored, swamp_storage_dtype(plugin.recipe, stored, kept.get(id(low), False)))
+        return out
+
+    def memory_report(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        """Bytes of model state actually held, next to the core's estimate (plain data).
+
+        ``actual`` sums real tensor ``nbytes``: ``weights`` (the module's
+        parameters), ``grads`` (their ``.grad`` plus the FP32 masters'),
+        ``masters`` (optimizer parameters that are not module parameters: the
+        FP32 masters of ``*-master``), ``optimizer_state`` (every tensor in the
+        optimizers' state, step counters included).  ``estimate`` is
+        :func:`mp_callbacks.master.estimate_memory` for the same parameters and
+        storage dtypes (None for an optimizer the core does not know).
+        Gradients and optimizer state that do not exist yet (before the first
+        step) are not counted in ``actual``.
+        """
+        plugin = self._plugin(trainer)
+        module = trainer.lightning_module
+        params = list({id(p): p for p in module.parameters()}.values())
+        own = {id(p) for p in params}
+        numel = sum(p.numel() for p in params)
+        weights = sum(p.nbytes for p in params)
+        grads = sum(p.grad.nbytes for p in params if p.grad is not None)
+        masters = 0
+        state = 0
+        est: Optional[MemoryEstimate] = None
+        names: list[str] = []
+        storage = self._storage_dtypes(trainer)
+        for opt in trainer.optimizers:
+            raw = _unwrap(opt)
+            for p in _opt_params(raw):
+                if id(p) not in own:
+                    masters += p.nbytes
+                    if p.grad is not None:
+                        grads += p.grad.nbytes
+            for slot in raw.state.values():
+                state += sum(v.nbytes for v in _tensors(slot))
+            name = type(raw).__name__.lower()
+            if name == "sgd" and any(g.get("momentum", 0) for g in raw.param_groups):
+                name = "sgd-momentum"
+            names.append(name)
+            try:
+                optimizer_slots(name)
+            except ValueError:
+                est = None
+                names[-1] = f"{name} (unknown to the core)"
+                break
+            part = estimate_memory(plugin.recipe.master, name,
+                                   [(p.numel(), storage[id(p)][0]) for p in _opt_params(raw)])
+            est = part if est is None else MemoryEstimate(*(a + b for a, b in zip(
+                (est.params, est.weights, est.grads, est.masters, est.optimizer_state),
+                (part.params, part.weights, part.grads, part.masters, part.optimizer_state))))
+        actual = MemoryEstimate(params=numel, weights=weights, grads=grads, masters=masters, optimizer_state=state)
+        return {"recipe": plugin.recipe.name, "optimizers": names, "actual": actual.to_dict(),
+                "estimate": est.to_dict() if est is not None and all("unknown" not in n for n in names) else None}
+
+    # ------------------------------------------------------------- lifecycle
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """Check that the trainer uses :class:`lightning_ext.MixedPrecision` (clear error otherwise)."""
+        if stage == "fit":
+            self._plugin(trainer)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Read the step counter (one sync), re-apply restored fallbacks, install hooks, log memory."""
+        plugin = self._plugin(trainer)
+        self._step = plugin.scaler.steps
+        self._pending = None
+        if self.core.fallback is not None:
+            for path in self.core.fallback.moved:
+                self._move_to_fp32(plugin, pl_module, path)
+        if self.attribute_overflows:
+            self.tracer.install(pl_module)
+        if self.log_memory:
+            self._log_memory(trainer, "train_start")
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Finish the last step, log memory, remove the hooks."""
+        self._finalize(trainer)
+        if self.log_memory:
+            self._log_memory(trainer, "train_end")
+        self.tracer.remove()
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """Remove the hooks (also after an exception)."""
+        self.tracer.remove()
+        self._pending = None
+
+    # ------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        """Start recording attribution flags for this batch's forward/backward."""
+        self.tracer.active = self.attribute_overflows
+
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        """Record whether the loss itself is non-finite (a device flag)."""
+        self.tracer.on_loss(loss)
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: Any) -> None:
+        """Grads are unscaled FP32 here: queue the meters and snapshot parameters on logging steps."""
+        self._finalize(trainer)  # an earlier optimizer step of the same batch (manual optimization)
+        plugin = self._plugin(trainer)
+        logging = self.core.should_log(self._step + 1)
+        pending = _Pending(optimizer=optimizer, state=plugin.scaler.state, cut=len(self.tracer.records),
+                           logging=logging)
+        if logging:
+            params = _opt_params(optimizer)
+            if self.measure_grads:
+                grads = [p.grad for p in params if p.grad is not None]
+                if grads:
+                    pending.grad_norm = grad_norm(grads)
+                    pending.underflow = underflow_counts(grads, plugin.policy.compute, plugin.scaler.scale)
+            if self.measure_swamping:
+                with torch.no_grad():
+                    pending.before = [(p, p.detach().clone()) for p in params if p.requires_grad]
+        self._pending = pending
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        """Finish the step the plugin just decided (no-op between accumulation boundaries)."""
+        self.tracer.active = False
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        self._finalize(trainer, loss if isinstance(loss, Tensor) else None)
+
+    # ------------------------------------------------------------- the step
+    def _finalize(self, trainer: "pl.Trainer", loss: Optional[Tensor] = None) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        plugin = self._plugin(trainer)
+        if plugin.scaler.state is pending.state:  # training_step returned None: no transition
+            self.tracer.take(pending.cut)
+            return
+        self._step += 1
+        step = self._step
+        overflow_host = plugin.last_step_skipped(pending.optimizer) if plugin.can_skip else False
+        if not pending.logging and not overflow_host:
+            self.tracer.take(pending.cut)
+            self.core.observe_clean()
+            return
+        latest = plugin.latest_stats()
+        keys = ["scale", "overflow", "overflows_total", "skipped_total", "growths_total"]
+        values: list[Tensor] = [latest[k] for k in keys]
+        optional: dict[str, int] = {}
+
+        def add(name: str, value: Optional[Tensor]) -> None:
+            if value is not None:
+                optional[name] = len(values)
+                values.append(value)
+
+        add("grad_norm", pending.grad_norm)
+        if pending.underflow is not None:
+            add("underflow_lost", pending.underflow[0])
+            add("underflow_total", pending.underflow[1])
+        if pending.before and not overflow_host:
+            with torch.no_grad():
+                storage = self._storage_dtypes(trainer)
+                weights = [b for _, b in pending.before]
+                updates = [p.detach() - b for p, b in pending.before]
+                lost, total = swamped_counts(weights, updates, [storage.get(id(p), ("float32", "float32"))[1]
+                                                                for p, _ in pending.before])
+            add("swamp_lost", lost)
+            add("swamp_total", total)
+        if loss is not None and loss.numel() == 1:
+            add("loss", loss.detach())
+        device = values[0].device
+        read = torch.stack([v.detach().reshape(()).to(device=device, dtype=torch.float64) for v in values]).tolist()
+        overflow = bool(read[1])
+
+        def get(name: str) -> Optional[float]:
+            return read[optional[name]] if name in optional else None
+
+        underflow = swamped = None
+        if "underflow_total" in optional:
+            total = get("underflow_total")
+            underflow = get("underflow_lost") / total if total else 0.0
+        if "swamp_total" in optional:  # measured only on applied steps
+            total = get("swamp_total")
+            swamped = get("swamp_lost") / total if total else 0.0
+        records = self.tracer.take(pending.cut)
+        module = self._blame(records) if (overflow and self.attribute_overflows) else None
+        stats = StepStats(
+            step=step, scale=read[0], overflow=overflow, overflows_total=int(read[2]),
+            skipped_total=int(read[3]), growths_total=int(read[4]), loss=get("loss"), grad_norm=get("grad_norm"),
+            grad_underflow_frac=underflow, update_swamped_frac=swamped, overflow_module=module,
+        )
+        try:
+            moved = self._record(stats, plugin.recipe.scaler.min_scale)
+        finally:
+            self._log(trainer, stats)
+        for path in moved:
+            self._move_to_fp32(plugin, trainer.lightning_module, path)
+            blamed = self.core.fallback.blame.get(path) if self.core.fallback is not None else None
+            message = (f"MixedPrecisionMonitor: {blamed} overflows blamed on {path!r}; it now runs (and, under "
+                       f"*-master, is stored) in FP32 (policy: with_fp32_modules({path!r})). Training continues.")
+            rank_zero_info(message)
+            self._log_text(trainer, "mp/fallback", message, step)
+
+    @staticmethod
+    def _blame(records: list[tuple[str, Tensor]]) -> Optional[str]:
+        """The first non-finite record; under DDP every rank takes the same answer.
+
+        Each rank finds its local culprit (its own forward outputs and local
+        gradients, before DDP's all-reduce spreads the NaN), then the ranks
+        exchange them (``all_gather_object``; every rank gets here on the same
+        steps, since the overflow flag is all-reduced by the plugin) and all
+        take the answer of the lowest rank that found one.  So every rank blames,
+        and moves to FP32, the same module.
+        """
+        local = OverflowTracer.first_bad(records)
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return local
+        gathered: list[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return next((g for g in gathered if g), None)
+
+    def _record(self, stats: StepStats, min_scale: float) -> list[str]:
+        if stats.overflow_module == LOSS_SOURCE and self.core.fallback is not None:
+            # the loss itself is not a module: never move it to FP32
+            fallback, self.core.fallback = self.core.fallback, None
+            try:
+                return self.core.record(stats, min_scale)
+            finally:
+                self.core.fallback = fallback
+        return self.core.record(stats, min_scale)
+
+    def _move_to_fp32(self, plugin: MixedPrecision, pl_module: "pl.LightningModule", path: str) -> None:
+        try:
+            module = pl_module.get_submodule(path)
+        except AttributeError:
+            rank_zero_info(f"MixedPrecisionMonitor: no module {path!r} to keep in FP32 in this model; skipped.")
+            return
+        plugin.keep_in_fp32(path, module)
+
+    # ------------------------------------------------------------- logging
+    @staticmethod
+    def _log_text(trainer: "pl.Trainer", tag: str, text: str, step: int) -> None:
+        for lg in trainer.loggers:
+            experiment = getattr(lg, "experiment", None)
+            add_text = getattr(experiment, "add_text", None)
+            if callable(add_text):
+                add_text(tag, text, global_step=step)
+
+    def _log(self, trainer: "pl.Trainer", stats: StepStats) -> None:
+        metrics = stats.metrics()
+        text = metrics.pop(OVERFLOW_MODULE, None)
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        for lg in trainer.loggers:
+            lg.log_metrics(numbers, step=stats.step)
+        if text is not None:
+            self._log_text(trainer, OVERFLOW_MODULE, str(text), stats.step)
+
+    def _log_memory(self, trainer: "pl.Trainer", when: str) -> None:
+        report = self.memory_report(trainer)
+        report["when"] = when
+        self.memory_reports.append(report)
+        self.history.add_event("memory", step=self._step, **report)
+        metrics = {MEMORY_BYTES_PER_PARAM: float(report["actual"]["bytes_per_param"])}
+        if report["estimate"] is not None:
+            metrics[MEMORY_ESTIMATE_BYTES_PER_PARAM] = float(report["estimate"]["bytes_per_param"])
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=self._step)
+
+    # ---------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: schema tag and version, the step count and the core's history/guard/fallback state."""
+        return {"schema": MONITOR_SCHEMA, "schema_version": MONITOR_SCHEMA_VERSION, "step": int(self._step),
+                "core": self.core.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; another schema or version is an error naming both."""
+        if not isinstance(state_dict, Mapping) or state_dict.get("schema") != MONITOR_SCHEMA:
+            found = state_dict.get("schema") if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise ValueError(f"the checkpoint holds monitor schema {found!r}; this callback reads {MONITOR_SCHEMA!r}")
+        if state_dict.get("schema_version") != MONITOR_SCHEMA_VERSION:
+            raise ValueError(f"the checkpoint holds {MONITOR_SCHEMA} schema v{state_dict.get('schema_version')!r}; "
+                             f"this version reads v{MONITOR_SCHEMA_VERSION}")
+        self.core.load_state_dict(state_dict["core"])
+        self._step = int(state_dict.get("step", 0))
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(log_every_n_steps={self.log_every_n_steps}, "
+                f"divergence_patience={self.core.guard.patience if self.core.guard else None}, "
+                f"auto_fallback_after={self.core.fallback.threshold if self.core.fallback else None})")
+

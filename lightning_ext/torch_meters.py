@@ -1,0 +1,121 @@
+"""The core's meter rules (:mod:`mp_callbacks.meters`) evaluated with torch on the device.
+
+Every ``*_counts`` function returns 0-d device tensors and reads nothing back
+to the host; the ``*_fraction`` conveniences call them and read the result
+(one sync), for tests and interactive use.  The rules are exactly the NumPy
+references':
+
+* underflow: a non-zero FP32 gradient ``g`` is lost when
+  ``|g| < smallest_subnormal(compute) / 2 / scale`` (threshold computed in
+  float64 as the reference does, then rounded *up* to float32, which keeps
+  ``|g| < threshold`` exact for float32 ``g``);
+* swamping: a non-zero update ``d`` on weight ``w`` is lost when
+  ``|d| < 2**(floor(log2(max(|w|, tiny))) - mantissa_bits - 1)``, compared on
+  the binary exponents (``torch.frexp``), so no rounding is involved.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from mp_callbacks.dtypes import FORMATS, canonical_dtype
+
+__all__ = [
+    "grad_norm", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "underflow_limit",
+    "update_swamped_fraction",
+]
+
+
+def _dense(t: Tensor) -> Tensor:
+    return t.coalesce()._values() if t.is_sparse else t
+
+
+def grad_norm(grads: Sequence[Tensor]) -> Tensor:
+    """Global L2 norm of ``grads`` (0-d float32 tensor; inf when any gradient is non-finite)."""
+    grads = [_dense(g) for g in grads]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    device = grads[0].device
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def underflow_limit(compute: str, scale: Union[Tensor, float], device: Union[torch.device, str, None] = None) -> Tensor:
+    """The float32 threshold ``L`` with ``|g| < L`` exactly the reference's underflow rule (0-d tensor)."""
+    half_sub = FORMATS[canonical_dtype(compute)].smallest_subnormal / 2.0
+    if isinstance(scale, Tensor):
+        limit64 = half_sub / scale.detach().to(torch.float64)
+    else:
+        limit64 = torch.tensor(half_sub / float(scale), dtype=torch.float64, device=device)
+    limit32 = limit64.to(torch.float32)
+    up = torch.nextafter(limit32, torch.full_like(limit32, float("inf")))
+    return torch.where(limit32.to(torch.float64) < limit64, up, limit32)
+
+
+def underflow_counts(grads: Iterable[Tensor], compute: str, scale: Union[Tensor, float]) -> tuple[Tensor, Tensor]:
+    """``(lost, nonzero)`` element counts of the underflow rule over FP32 (unscaled) ``grads`` (no sync)."""
+    lost = total = None
+    limit = None
+    for g in grads:
+        a = _dense(g).detach().abs()
+        if limit is None:
+            limit = underflow_limit(compute, scale, a.device).to(a.device)
+        nz = a > 0
+        n_total = nz.sum()
+        n_lost = (nz & (a.to(torch.float32) < limit)).sum()
+        total = n_total if total is None else total + n_total.to(total.device)
+        lost = n_lost if lost is None else lost + n_lost.to(lost.device)
+    if total is None:
+        zero = torch.zeros((), dtype=torch.int64)
+        return zero, zero.clone()
+    return lost, total
+
+
+def grad_underflow_fraction(grads: Sequence[Tensor], compute: str, scale: Union[Tensor, float]) -> float:
+    """:func:`underflow_counts` as a fraction (reads the counts: one sync)."""
+    lost, total = underflow_counts(grads, compute, scale)
+    lost_n, total_n = (int(v) for v in torch.stack([lost, total.to(lost.device)]).tolist())
+    return lost_n / total_n if total_n else 0.0
+
+
+def swamped_counts(weights: Iterable[Tensor], updates: Iterable[Tensor],
+                   storages: Union[str, Iterable[str]]) -> tuple[Tensor, Tensor]:
+    """``(lost, nonzero)`` counts of the swamping rule (no sync).
+
+    Args:
+      weights: the weights the updates were added to (any float dtype; the
+        value before the step).
+      updates: the applied updates (``after - before``), same shapes.
+      storages: one storage dtype name for all, or one per weight.
+    """
+    weights = list(weights)
+    if isinstance(storages, str):
+        storages = [storages] * len(weights)
+    lost = total = None
+    for w, d, storage in zip(weights, updates, storages):
+        fmt = FORMATS[canonical_dtype(storage)]
+        wa = w.detach().to(torch.float32).abs().clamp_min(fmt.tiny)
+        _, w_exp = torch.frexp(wa)  # |w| = m * 2**e with m in [0.5, 1): floor(log2|w|) = e - 1
+        da = d.detach().to(torch.float32).abs()
+        _, d_exp = torch.frexp(da)
+        nz = da > 0
+        # |d| < 2**(e_w - 1 - mant - 1)  <=>  floor(log2|d|) < e_w - mant - 2  <=>  e_d <= e_w - mant - 2
+        n_lost = (nz & (d_exp <= w_exp - (fmt.mantissa_bits + 2))).sum()
+        n_total = nz.sum()
+        total = n_total if total is None else total + n_total.to(total.device)
+        lost = n_lost if lost is None else lost + n_lost.to(lost.device)
+    if total is None:
+        zero = torch.zeros((), dtype=torch.int64)
+        return zero, zero.clone()
+    return lost, total
+
+
+def update_swamped_fraction(weights: Sequence[Tensor], updates: Sequence[Tensor],
+                            storages: Union[str, Sequence[str]]) -> float:
+    """:func:`swamped_counts` as a fraction (reads the counts: one sync)."""
+    lost, total = swamped_counts(weights, updates, storages)
+    lost_n, total_n = (int(v) for v in torch.stack([lost, total.to(lost.device)]).tolist())
+    return lost_n / total_n if total_n else 0.0
