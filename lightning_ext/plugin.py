@@ -396,9 +396,13 @@ class MixedPrecision(Precision):
 
     @staticmethod
     def _copy_masters_to_params(entries: Iterable[tuple[str, nn.Parameter, nn.Parameter]]) -> None:
-        with torch.no_grad():
-            for _, low, master in entries:
-                low.copy_(master)
+        lows, masters = [], []
+        for _, low, master in entries:
+            lows.append(low)
+            masters.append(master)
+        if lows:
+            with torch.no_grad():
+                torch._foreach_copy_(lows, masters)  # one fused, rounding copy per step
 
     def _master_entries(self, optimizer: Optimizer) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -482,14 +486,18 @@ class MixedPrecision(Precision):
         device = self._state.scale.device
         entries = self._master_entries(optimizer) if self._masters else []
         with torch.no_grad():
+            reuse_dst, reuse_src = [], []
             for _, low, master in entries:
                 if low.grad is None:
                     continue
                 if master.grad is None or master.grad.shape != master.shape:
                     master.grad = low.grad.to(torch.float32)
                 else:
-                    master.grad.copy_(low.grad)
+                    reuse_dst.append(master.grad)
+                    reuse_src.append(low.grad)
                 low.grad = None
+            if reuse_dst:
+                torch._foreach_copy_(reuse_dst, reuse_src)
             groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
             for group in optimizer.param_groups:
                 for p in group["params"]:
