@@ -172,7 +172,7 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
         accuracy = float((logits.argmax(-1).numpy() == y_te).mean())
     n_params = sum(p.numel() for p in module.parameters())
     storage = [(p.numel(), str(p.dtype).replace("torch.", "")) for p in module.parameters()]
-    estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage)
+    estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage, fp32_master_grads=True)
     timed = recorder.timed()
     losses = [s.loss for s in recorder.history if s.loss is not None and np.isfinite(s.loss)]
     tail = losses[-10:] or [float("nan")]

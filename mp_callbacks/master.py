@@ -12,6 +12,12 @@ Memory per parameter (model state only, no activations)::
     + 4 * optimizer slots
 
 AdamW under ``bf16-master``: 2 + 2 + 4 + 4 + 4 = 16 B/param.
+
+That count keeps gradients in the storage dtype.  Framework optimizers need
+the gradient in the dtype of the tensor they update, so at the optimizer step
+both adapters hold the gradient as FP32 on the master (the low-precision
+gradient is released first): ``fp32_master_grads=True`` counts that peak,
+18 B/param for AdamW under ``bf16-master``.
 """
 
 from __future__ import annotations
@@ -96,10 +102,15 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    plan: MasterPlan, optimizer: str, params: Iterable[tuple[int, str]] | int
+    plan: MasterPlan, optimizer: str, params: Iterable[tuple[int, str]] | int,
+    fp32_master_grads: bool = False,
 ) -> MemoryEstimate:
     """Bytes of model state for ``params``: an int (all stored in ``plan.param_dtype``)
-    or ``(numel, storage_dtype)`` pairs (FP32-kept parameters included)."""
+    or ``(numel, storage_dtype)`` pairs (FP32-kept parameters included).
+
+    ``fp32_master_grads``: count the gradient of a parameter with a master as
+    FP32 (what the adapters hold at the optimizer step) instead of its storage dtype.
+    """
     if isinstance(params, int):
         params = [(params, plan.param_dtype)]
     slots = optimizer_slots(optimizer)
@@ -109,13 +120,15 @@ def estimate_memory(
         size = dtype_bytes(dtype)
         n += numel
         w += numel * size
-        g += numel * size
         if plan.needs_master(dtype):
             m += numel * 4
+            g += numel * (4 if fp32_master_grads else size)
+        else:
+            g += numel * size
         s += numel * slots * state_bytes
     return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s)
 
 
-def bytes_per_param(plan: MasterPlan, optimizer: str) -> float:
+def bytes_per_param(plan: MasterPlan, optimizer: str, fp32_master_grads: bool = False) -> float:
     """Bytes of model state per parameter when every parameter uses ``plan.param_dtype``."""
-    return estimate_memory(plan, optimizer, 1).bytes_per_param
+    return estimate_memory(plan, optimizer, 1, fp32_master_grads).bytes_per_param

@@ -141,6 +141,8 @@ def test_memory_estimates():
     est = estimate_memory(get_recipe("bf16-master").master, "AdamW", 10)
     assert (est.weights, est.grads, est.masters, est.optimizer_state) == (20, 20, 40, 80)
     assert bytes_per_param(get_recipe("bf16-master").master, "sgd") == 8.0
+    assert bytes_per_param(get_recipe("bf16-master").master, "adamw", fp32_master_grads=True) == 18.0
+    assert bytes_per_param(get_recipe("bf16-mixed").master, "adamw", fp32_master_grads=True) == 16.0
     assert bytes_per_param(MasterPlan(), "sgd-momentum") == 12.0
     mixed = estimate_memory(get_recipe("bf16-master").master, "adamw", [(10, "bfloat16"), (10, "float32")])
     assert mixed.masters == 40 and mixed.weights == 20 + 40  # FP32-kept params need no master
