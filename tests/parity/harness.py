@@ -2,10 +2,23 @@
 
 Two architectures, each written once per framework with identical structure:
 
-* ``mlp``: Dense(64->H) relu, Dense(H->H) relu, Dense(H->10).
+* ``mlp``: Dense(64->H) tanh, BlowUp, Dense(H->H) tanh, Dense(H->10) ``head``.
 * ``transformer``: the 64 digit pixels as 8 tokens of 8; Dense embed -> LayerNorm ->
-  single-head softmax attention (q, k, v, out projections) -> residual ->
-  LayerNorm -> MLP -> residual -> mean over tokens -> Dense head.
+  single-head softmax attention (q, k (no bias), v, out projections) -> residual ->
+  LayerNorm -> MLP (fc1 tanh, BlowUp, fc2) -> residual -> mean over tokens -> Dense head.
+
+Hidden activations are ``tanh``, not ReLU: a ReLU whose input lies within
+rounding distance of 0 is on in one framework and off in the other, a discrete
+event that Adam (which divides each coordinate's update by its own RMS gradient)
+turns into lr-sized differences.  The key projection has no bias: softmax is
+invariant to it, so its exact gradient is 0 and it would receive only rounding
+noise (same amplification).  Both are properties of the model and the optimizer,
+not of the mixed-precision machinery under test.
+
+``BlowUp`` multiplies its input by a per-step factor (1.0 except on the blow-up
+steps of the schedule): an unknown custom op, so both adapters run it in FP32;
+the next Dense layer casts its output to the compute dtype, where 1e6 times an
+activation exceeds float16's range (65504) and becomes inf.
 
 Weights are created in torch (seeded) and copied into Keras (kernels are the
 transposed torch weights).  Batches come from scikit-learn's digits in a fixed
@@ -29,10 +42,16 @@ class Batches:
     x: np.ndarray  # (steps, batch, 64) float32
     y: np.ndarray  # (steps, batch) int64
     w: np.ndarray  # (steps, batch) float32, inf on injected steps
+    f: np.ndarray  # (steps,) float32: the BlowUp factor of each step (1.0 normally)
 
 
-def digits_batches(steps: int, batch: int, inject: tuple[int, ...] = (), seed: int = 0) -> Batches:
-    """``steps`` batches from scikit-learn's digits, scaled to [0, 1], fixed order."""
+def digits_batches(steps: int, batch: int, inject: tuple[int, ...] = (), seed: int = 0,
+                   blowup: dict[int, float] | None = None) -> Batches:
+    """``steps`` batches from scikit-learn's digits, scaled to [0, 1], fixed order.
+
+    ``inject``: steps whose first sample weight is inf (loss = inf).  ``blowup``:
+    ``{step: factor}`` for the BlowUp layer (1.0 on every other step).
+    """
     from sklearn.datasets import load_digits
 
     data = load_digits()
@@ -44,7 +63,10 @@ def digits_batches(steps: int, batch: int, inject: tuple[int, ...] = (), seed: i
     w = np.ones((steps, batch), np.float32)
     for step in inject:
         w[step, 0] = np.inf
-    return Batches(x=x[idx], y=y[idx], w=w)
+    f = np.ones((steps,), np.float32)
+    for step, factor in (blowup or {}).items():
+        f[step] = factor
+    return Batches(x=x[idx], y=y[idx], w=w, f=f)
 
 
 # -- torch -----------------------------------------------------------------------------
@@ -55,17 +77,41 @@ def torch_model(kind: str, hidden: int = 32, seed: int = 0):
     import torch
     from torch import nn
 
+    class BlowUp(nn.Module):
+        """``x * factor``; ``factor`` is set per step (an unknown op: FP32 under every recipe)."""
+
+        def __init__(self):
+            super().__init__()
+            self.factor = 1.0
+
+        def forward(self, x):
+            return x * self.factor
+
     torch.manual_seed(seed)
     if kind == "mlp":
-        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                             nn.Linear(hidden, CLASSES))
+        class MLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc0, self.fc1 = nn.Linear(64, hidden), nn.Linear(hidden, hidden)
+                self.head = nn.Linear(hidden, CLASSES)
+                self.act0, self.blowup, self.act1 = nn.Tanh(), BlowUp(), nn.Tanh()
+
+            def forward(self, x):
+                return self.head(self.act1(self.fc1(self.blowup(self.act0(self.fc0(x))))))
+
+        return MLP()
     if kind != "transformer":
         raise ValueError(f"unknown model kind {kind!r}; valid: mlp, transformer")
 
     class Attention(nn.Module):
         def __init__(self, d):
             super().__init__()
-            self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+            # No key bias: softmax is invariant to it (q.b_k is the same for every key),
+            # so its exact gradient is 0 and it would only ever receive rounding
+            # noise, which Adam normalizes into lr-sized steps whose direction
+            # differs between frameworks.
+            self.q, self.v, self.o = (nn.Linear(d, d) for _ in range(3))
+            self.k = nn.Linear(d, d, bias=False)
             self.softmax = nn.Softmax(dim=-1)
             self.d = d
 
@@ -79,13 +125,14 @@ def torch_model(kind: str, hidden: int = 32, seed: int = 0):
             self.embed = nn.Linear(TOKEN_DIM, d)
             self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
             self.attn = Attention(d)
-            self.fc1, self.act, self.fc2 = nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d)
+            self.fc1, self.act, self.fc2 = nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d)
+            self.blowup = BlowUp()
             self.head = nn.Linear(d, CLASSES)
 
         def forward(self, x):
             h = self.embed(x.reshape(x.shape[0], TOKENS, TOKEN_DIM))
             h = h + self.attn(self.norm1(h))
-            h = h + self.fc2(self.act(self.fc1(self.norm2(h))))
+            h = h + self.fc2(self.blowup(self.act(self.fc1(self.norm2(h)))))
             return self.head(h.mean(dim=1))
 
     return Block(hidden)
@@ -102,16 +149,69 @@ def torch_loss(logits, y, w):
 # -- keras -----------------------------------------------------------------------------
 
 
+_KERAS_CLASSES: dict = {}
+
+
+def keras_blowup_class():
+    """The Keras ``BlowUp`` layer class: ``x * factor`` with a non-trainable float32 ``factor`` variable."""
+    if "BlowUp" not in _KERAS_CLASSES:
+        import keras
+        from keras import ops
+
+        class BlowUp(keras.layers.Layer):
+            def build(self, input_shape):
+                self.factor = self.add_weight(shape=(), initializer="ones", trainable=False, dtype="float32",
+                                              name="factor")
+
+            def call(self, x):
+                return x * ops.cast(self.factor, x.dtype)
+
+        _KERAS_CLASSES["BlowUp"] = BlowUp
+    return _KERAS_CLASSES["BlowUp"]
+
+
+def keras_attention_classes():
+    """``AttnScores`` (q k^T / sqrt(d)) and ``AttnCtx`` (probs v): the attention matmuls as layers.
+
+    Custom layers rather than ``Lambda``: ``keras_ext.apply_policy`` re-creates
+    layers from their config when it must change their variable dtype, and a
+    ``Lambda`` holding a Python lambda cannot be re-created in Keras' safe mode.
+    """
+    if "AttnScores" not in _KERAS_CLASSES:
+        import keras
+        from keras import ops
+
+        class AttnScores(keras.layers.Layer):
+            def call(self, inputs):
+                q, k = inputs
+                return ops.matmul(q, ops.transpose(k, (0, 2, 1))) / math.sqrt(q.shape[-1])
+
+            def compute_output_shape(self, input_shape):
+                return (input_shape[0][0], input_shape[0][1], input_shape[1][1])
+
+        class AttnCtx(keras.layers.Layer):
+            def call(self, inputs):
+                return ops.matmul(inputs[0], inputs[1])
+
+            def compute_output_shape(self, input_shape):
+                return (input_shape[0][0], input_shape[0][1], input_shape[1][2])
+
+        _KERAS_CLASSES["AttnScores"], _KERAS_CLASSES["AttnCtx"] = AttnScores, AttnCtx
+    return _KERAS_CLASSES["AttnScores"], _KERAS_CLASSES["AttnCtx"]
+
+
 def keras_model(kind: str, hidden: int = 32):
     """The Keras version of ``kind`` (weights to be copied from torch)."""
     import keras
     from keras import layers, ops
 
+    BlowUp = keras_blowup_class()
     inputs = keras.Input((64,))
     if kind == "mlp":
-        h = layers.Dense(hidden, activation="relu", name="l0")(inputs)
-        h = layers.Dense(hidden, activation="relu", name="l2")(h)
-        out = layers.Dense(CLASSES, name="l4")(h)
+        h = layers.Dense(hidden, activation="tanh", name="fc0")(inputs)
+        h = BlowUp(name="blowup")(h)
+        h = layers.Dense(hidden, activation="tanh", name="fc1")(h)
+        out = layers.Dense(CLASSES, name="head")(h)
         return keras.Model(inputs, out)
     if kind != "transformer":
         raise ValueError(f"unknown model kind {kind!r}; valid: mlp, transformer")
@@ -120,15 +220,16 @@ def keras_model(kind: str, hidden: int = 32):
     h = layers.Dense(d, name="embed")(x)
     n1 = layers.LayerNormalization(epsilon=1e-5, name="norm1")(h)
     q = layers.Dense(d, name="attn_q")(n1)
-    k = layers.Dense(d, name="attn_k")(n1)
+    k = layers.Dense(d, use_bias=False, name="attn_k")(n1)
     v = layers.Dense(d, name="attn_v")(n1)
-    scores = layers.Lambda(lambda t: ops.matmul(t[0], ops.transpose(t[1], (0, 2, 1))) / math.sqrt(d),
-                           name="attn_scores")([q, k])
+    AttnScores, AttnCtx = keras_attention_classes()
+    scores = AttnScores(name="attn_scores")([q, k])
     probs = layers.Softmax(axis=-1, name="attn_softmax")(scores)
-    ctx = layers.Lambda(lambda t: ops.matmul(t[0], t[1]), name="attn_ctx")([probs, v])
+    ctx = AttnCtx(name="attn_ctx")([probs, v])
     h = layers.Add()([h, layers.Dense(d, name="attn_o")(ctx)])
     n2 = layers.LayerNormalization(epsilon=1e-5, name="norm2")(h)
-    m = layers.Dense(d, name="fc2")(layers.Dense(2 * d, activation="relu", name="fc1")(n2))
+    m = layers.Dense(2 * d, activation="tanh", name="fc1")(n2)
+    m = layers.Dense(d, name="fc2")(BlowUp(name="blowup")(m))
     h = layers.Add()([h, m])
     pooled = layers.GlobalAveragePooling1D()(h)
     out = layers.Dense(CLASSES, name="head")(pooled)
@@ -140,7 +241,7 @@ TRANSFORMER_LAYERS = {
     "embed": "embed", "norm1": "norm1", "norm2": "norm2", "attn.q": "attn_q", "attn.k": "attn_k",
     "attn.v": "attn_v", "attn.o": "attn_o", "fc1": "fc1", "fc2": "fc2", "head": "head",
 }
-MLP_LAYERS = {"0": "l0", "2": "l2", "4": "l4"}
+MLP_LAYERS = {"fc0": "fc0", "fc1": "fc1", "head": "head"}
 
 
 def layer_map(kind: str) -> dict[str, str]:
@@ -155,7 +256,8 @@ def torch_weights_in_keras_order(torch_module, kind: str) -> list[np.ndarray]:
         m = modules[path]
         w = m.weight.detach().float().cpu().numpy()
         out.append(w.T.copy() if w.ndim == 2 else w.copy())
-        out.append(m.bias.detach().float().cpu().numpy().copy())
+        if m.bias is not None:
+            out.append(m.bias.detach().float().cpu().numpy().copy())
     return out
 
 
@@ -171,8 +273,10 @@ def keras_weights_in_order(keras_model_, kind: str) -> list[np.ndarray]:
 
 def copy_torch_to_keras(torch_module, keras_model_, kind: str) -> None:
     """Set the Keras model's weights to the torch model's (cast to each variable's dtype)."""
+    from keras import ops
+
     values = iter(torch_weights_in_keras_order(torch_module, kind))
     for name in layer_map(kind).values():
         layer = keras_model_.get_layer(name)
         for var in layer.weights:
-            var.assign(next(values).astype(var.dtype if isinstance(var.dtype, str) else "float32"))
+            var.assign(ops.cast(ops.convert_to_tensor(next(values)), var.dtype))

@@ -1,0 +1,37 @@
+"""The Keras side again with KERAS_BACKEND=torch (fixed at keras import: a fresh process).
+
+The subprocess runs :mod:`tests.parity.keras_side` for a set of cases covering every
+recipe and both optimizers and models; this process compares its trajectories with
+the Lightning runs under the same guarantees and tolerances as on TensorFlow.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import checks, runs
+
+ROOT = Path(__file__).resolve().parents[2]
+CASE_IDS = ["32-true:sgd:mlp", "16-mixed:adamw:mlp", "bf16-mixed:sgd:mlp", "16-master:sgd:transformer",
+            "bf16-master:adamw:transformer"]
+
+
+def test_keras_side_on_torch_backend_matches_lightning(tmp_path):
+    if os.environ.get("KERAS_BACKEND") == "torch":
+        pytest.skip("the suite already runs its Keras side on the torch backend")
+    out = tmp_path / "keras_torch.json"
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "tests.parity.keras_side", str(out), *CASE_IDS],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["backend"] == "torch"
+    for case_id in CASE_IDS:
+        recipe, optimizer, kind = case_id.split(":")
+        case = runs.Case(recipe, optimizer, kind, hidden=runs.HIDDEN[kind])
+        keras_traj = runs.trajectory_from_json(result["runs"][case_id])
+        checks.assert_parity(case, runs.lightning_cached(case), keras_traj)
