@@ -28,6 +28,7 @@ in the cross-replica context; Keras 3's own optimizer checks per replica.
 """
 
 from .keras_ops import KERAS_OPS, KerasOps
+from .monitor import MixedPrecisionMonitor
 from .optimizer import LossScaleOptimizer, master_optimizer
 from .policy import (
     apply_policy,
@@ -42,6 +43,7 @@ __all__ = [
     "KERAS_OPS",
     "KerasOps",
     "LossScaleOptimizer",
+    "MixedPrecisionMonitor",
     "apply_policy",
     "get_global_policy",
     "keras_dtype_policy",

@@ -136,6 +136,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._grads_already_unscaled = False
         self._state_vars: dict[str, Any] = {}
         self._masters: list[Any] = []
+        self._stats_hook: Callable[..., None] | None = None
 
     # -- configuration ------------------------------------------------------------
     @property
@@ -253,6 +254,30 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         for field in STATE_FIELDS:
             self._state_vars[field].assign(clean[field])
+
+    # -- diagnostics hook (off by default) ------------------------------------------------
+    @property
+    def stats_hook(self) -> Callable[..., None] | None:
+        """The diagnostics hook called inside :meth:`apply` (None: off, the default)."""
+        return self._stats_hook
+
+    def set_stats_hook(self, hook: Callable[..., None] | None) -> None:
+        """Install (or with None remove) a diagnostics hook; retrace the train function afterwards.
+
+        When set, every :meth:`apply` calls, after the scaler variables were
+        written and inside the same traced step (no host read):
+        ``hook(found_inf, unscaled_grads, trainable_variables, scale_used)``
+        where ``scale_used`` is the scale the gradients were produced with.
+        :class:`keras_ext.MixedPrecisionMonitor` uses it to keep device-side
+        meters; it is called in single-replica runs only.
+        """
+        if hook is not None and not callable(hook):
+            raise TypeError(f"stats hook must be callable or None, not {type(hook).__name__}")
+        self._stats_hook = hook
+
+    def _scale_before(self) -> Any:
+        # a copy: eager backends may update the variable's buffer in place
+        return ops.copy(self._state_vars["scale"].value) if self._stats_hook is not None else None
 
     # -- loss and gradients ------------------------------------------------------------
     def scale_loss(self, loss: Any) -> Any:
@@ -397,6 +422,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _eager_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
         found_inf = self._found_inf(grads)
         unscaled = self._unscaled(grads, tvs, unscaled_already)
+        scale_used = self._scale_before()
         new, applied = self._transition(found_inf)
 
         def apply_fn() -> None:
@@ -405,6 +431,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         ops.cond(applied, apply_fn, lambda: None)
         self._write_state(new)
+        if self._stats_hook is not None:
+            self._stats_hook(found_inf, unscaled, tvs, scale_used)
 
     def _tf_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
         import tensorflow as tf
@@ -421,6 +449,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         def cross_replica(distribution, found_inf, unscaled, tvs):
             found = distribution.experimental_local_results(found_inf)[0]
+            scale_used = self._scale_before()
             new, applied = self._transition(found)
 
             def apply_fn():
@@ -429,6 +458,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
             ops.cond(applied, apply_fn, lambda: None)
             self._write_state(new)
+            if self._stats_hook is not None and distribution.num_replicas_in_sync == 1:
+                local = [None if g is None else distribution.experimental_local_results(g)[0] for g in unscaled]
+                self._stats_hook(found, local, tvs, scale_used)
 
         ctx.merge_call(cross_replica, args=(found_inf, unscaled, tvs))
 

@@ -1,0 +1,83 @@
+"""Cross-framework: the Lightning and the Keras MixedPrecisionMonitor log the same scaler series.
+
+The same scaler configuration and the same overflow schedule (an inf loss on chosen steps: Lightning
+multiplies the loss by inf, Keras gets an inf sample weight) run through
+``lightning_ext.MixedPrecisionMonitor`` and ``keras_ext.MixedPrecisionMonitor`` with
+``log_every_n_steps=1``; the ``mp/scale``, ``mp/overflows_total``, ``mp/skipped_total`` (and
+``mp/overflow``, ``mp/growths_total``) series, the blamed source and the step numbers are equal, and
+equal to the core scaler's :func:`~mp_callbacks.monitor_helpers.expected_series`.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+HERE = Path(__file__).resolve().parent
+for sub in ("lightning", "keras"):
+    if str(HERE.parent / sub) not in sys.path:
+        sys.path.insert(0, str(HERE.parent / sub))
+
+pl = pytest.importorskip("lightning.pytorch")
+keras = pytest.importorskip("keras")
+
+from mp_callbacks.monitor_helpers import LOSS_SOURCE, SCALER_SERIES, expected_series, series_from_rows  # noqa: E402
+
+INF_STEPS = {2, 3, 7, 8, 12}
+STEPS = 16
+SCALER = {"init_scale": 2.0**4, "growth_interval": 3}
+
+
+def _lightning_run():
+    import logging
+
+    import torch
+    from lightning.pytorch.loggers import CSVLogger  # noqa: F401  (same import path as the Lightning tests)
+    from lx_models import TinyRegressor, loader, trainer_kwargs
+
+    from lightning_ext import MixedPrecision, MixedPrecisionMonitor
+
+    torch.set_num_threads(1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    plugin = MixedPrecision("16-mixed", scaler=SCALER)
+    monitor = MixedPrecisionMonitor(log_every_n_steps=1, log_memory=False)
+    trainer = pl.Trainer(plugins=[plugin], max_steps=STEPS, callbacks=[monitor], **trainer_kwargs())
+    trainer.fit(TinyRegressor(inf_steps=INF_STEPS), loader(n=8 * STEPS))
+    return plugin.recipe.scaler, monitor.history
+
+
+def _keras_run(config):
+    from keras_monitor_models import RecordLogs, compile_scaled, fit, tiny_regressor
+
+    from keras_ext import MixedPrecisionMonitor
+
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = tiny_regressor()
+        opt = compile_scaled(model, config)
+        monitor = MixedPrecisionMonitor(log_every_n_steps=1, log_memory=False)
+        rec = RecordLogs()
+        fit(model, monitor, STEPS, inf_steps=INF_STEPS, callbacks=[rec])
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert opt.scaler_config == config
+    return monitor.history, rec.rows
+
+
+def test_lightning_and_keras_monitors_log_the_same_scaler_series():
+    config, lightning_history = _lightning_run()
+    keras_history, keras_rows = _keras_run(config)
+    want = expected_series(config, [k in INF_STEPS for k in range(STEPS)])
+    lightning = {n: [float(v) for v in lightning_history.series(n)] for n in SCALER_SERIES}
+    keras_series = {n: [float(v) for v in keras_history.series(n)] for n in SCALER_SERIES}
+    for name in ("mp/scale", "mp/overflows_total", "mp/skipped_total"):
+        assert lightning[name] == keras_series[name], name
+    assert lightning == keras_series == want
+    assert series_from_rows(keras_rows) == want  # what reached Keras' logs
+    assert [s.step for s in lightning_history] == [s.step for s in keras_history] == list(range(1, STEPS + 1))
+    blamed = [(s.step, s.overflow_module) for s in lightning_history if s.overflow]
+    assert blamed == [(s.step, s.overflow_module) for s in keras_history if s.overflow]
+    assert blamed == [(k + 1, LOSS_SOURCE) for k in sorted(INF_STEPS)]
