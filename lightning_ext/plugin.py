@@ -270,6 +270,7 @@ class MixedPrecision(Precision):
         self._masters: dict[int, tuple[str, nn.Parameter, nn.Parameter]] = {}
         self._originals: dict[str, Tensor] = {}
         self._pending_masters: Optional[dict[str, Tensor]] = None
+        self._pending_fp32_paths: list[str] = []
         self._policy_handle: Optional[ModulePolicyHandle] = None
         self._hooked_module: Optional[nn.Module] = None
         self._lightning_module: Any = None
@@ -384,6 +385,13 @@ class MixedPrecision(Precision):
                         master = nn.Parameter(value, requires_grad=p.requires_grad)
                         entry = (name, p, master)
                         self._masters[id(p)] = entry
+                    else:
+                        # A later fit: convert_module recorded the parameter's current FP32
+                        # value (the master itself unless the user changed the weights).
+                        fresh = pending.get(entry[0], self._originals.pop(entry[0], None))
+                        if fresh is not None:
+                            with torch.no_grad():
+                                entry[2].copy_(fresh)
                     master = entry[2]
                     params[i] = master
                     if p in opt.state:  # move existing optimizer state onto the master
@@ -392,7 +400,16 @@ class MixedPrecision(Precision):
                             for k, v in opt.state.pop(p).items()
                         }
         self._pending_masters = None
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # DDP broadcast rank 0's low-precision weights; masters must follow rank 0 too.
+            with torch.no_grad():
+                for _, _, master in self._masters.values():
+                    dist.broadcast(master.data, src=0)
         self._copy_masters_to_params(e for e in self._masters.values())
+        for path in self._pending_fp32_paths:
+            self.keep_in_fp32(path)
+        self._pending_fp32_paths = []
 
     @staticmethod
     def _copy_masters_to_params(entries: Iterable[tuple[str, nn.Parameter, nn.Parameter]]) -> None:
@@ -633,6 +650,38 @@ class MixedPrecision(Precision):
                             sub._buffers[name] = buf.float()
         return self.policy
 
+    def _restore_policy(self, saved: Any) -> None:
+        """Re-apply FP32 module rules the checkpointed policy added (e.g. by auto-fallback).
+
+        A checkpoint whose policy has other dtypes is an error naming both.
+        """
+        if saved is None:
+            return
+        try:
+            saved_policy = PrecisionPolicy.from_dict(saved)
+        except (ValueError, TypeError) as exc:
+            raise StateDictError(f"the checkpoint holds an invalid policy: {exc}") from None
+        if (saved_policy.params, saved_policy.compute) != (self.policy.params, self.policy.compute):
+            raise StateDictError(
+                f"the checkpoint was saved with policy {saved_policy.format()!r}; this trainer uses "
+                f"{self.policy.format()!r}"
+            )
+        for pattern, dtype in saved_policy.module_rules:
+            if dtype != "float32" or (pattern, dtype) in self.policy.module_rules:
+                continue
+            root = self._hooked_module if self._hooked_module is not None else self._lightning_module
+            try:
+                module = root.get_submodule(pattern) if root is not None else None
+            except AttributeError:
+                module = None  # a class name or a glob: a policy rule only
+            if module is None:
+                self.recipe = self.recipe.with_policy(self.recipe.policy.with_fp32_modules(pattern))
+            elif self.master_weights and not self._masters:
+                self.recipe = self.recipe.with_policy(self.recipe.policy.with_fp32_modules(pattern))
+                self._pending_fp32_paths.append(pattern)  # after the masters exist
+            else:
+                self.keep_in_fp32(pattern, module)
+
     # ----------------------------------------------------------- diagnostics
     def latest_stats(self) -> dict[str, Tensor]:
         """StepStats-ready device tensors of the latest step (no host sync).
@@ -686,6 +735,7 @@ class MixedPrecision(Precision):
                 f"MixedPrecision({recipe!r}) or start a new run."
             )
         plain = check_state_dict(self.recipe.scaler, state_dict["scaler"])
+        self._restore_policy(state_dict.get("policy"))
         self._state = state_from_dict(plain, self._ops)
         masters = state_dict.get("masters") or {}
         if not isinstance(masters, Mapping):

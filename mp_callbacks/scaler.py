@@ -37,8 +37,11 @@ import numpy as np
 from .ops import NUMPY_OPS, Array, ArrayOps
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-FLOAT32_TINY_SUBNORMAL = 2.0**-149
-"""The smallest positive float32: the floor of presets whose anchor has none."""
+FLOAT32_TINY = 2.0**-126
+"""The smallest normal float32: the lowest allowed ``min_scale`` and the floor of
+presets whose anchor has none.  Below it ``1/scale`` overflows to inf in float32
+(unscaling would turn finite gradients into inf/NaN) and CPUs that flush
+subnormals turn the scale itself into 0."""
 
 ON_MIN_SCALE_CHOICES = ("clamp", "warn", "raise")
 SCHEMA_VERSION = 1
@@ -77,7 +80,7 @@ class ScalerConfig:
       hysteresis: overflows tolerated before a backoff (>= 1; 1 = back off on
         every overflow).  Refilled when the scale grows.
       consecutive_hysteresis: also refill hysteresis on every clean step.
-      min_scale: the floor of the scale (> 0).
+      min_scale: the floor of the scale (>= 2**-126, so ``1/scale`` is finite).
       max_scale: the ceiling of the scale (finite, >= min_scale).
       on_min_scale: what a floor hit does: ``"clamp"``, ``"warn"`` or ``"raise"``.
       enabled: ``False`` turns loss scaling off (scale 1.0, no skipping).
@@ -91,7 +94,7 @@ class ScalerConfig:
     growth_interval: int = 2000
     hysteresis: int = 1
     consecutive_hysteresis: bool = False
-    min_scale: float = FLOAT32_TINY_SUBNORMAL
+    min_scale: float = FLOAT32_TINY
     max_scale: float = FLOAT32_MAX
     on_min_scale: str = "clamp"
     enabled: bool = True
@@ -120,8 +123,9 @@ class ScalerConfig:
             self._fail("growth_factor", "> 1")
         if not 0.0 < self.backoff_factor < 1.0:
             self._fail("backoff_factor", "in the open interval (0, 1)")
-        if not self.min_scale > 0.0 or np.float32(self.min_scale) == 0.0:
-            self._fail("min_scale", f"> 0 and representable in float32 (>= {FLOAT32_TINY_SUBNORMAL:g})")
+        if not self.min_scale >= FLOAT32_TINY:
+            self._fail("min_scale", f">= {FLOAT32_TINY:g} (2**-126, the smallest normal float32, "
+                       "so that 1/scale stays finite)")
         if self.max_scale > FLOAT32_MAX:
             self._fail("max_scale", f"<= float32 max ({FLOAT32_MAX:g})")
         if self.max_scale < self.min_scale:
