@@ -78,7 +78,7 @@ def test_torch_ops_match_the_numpy_reference():
         ScalerConfig.preset("megatron", growth_interval=2),
         ScalerConfig(init_scale=4.0, min_scale=1.0, max_scale=64.0, growth_interval=2, hysteresis=2,
                      consecutive_hysteresis=True),
-        ScalerConfig(init_scale=2.0**-148, growth_interval=1),
+        ScalerConfig(init_scale=2.0**-125, growth_interval=1),
         ScalerConfig(enabled=False),
         ScalerConfig(dynamic=False),
     ]
