@@ -61,7 +61,11 @@ class Recipe:
         return replace(self, scaler=ScalerConfig.coerce(scaler))
 
     def with_policy(self, policy: PrecisionPolicy | str | Mapping[str, Any] | None) -> "Recipe":
-        """A copy using ``policy`` (an object, a policy string or a dict); None keeps it."""
+        """A copy using ``policy`` (an object, a policy string or a dict); None keeps it.
+
+        The policy's params and compute dtypes must be the recipe's (the recipe
+        name decides them); its op lists, module rules and output dtype are free.
+        """
         if policy is None:
             return self
         if isinstance(policy, str):
@@ -70,14 +74,22 @@ class Recipe:
             policy = PrecisionPolicy.from_dict(policy)
         elif not isinstance(policy, PrecisionPolicy):
             raise RecipeError(f"policy must be a PrecisionPolicy, a string or a dict, not {type(policy).__name__}")
+        expected = (self.policy.params, self.policy.compute)
+        if (policy.params, policy.compute) != expected:
+            raise RecipeError(
+                f"policy {policy.format()!r} contradicts recipe {self.name!r} (params={expected[0]}, "
+                f"compute={expected[1]}); change the op or module rules, or pick the recipe with those dtypes"
+            )
         return replace(self, policy=policy)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data: name, policy, scaler config and master plan."""
         return {"name": self.name, "policy": self.policy.to_dict(), "scaler": self.scaler.to_dict(),
                 "master": self.master.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Recipe":
+        """Inverse of :meth:`to_dict`."""
         return cls(name=canonical_recipe_name(data["name"]),
                    policy=PrecisionPolicy.from_dict(data["policy"]),
                    scaler=ScalerConfig.from_dict(data["scaler"]),

@@ -132,6 +132,10 @@ def test_recipes():
         get_recipe(16)
     with pytest.raises(ConfigError, match="unknown scaler preset"):
         get_recipe("16-mixed", scaler="nope")
+    with pytest.raises(RecipeError, match="contradicts recipe 'bf16-master' .params=bfloat16, compute=bfloat16"):
+        get_recipe("bf16-master", policy="params=float32,compute=float16")
+    ruled = get_recipe("bf16-mixed").policy.with_fp32_modules("head")
+    assert get_recipe("bf16-mixed", policy=ruled).policy.module_rules == (("head", "float32"),)
 
 
 def test_memory_estimates():
