@@ -40,31 +40,45 @@ class ArrayOps(Protocol):
     def where(self, cond: Array, a: Array, b: Array) -> Array:
         """``a`` where ``cond`` else ``b`` (same dtype as ``a``)."""
 
-    def mul(self, a: Array, b: Array) -> Array: ...
+    def mul(self, a: Array, b: Array) -> Array:
+        """``a * b`` in ``a``'s dtype (float32 overflow gives inf, as in the anchors)."""
 
-    def add(self, a: Array, b: Array) -> Array: ...
+    def add(self, a: Array, b: Array) -> Array:
+        """``a + b`` in ``a``'s dtype."""
 
-    def minimum(self, a: Array, b: Array) -> Array: ...
+    def minimum(self, a: Array, b: Array) -> Array:
+        """Elementwise minimum."""
 
-    def maximum(self, a: Array, b: Array) -> Array: ...
+    def maximum(self, a: Array, b: Array) -> Array:
+        """Elementwise maximum."""
 
-    def isfinite(self, a: Array) -> Array: ...
+    def isfinite(self, a: Array) -> Array:
+        """True where ``a`` is neither inf nor NaN."""
 
-    def logical_and(self, a: Array, b: Array) -> Array: ...
+    def logical_and(self, a: Array, b: Array) -> Array:
+        """Boolean and."""
 
-    def logical_or(self, a: Array, b: Array) -> Array: ...
+    def logical_or(self, a: Array, b: Array) -> Array:
+        """Boolean or."""
 
-    def logical_not(self, a: Array) -> Array: ...
+    def logical_not(self, a: Array) -> Array:
+        """Boolean not."""
 
-    def greater_equal(self, a: Array, b: Array) -> Array: ...
+    def greater_equal(self, a: Array, b: Array) -> Array:
+        """``a >= b``."""
 
-    def less_equal(self, a: Array, b: Array) -> Array: ...
+    def less_equal(self, a: Array, b: Array) -> Array:
+        """``a <= b``."""
 
-    def not_equal(self, a: Array, b: Array) -> Array: ...
+    def not_equal(self, a: Array, b: Array) -> Array:
+        """``a != b``."""
 
 
 class NumpyOps:
-    """Reference backend: NumPy float32/int32 0-d arrays, evaluated eagerly."""
+    """Reference backend: NumPy float32/int32 0-d arrays, evaluated eagerly.
+
+    Each method does what the same-named :class:`ArrayOps` method documents.
+    """
 
     def f32(self, value: Any) -> np.ndarray:
         return np.asarray(value, dtype=np.float32)
@@ -115,3 +129,4 @@ class NumpyOps:
 
 
 NUMPY_OPS = NumpyOps()
+"""The shared instance of the reference backend."""

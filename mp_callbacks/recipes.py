@@ -23,12 +23,14 @@ from .policy import PrecisionPolicy
 from .scaler import ScalerConfig
 
 RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")
+"""The recipe names, baseline first."""
 
 RECIPE_ALIASES = {
     "32": "32-true", "fp32": "32-true", "float32": "32-true",
     "16": "16-mixed", "mixed_float16": "16-mixed", "mixed-float16": "16-mixed",
     "bf16": "bf16-mixed", "mixed_bfloat16": "bf16-mixed", "mixed-bfloat16": "bf16-mixed",
 }
+"""Keras policy names and Lightning short names accepted for the recipes."""
 
 
 class RecipeError(ValueError):

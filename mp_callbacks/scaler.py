@@ -44,7 +44,9 @@ presets whose anchor has none.  Below it ``1/scale`` overflows to inf in float32
 subnormals turn the scale itself into 0."""
 
 ON_MIN_SCALE_CHOICES = ("clamp", "warn", "raise")
+"""Valid values of :attr:`ScalerConfig.on_min_scale`."""
 SCHEMA_VERSION = 1
+"""Version of the scaler's checkpoint record (:func:`make_state_dict`)."""
 
 
 class ConfigError(ValueError):
@@ -179,7 +181,7 @@ class ScalerConfig:
         return cls(**dict(data))
 
 
-PRESETS: dict[str, ScalerConfig] = {
+PRESETS: dict[str, ScalerConfig] = {  # name -> the anchor's documented defaults
     # torch.amp.GradScaler: no floor, grows only while the result is finite.
     "torch": ScalerConfig(init_scale=2.0**16, growth_interval=2000),
     # keras.optimizers.LossScaleOptimizer (Keras 3): 2**15, 2000 steps.  Keras
@@ -221,7 +223,9 @@ class ScalerState(NamedTuple):
 
 
 STATE_FIELDS = ScalerState._fields
+"""Field names of :class:`ScalerState`, in order (scale first)."""
 COUNTER_FIELDS = ("steps", "overflows", "skipped", "growths", "floor_hits")
+"""The running counters among :data:`STATE_FIELDS`."""
 
 
 def initial_state(config: ScalerConfig, ops: ArrayOps = NUMPY_OPS) -> ScalerState:
