@@ -71,10 +71,46 @@ def presets(args: argparse.Namespace) -> int:
     return 0
 
 
+KERAS_TF_NOTE = (
+    "Keras on TensorFlow runs every recipe with Grappler's remapper off (keras_ext.compare.graph_options): "
+    "its fused MatMul+BiasAdd kernel takes a slow float16 path on x86 CPUs (~100x slower "
+    "than float32), while the unfused float16 ops are as fast as float32; the same setting for every recipe "
+    "keeps the comparison fair and leaves float32/bfloat16 within noise."
+)
+
+
+def _quiet_frameworks() -> None:
+    """Hide the frameworks' chatter: TF's C++ info logs (call before TF is imported) and, once
+    Lightning is imported (it sets its own level on import), its per-fit info lines and tips."""
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in (r".*does not have many workers.*", r".*GPU available but not used.*",
+                    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*"):
+        warnings.filterwarnings("ignore", message=message)
+
+
+def _load_runner(framework: str):
+    from .compare import FRAMEWORKS, runner
+
+    try:
+        return runner(framework)
+    except ImportError as exc:
+        extra = {"lightning": "lightning", "keras": "keras"}.get(framework, "all")
+        raise SystemExit(
+            f"mpx compare: error: the {framework} runner ({FRAMEWORKS[framework]}) cannot be imported: {exc}; "
+            f"install the extra (pip install 'mp_callbacks[{extra}]') or drop it from --frameworks"
+        ) from None
+
+
 def compare(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .compare import RunSpec, format_table, runner, write_report
+    from .compare import RunSpec, format_table, write_report
     from .recipes import canonical_recipe_name
 
     try:
@@ -89,24 +125,50 @@ def compare(args: argparse.Namespace) -> int:
                        skip_nonfinite=not args.no_skip_nonfinite)
     except ValueError as exc:
         raise SystemExit(f"mpx compare: error: {exc}") from None
+    _quiet_frameworks()
+    frameworks = list(dict.fromkeys(args.frameworks))
+    runners = {framework: _load_runner(framework) for framework in frameworks}
+    _quiet_frameworks()  # again: Lightning resets its logger level when it is imported
     results = []
     with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), transient=True, disable=args.quiet) as progress:
-        for framework in args.frameworks:
-            run = runner(framework)
+        for framework in frameworks:
+            run = runners[framework]
             for recipe in recipes:
                 task = progress.add_task(f"{framework} {recipe}", total=spec.steps)
                 results.append(run(recipe, spec, lambda n, t=task: progress.update(t, completed=n)))
                 progress.remove_task(task)
     print(format_table(results))
     out = write_report(results, spec, args.out)
+    if "keras" in frameworks and _keras_backend() == "tensorflow":
+        print(f"\nnote: {KERAS_TF_NOTE}")
+        with open(out / "README.md", "a") as fh:
+            fh.write(f"\nNote: {KERAS_TF_NOTE}\n")
     print(f"\nreport written to {out}/ (README.md, results.json, *.jsonl, *.png)")
     return 0
 
 
+def _keras_backend() -> str:
+    try:
+        import keras
+
+        return keras.backend.backend()
+    except ImportError:  # pragma: no cover
+        return ""
+
+
+# The demo: matmuls big enough that bf16 (AMX on recent Xeons) shows a speed-up over fp32
+# (~1.3-1.9x), small enough that both frameworks x 5 recipes take about a minute, imports
+# included.  One intra-op thread: with two, Lightning's OpenMP steps slow down 5-10x as soon
+# as another job shares the 2 cores (the demo took 2.5 min instead of 45 s); with one it took
+# 55 s under the same load.  One injected overflow shows skip and recovery.
+DEMO_ARGS = ("--steps", "120", "--hidden", "1024", "--batch-size", "256", "--depth", "2", "--inject", "40",
+             "--threads", "1")
+
+
 def demo(args: argparse.Namespace) -> int:
-    ns = build_parser().parse_args(["compare", "--steps", "120", "--inject", "40", "--out", args.out])
-    return compare(ns)
+    argv = ["compare", *DEMO_ARGS, "--out", args.out] + (["--quiet"] if args.quiet else [])
+    return compare(build_parser().parse_args(argv))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,9 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=128)
     p.add_argument("--hidden", type=_positive_int, default=512, help="MLP width")
     p.add_argument("--depth", type=_positive_int, default=2, help="hidden layers")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=_positive_float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: framework default)")
+    p.add_argument("--threads", type=_nonnegative_int, default=0, help="intra-op threads (0: framework default)")
     p.add_argument("--inject", type=int, nargs="*", default=[], metavar="STEP",
                    help="steps whose loss is made inf, to show skip and recovery")
     p.add_argument("--no-skip-nonfinite", action="store_true",
@@ -143,8 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--growth-interval", type=_positive_int, default=200)
     p.set_defaults(func=presets)
 
-    p = sub.add_parser("demo", help="make demo: a short compare of every recipe in both frameworks")
+    p = sub.add_parser("demo", help="make demo: a short compare of every recipe in both frameworks",
+                       description=f"mpx compare {' '.join(DEMO_ARGS)}")
     p.add_argument("--out", default="mp_report", help="report folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=demo)
     return parser
 
@@ -156,6 +220,26 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
     return value
 
 

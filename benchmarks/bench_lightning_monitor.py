@@ -1,0 +1,81 @@
+"""Lightning: the cost of lightning_ext.MixedPrecisionMonitor(log_every_n_steps=50).
+
+    python benchmarks/bench_lightning_monitor.py [--threads 1 2] [--rounds 7] [--steps 100] [--recipes ...]
+
+Each recipe trains the same MLP on the same batches with our plugin
+(:func:`lightning_ext.compare.fit_once`), once with the monitor and once
+without, alternating in one process.  The monitor's hooks run inside the timed
+step (the timer starts before its ``on_train_batch_start`` and stops after its
+``on_train_batch_end``).  Its heavier work (meters, host reads, logging) runs
+every ``log_every_n_steps`` steps, so the per-fit figure is the **mean** step
+time (warm-up excluded), which amortizes those steps; a median would hide them.
+``--steps`` should span several logging periods (default 100 = 2 periods).
+Two monitor configurations: the defaults, and ``attribute_overflows=False``
+(no per-module forward/gradient hooks of the overflow tracer).
+The trainer has no logger (``logger=False``): the cost of writing metrics is the
+logger's, not the monitor's.  Ratio = median over rounds of with / without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import alternate, print_table  # noqa: E402
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor  # noqa: E402
+from lightning_ext.compare import fit_once  # noqa: E402
+from mp_callbacks.compare import RunSpec  # noqa: E402
+
+
+def measure(recipe: str, spec: RunSpec, monitor: dict | None, log_every: int):
+    def once() -> float:
+        callbacks = [MixedPrecisionMonitor(log_every_n_steps=log_every, **monitor)] if monitor is not None else []
+        _, recorder = fit_once(MixedPrecision(recipe, "cpu"), spec, callbacks=callbacks)
+        timed = recorder.timed()
+        return sum(timed) / len(timed)
+    return once
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--recipes", nargs="+", default=["16-mixed", "bf16-master"])
+    args = parser.parse_args()
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    for threads in args.threads:
+        spec = RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden, depth=args.depth,
+                       threads=threads)
+        torch.set_num_threads(threads)
+        variants = {}
+        for recipe in args.recipes:
+            variants[f"{recipe} + monitor"] = measure(recipe, spec, {}, args.log_every)
+            variants[f"{recipe} + monitor, no attribution"] = measure(
+                recipe, spec, {"attribute_overflows": False}, args.log_every)
+            variants[f"{recipe}"] = measure(recipe, spec, None, args.log_every)
+        times = alternate(variants, args.rounds)
+        pairs = []
+        for r in args.recipes:
+            pairs += [(f"{r} + monitor", r, "<= 1.05"), (f"{r} + monitor, no attribution", r, "<= 1.05")]
+        print_table(
+            f"Lightning MixedPrecisionMonitor(log_every_n_steps={args.log_every}), MLP {args.depth}x{args.hidden}, "
+            f"batch {args.batch_size}, {args.steps} steps, {threads} thread(s); mean step per fit", times, pairs,
+        )
+
+
+if __name__ == "__main__":
+    main()
