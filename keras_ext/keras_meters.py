@@ -25,6 +25,7 @@ import keras
 from keras import ops
 
 from mp_callbacks.dtypes import FORMATS, canonical_dtype
+from mp_callbacks.meters import fraction
 
 __all__ = [
     "grad_norm", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "update_swamped_fraction",
@@ -66,7 +67,7 @@ def underflow_counts(grads: Iterable[Any], compute: str, scale: Any) -> tuple[An
 def grad_underflow_fraction(grads: Sequence[Any], compute: str, scale: Any) -> float:
     """:func:`underflow_counts` as a fraction (one host read)."""
     lost, total = (float(v) for v in ops.convert_to_numpy(ops.stack(underflow_counts(grads, compute, scale))))
-    return lost / total if total else 0.0
+    return fraction(lost, total)
 
 
 def _half_ulp(w: Any, storage: str) -> Any:
@@ -120,4 +121,4 @@ def swamped_counts(weights: Iterable[Any], updates: Iterable[Any], storages: str
 def update_swamped_fraction(weights: Sequence[Any], updates: Sequence[Any], storages: str | Sequence[str]) -> float:
     """:func:`swamped_counts` as a fraction (one host read)."""
     lost, total = (float(v) for v in ops.convert_to_numpy(ops.stack(swamped_counts(weights, updates, storages))))
-    return lost / total if total else 0.0
+    return fraction(lost, total)

@@ -64,7 +64,8 @@ step the optimizer's gradients give per-layer parameter flags.
 The culprit is the first non-finite record in this order: forward outputs in
 call order, then the loss (:data:`~mp_callbacks.monitor_helpers.LOSS_SOURCE`),
 then layers in reverse call order (input gradient or own parameter
-gradients) -- the Lightning tracer's order.  Layers called inside control
+gradients) -- the core's :func:`~mp_callbacks.monitor_helpers.first_culprit`, as in
+Lightning.  Layers called inside control
 flow (``tf.cond``/``while`` bodies, e.g. RNN cells) are checked as a whole by
 their enclosing layer.  Names are dotted layer paths as in
 :func:`keras_ext.layer_dtype_policies` (``"encoder.dense_1"``).  On the torch
@@ -88,7 +89,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -98,14 +98,16 @@ import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.diagnostics import METRICS, OVERFLOW_MODULE, History, StepStats
+from mp_callbacks.diagnostics import METRICS, OVERFLOW_MODULE, StepStats, json_safe
 from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.master import MasterPlan, MemoryEstimate, estimate_memory, optimizer_slots
+from mp_callbacks.master import MasterPlan, MemoryEstimate, estimate_memory, optimizer_kind, optimizer_slots
 from mp_callbacks.meters import DivergenceError
-from mp_callbacks.monitor import MonitorCore
-from mp_callbacks.monitor_helpers import LOSS_SOURCE
+from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
+from mp_callbacks.monitor_helpers import attribution_order, swamp_storage_dtype
+from mp_callbacks.recipes import Recipe, get_recipe
 
 from . import policy as _policy
+from .policy import _own_variables, _walk
 from .keras_meters import grad_norm, swamped_counts, underflow_counts
 from .optimizer import LossScaleOptimizer
 
@@ -116,8 +118,6 @@ logger = logging.getLogger(__name__)
 
 MONITOR_SCHEMA = "keras_ext.MixedPrecisionMonitor"
 """The ``schema`` tag of the monitor's state record."""
-MONITOR_SCHEMA_VERSION = 1
-"""The version of the monitor's state record."""
 
 MEMORY_BYTES_PER_PARAM = "mp/memory_bytes_per_param"
 """Put into the logs at train start: bytes of model state actually held per parameter."""
@@ -137,17 +137,6 @@ _COUNTERS = ("overflows", "skipped", "growths")
 
 def _is_tf() -> bool:
     return keras.backend.backend() == "tensorflow"
-
-
-def _walk(layer: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for child in layer._flatten_layers(include_self=False, recursive=False):
-        path = f"{prefix}.{child.name}" if prefix else child.name
-        yield path, child
-        yield from _walk(child, path)
-
-
-def _own_variables(layer: Any) -> list[Any]:
-    return list(getattr(layer, "_trainable_variables", [])) + list(getattr(layer, "_non_trainable_variables", []))
 
 
 def _flatten(value: Any) -> Iterator[Any]:
@@ -247,7 +236,7 @@ class _DeviceState:
                                     name="mp_monitor_overflow_count")
 
 
-class MixedPrecisionMonitor(keras.callbacks.Callback):
+class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     """Mixed-precision diagnostics for :class:`keras_ext.LossScaleOptimizer`, with the shared metric names.
 
     Args:
@@ -288,25 +277,22 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         monitor.history.to_jsonl("mp.jsonl")
     """
 
+    SCHEMA = MONITOR_SCHEMA
+    STATE_WORD = "state"
+
     def __init__(self, log_every_n_steps: int = 50, divergence_patience: Optional[int] = None,
                  auto_fallback_after: Optional[int] = None, attribute_overflows: bool = True,
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
                  compute_dtype: Optional[str] = None, state_path: Optional[str | os.PathLike[str]] = None,
                  overflow_buffer: int = 256, history_maxlen: int = 100_000) -> None:
         super().__init__()
-        self.core = MonitorCore(log_every_n_steps=log_every_n_steps, divergence_patience=divergence_patience,
-                                auto_fallback_after=auto_fallback_after, history_maxlen=history_maxlen)
+        self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,
+                    measure_grads, measure_swamping, log_memory, history_maxlen)
         if not isinstance(overflow_buffer, int) or overflow_buffer < 1:
             raise ValueError(f"overflow_buffer={overflow_buffer!r} must be an integer >= 1")
-        self.attribute_overflows = bool(attribute_overflows)
-        self.measure_grads = bool(measure_grads)
-        self.measure_swamping = bool(measure_swamping)
-        self.log_memory = bool(log_memory)
         self.compute_dtype = canonical_dtype(compute_dtype) if compute_dtype else None
         self.state_path = os.fspath(state_path) if state_path is not None else None
         self.overflow_buffer = overflow_buffer
-        self.memory_reports: list[dict[str, Any]] = []
-        self._step = 0
         self._last_seen = 0
         self._ring_seen = 0
         self._dev: Optional[_DeviceState] = None
@@ -326,21 +312,7 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         self._overflows_seen = 0
 
     # ------------------------------------------------------------------ API
-    @property
-    def history(self) -> History:
-        """The run's :class:`~mp_callbacks.diagnostics.History` (steps and events)."""
-        return self.core.history
-
-    @property
-    def log_every_n_steps(self) -> int:
-        """The logging cadence."""
-        return self.core.log_every_n_steps
-
-    @property
-    def step(self) -> int:
-        """Scaler transitions seen so far."""
-        return self._step
-
+    # history, log_every_n_steps, step, state_dict, load_state_dict, repr: MonitorFacade
     def _optimizer(self) -> LossScaleOptimizer:
         opt = getattr(self.model, "optimizer", None)
         if not isinstance(opt, LossScaleOptimizer):
@@ -353,7 +325,11 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
 
     # ------------------------------------------------------------- lifecycle
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        """Load state, read the step counter, install the hooks (retrace), log memory."""
+        """Load state, read the step counter, install the hooks (retrace), log memory.
+
+        Hooks left behind by a run that failed are removed first (:meth:`uninstall`).
+        """
+        self._uninstall()
         opt = self._optimizer()
         self._opt = opt
         if not opt.built:
@@ -456,7 +432,17 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         opt.set_stats_hook(self._hook)
         self._retrace()
 
+    def uninstall(self) -> None:
+        """Remove the monitor's wrappers and the optimizer's stats hook (idempotent).
+
+        Runs at train end, before a :class:`~mp_callbacks.meters.DivergenceError`
+        propagates and at the next train start; call it after a ``fit`` that
+        raised to restore the model's layers and train step at once.
+        """
+        self._uninstall()
+
     def _uninstall(self) -> None:
+        self._logging_now = False
         for obj, name in self._patched:
             obj.__dict__.pop(name, None)
         self._patched = []
@@ -587,17 +573,18 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         ops.cond(found, write, lambda: None)
 
     def _culprit(self, trace: _Trace, grads: list[Any], tvs: list[Any], generation: int) -> Any:
-        """Index (into this trace's name table) of the first non-finite record, -1 if none (device)."""
-        names: list[str] = []
-        flags: list[Any] = []
+        """Index (into this trace's name table) of the first non-finite record, -1 if none (device).
+
+        The table is the core's :func:`~mp_callbacks.monitor_helpers.attribution_order` (forward
+        records in call order, the loss, layers with gradient flags in reverse call order: the
+        backward order), so the first flagged entry is :func:`~mp_callbacks.monitor_helpers.first_culprit`.
+        """
+        forward_flags = [_nonfinite(probe) for _, probe in trace.forward]
+        loss_flag = _nonfinite(trace.loss) if trace.loss is not None else ops.convert_to_tensor(False)
         order: list[str] = []
-        for path, probe in trace.forward:
-            names.append(path)
-            flags.append(_nonfinite(probe))
+        for path, _ in trace.forward:
             if path not in order:
                 order.append(path)
-        names.append(LOSS_SOURCE)
-        flags.append(_nonfinite(trace.loss) if trace.loss is not None else ops.convert_to_tensor(False))
         backward: dict[str, list[Any]] = {}
         for g, v in zip(grads, tvs):
             path = self._owners.get(id(v))
@@ -611,13 +598,15 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         for path in list(backward):
             if path not in order:
                 order.append(path)
-        for path in reversed(order):
-            if path in backward:
-                names.append(path)
-                bad = backward[path][0]
-                for f in backward[path][1:]:
-                    bad = ops.logical_or(bad, f)
-                flags.append(bad)
+        backward_names = [path for path in reversed(order) if path in backward]  # backward order
+        backward_flags = []
+        for path in backward_names:
+            bad = backward[path][0]
+            for f in backward[path][1:]:
+                bad = ops.logical_or(bad, f)
+            backward_flags.append(bad)
+        names = attribution_order([path for path, _ in trace.forward], backward_names)
+        flags = [*forward_flags, loss_flag, *backward_flags]
         self._tables[generation] = names
         stacked = ops.stack([ops.cast(f, "int32") for f in flags])
         n = len(flags)
@@ -625,25 +614,36 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         return ops.where(ops.less(first, n), first, -1)
 
     # -------------------------------------------------------------- reading
+    def _recipe(self) -> Recipe:
+        """The recipe in force: keras_ext's active one, else the one matching the compute dtype and optimizer."""
+        recipe = _policy._ACTIVE.get("recipe")
+        if recipe is not None:
+            return recipe
+        if self._compute == "float32":
+            return get_recipe("32-true")
+        prefix = "bf16" if self._compute == "bfloat16" else "16"
+        return get_recipe(f"{prefix}-{'master' if self._opt.master_weights else 'mixed'}")
+
     def _swamp_targets(self) -> list[tuple[Any, str]]:
-        """(the variable the optimizer updates, the dtype its update is measured against)."""
+        """(the variable the optimizer updates, the dtype its update is measured against).
+
+        The dtype is the core's :func:`~mp_callbacks.monitor_helpers.swamp_storage_dtype`; a
+        variable counts as kept in FP32 when its layer computes in float32 (policy or fallback).
+        """
         opt = self._opt
+        recipe = self._recipe()
         masters = opt.master_variables if opt.master_weights else []
-        compute_of: dict[int, str] = {}
+        kept: dict[int, bool] = {}
         for _, layer in _walk(self.model):
-            compute = canonical_dtype(layer.dtype_policy.compute_dtype)
+            fp32 = canonical_dtype(layer.dtype_policy.compute_dtype) == "float32"
             for v in _own_variables(layer):
-                compute_of[id(v)] = compute
+                kept[id(v)] = fp32
         out = []
-        for i, v in enumerate(self.model.trainable_variables):
+        for v in self.model.trainable_variables:
             stored = canonical_dtype(keras.backend.standardize_dtype(v.dtype))
             master = masters[opt._get_variable_index(v)] if masters else None
-            if master is not None:  # *-master: the low-precision storage itself
-                out.append((master, stored))
-            elif opt.master_weights:  # kept in FP32: its own master
-                out.append((v, stored))
-            else:  # *-mixed / 32-true: what the matching *-master recipe would store (compute, FP32 if kept)
-                out.append((v, compute_of.get(id(v), stored)))
+            target = master if master is not None else v  # the FP32 master under *-master
+            out.append((target, swamp_storage_dtype(recipe, stored, kept.get(id(v), stored == "float32"))))
         return out
 
     def _swamp_function(self, targets: list[tuple[Any, str]]) -> Any:
@@ -703,15 +703,16 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         self._ring_seen = count
         current: Optional[StepStats] = None
         current_module: Optional[str] = None
-        for row in rows:
+        for row in rows:  # the device hook writes one row per overflow step
             step = int(row[_R_STEP])
+            if not self.core.should_record(step, overflow=True):
+                continue
             module = self._culprit_name(row)
             if logging and step == self._step:
                 current_module = module
                 continue
-            stats_row = StepStats(step=step, scale=float(row[_R_SCALE]), overflow=True,
-                                  overflows_total=int(row[_R_OVERFLOWS]), skipped_total=int(row[_R_SKIPPED]),
-                                  growths_total=int(row[_R_GROWTHS]), overflow_module=module)
+            stats_row = StepStats.from_counts(step, row[_R_SCALE], True, row[_R_OVERFLOWS], row[_R_SKIPPED],
+                                              row[_R_GROWTHS], overflow_module=module)
             self._observe(stats_row)
         if self._step == 0:
             return None
@@ -721,17 +722,11 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         self._overflows_seen = int(counters[0])
         overflow = bool(stats[_S_FOUND])
         measured = logging and stats[_S_VALID] == 1.0
-        underflow = None
-        if measured:
-            underflow = float(stats[_S_LOST] / stats[_S_TOTAL]) if stats[_S_TOTAL] else 0.0
-        swamped = None
-        if swamp_counts is not None and not overflow:
-            swamped = float(swamp_counts[0] / swamp_counts[1]) if swamp_counts[1] else 0.0
-        current = StepStats(
-            step=self._step, scale=float(stats[_S_SCALE]), overflow=overflow, overflows_total=int(counters[0]),
-            skipped_total=int(counters[1]), growths_total=int(counters[2]),
-            grad_norm=float(stats[_S_NORM]) if measured else None, grad_underflow_frac=underflow,
-            update_swamped_frac=swamped,
+        current = StepStats.from_counts(
+            self._step, stats[_S_SCALE], overflow, counters[0], counters[1], counters[2],
+            grad_norm=stats[_S_NORM] if measured else None,
+            underflow=(stats[_S_LOST], stats[_S_TOTAL]) if measured else None,
+            swamped=(swamp_counts[0], swamp_counts[1]) if swamp_counts is not None and not overflow else None,
             overflow_module=(current_module if overflow and self.attribute_overflows else None),
         )
         if logging:
@@ -756,21 +751,12 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
             self.core.observe_clean()  # a clean, unrecorded step came in between
         self._last_seen = max(self._last_seen, stats.step)
         try:
-            moved = self._record(stats, float(self._opt.scaler_config.min_scale))
+            moved = self.core.record(stats, float(self._opt.scaler_config.min_scale))
         except DivergenceError:
             self._uninstall()
             raise
         for path in moved:
             self._move_to_fp32(path, announce=True, step=stats.step)
-
-    def _record(self, stats: StepStats, min_scale: float) -> list[str]:
-        if stats.overflow_module == LOSS_SOURCE and self.core.fallback is not None:
-            fallback, self.core.fallback = self.core.fallback, None  # the loss is not a layer
-            try:
-                return self.core.record(stats, min_scale)
-            finally:
-                self.core.fallback = fallback
-        return self.core.record(stats, min_scale)
 
     # ------------------------------------------------------------ fallback
     def _find_layer(self, path: str) -> Any:
@@ -826,9 +812,9 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         a variable with a master, the variable's dtype otherwise.
         ``estimate`` is :func:`mp_callbacks.master.estimate_memory` for the
         same variables and storage dtypes (None for an optimizer unknown to the
-        core); like the Lightning monitor's, it counts gradients in the storage
-        dtype (16 B/param for ``bf16-master`` + AdamW), where ``actual`` shows the
-        FP32 gradient the masters receive.
+        core) with ``fp32_master_grads=True``, like the Lightning monitor's: it
+        counts the FP32 gradient a variable with a master receives at the step
+        (18 B/param for ``bf16-master`` + AdamW).
         """
         opt = self._opt or self._optimizer()
         tvs = list(self.model.trainable_variables)
@@ -840,9 +826,7 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
         grads = sum(_numel(v) * 4 if id(v) in mastered else _nbytes(v) for v in tvs)
         state = sum(_nbytes(v) for v in opt.inner_optimizer.variables)
         inner = opt.inner_optimizer
-        name = type(inner).__name__.lower()
-        if name == "sgd" and float(getattr(inner, "momentum", 0.0) or 0.0):
-            name = "sgd-momentum"
+        name = optimizer_kind(type(inner).__name__, float(getattr(inner, "momentum", 0.0) or 0.0))
         estimate = None
         try:
             optimizer_slots(name)
@@ -850,7 +834,7 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
             plan = recipe.master if recipe is not None else MasterPlan(
                 param_dtype=_low_dtype(tvs), master_weights=opt.master_weights)
             est = estimate_memory(plan, name, [(_numel(v), canonical_dtype(keras.backend.standardize_dtype(v.dtype)))
-                                               for v in tvs])
+                                               for v in tvs], fp32_master_grads=True)
             estimate = est.to_dict()
         except (ValueError, TypeError):
             name = f"{name} (unknown to the core)"
@@ -870,38 +854,18 @@ class MixedPrecisionMonitor(keras.callbacks.Callback):
                 logs[MEMORY_ESTIMATE_BYTES_PER_PARAM] = float(report["estimate"]["bytes_per_param"])
 
     # ---------------------------------------------------------- persistence
-    def state_dict(self) -> dict[str, Any]:
-        """Plain data: schema tag and version, the step count and the core's history/guard/fallback state."""
-        return {"schema": MONITOR_SCHEMA, "schema_version": MONITOR_SCHEMA_VERSION, "step": int(self._step),
-                "core": self.core.state_dict()}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; another schema or version is an error naming both."""
-        if not isinstance(state_dict, Mapping) or state_dict.get("schema") != MONITOR_SCHEMA:
-            found = state_dict.get("schema") if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(f"the state holds monitor schema {found!r}; this callback reads {MONITOR_SCHEMA!r}")
-        if state_dict.get("schema_version") != MONITOR_SCHEMA_VERSION:
-            raise ValueError(f"the state holds {MONITOR_SCHEMA} schema v{state_dict.get('schema_version')!r}; "
-                             f"this version reads v{MONITOR_SCHEMA_VERSION}")
-        self.core.load_state_dict(state_dict["core"])
-        self._step = int(state_dict.get("step", 0))
-
+    # state_dict / load_state_dict: MonitorFacade
     def save_state(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state_dict` as JSON (non-finite numbers as strings, as the history's JSONL does)."""
         tmp = f"{os.fspath(path)}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(_jsonable(self.state_dict()), fh)
+            json.dump(json_safe(self.state_dict()), fh)
         os.replace(tmp, path)
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
         """Read a file written by :meth:`save_state`."""
         with open(path, encoding="utf-8") as fh:
             self.load_state_dict(json.load(fh))
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(log_every_n_steps={self.log_every_n_steps}, "
-                f"divergence_patience={self.core.guard.patience if self.core.guard else None}, "
-                f"auto_fallback_after={self.core.fallback.threshold if self.core.fallback else None})")
 
 
 def _low_dtype(tvs: list[Any]) -> str:
@@ -911,12 +875,3 @@ def _low_dtype(tvs: list[Any]) -> str:
             return d
     return "float32"
 
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value

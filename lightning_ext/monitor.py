@@ -51,11 +51,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from mp_callbacks.diagnostics import OVERFLOW_MODULE, History, StepStats
+from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats
 from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.master import MemoryEstimate, estimate_memory, optimizer_slots
-from mp_callbacks.monitor import MonitorCore
-from mp_callbacks.monitor_helpers import LOSS_SOURCE, swamp_storage_dtype
+from mp_callbacks.master import MemoryEstimate, estimate_memory, optimizer_kind, optimizer_slots
+from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
+from mp_callbacks.monitor_helpers import LOSS_SOURCE, first_culprit, swamp_storage_dtype
 
 from .plugin import MixedPrecision
 from .torch_meters import grad_norm, swamped_counts, underflow_counts
@@ -64,8 +64,6 @@ __all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor", 
 
 MONITOR_SCHEMA = "lightning_ext.MixedPrecisionMonitor"
 """The ``schema`` tag of the callback's checkpoint record."""
-MONITOR_SCHEMA_VERSION = 1
-"""The version of the callback's checkpoint record."""
 
 MEMORY_BYTES_PER_PARAM = "mp/memory_bytes_per_param"
 """Logged at train start and end: bytes of model state actually held per parameter."""
@@ -95,21 +93,22 @@ def _opt_params(optimizer: Any) -> list[Tensor]:
 class OverflowTracer:
     """Device-side "became non-finite" flags per module, in the order they happened (no host sync).
 
-    While :attr:`active`, every hooked module appends ``(path, flag)`` records:
-    after its forward (any floating output non-finite), when the gradient of
-    its inputs is computed (the gradient its backward produced) and when the
-    gradient of its own parameters is computed.  :meth:`on_loss` adds the
-    loss itself (:data:`~mp_callbacks.monitor_helpers.LOSS_SOURCE`).
-    :meth:`first_bad` reads the flags (one sync) and names the first record
-    that is non-finite: the first module whose forward output, or else whose
-    gradient, became non-finite.  The root module is not hooked (its forward
-    is the whole model); when several modules receive the same input tensor
-    the innermost (last to register) owns its gradient record.
+    While :attr:`active`, every hooked module appends ``(kind, path, flag)``
+    records: a ``"forward"`` record after its forward (any floating output
+    non-finite), ``"backward"`` records when the gradient of its inputs is
+    computed (the gradient its backward produced) and when the gradient of its
+    own parameters is computed.  :meth:`on_loss` adds a ``"loss"`` record.
+    :meth:`first_bad` reads the flags (one sync) and hands the non-finite
+    forward records (call order), the loss flag and the non-finite backward
+    records (the order they fired: backward order) to the core's
+    :func:`~mp_callbacks.monitor_helpers.first_culprit`.  The root module is
+    not hooked (its forward is the whole model); when several modules receive
+    the same input tensor the innermost (last to register) owns its gradient record.
     """
 
     def __init__(self) -> None:
         self.active = False
-        self.records: list[tuple[str, Tensor]] = []
+        self.records: list[tuple[str, str, Tensor]] = []
         self._handles: list[Any] = []
         self._inputs: dict[int, tuple[Any, list[str]]] = {}
 
@@ -150,7 +149,7 @@ class OverflowTracer:
             if self.active:
                 flag = self._bad(iter((grad,)))
                 if flag is not None:
-                    self.records.append((owner[0], flag))
+                    self.records.append(("backward", owner[0], flag))
         return hook
 
     def _pre_hook(self, path: str) -> Callable[..., None]:
@@ -178,7 +177,7 @@ class OverflowTracer:
             if self.active:
                 flag = self._bad(_tensors(output))
                 if flag is not None:
-                    self.records.append((path, flag))
+                    self.records.append(("forward", path, flag))
             return None
         return hook
 
@@ -187,9 +186,9 @@ class OverflowTracer:
         if self.active:
             flag = self._bad(iter((loss,)))
             if flag is not None:
-                self.records.append((LOSS_SOURCE, flag))
+                self.records.append(("loss", LOSS_SOURCE, flag))
 
-    def take(self, count: Optional[int] = None) -> list[tuple[str, Tensor]]:
+    def take(self, count: Optional[int] = None) -> list[tuple[str, str, Tensor]]:
         """Remove and return the first ``count`` records (all when None)."""
         count = len(self.records) if count is None else count
         taken, self.records = self.records[:count], self.records[count:]
@@ -198,16 +197,16 @@ class OverflowTracer:
         return taken
 
     @staticmethod
-    def first_bad(records: list[tuple[str, Tensor]]) -> Optional[str]:
-        """The path of the first non-finite record (reads the flags: one sync), None if all are finite."""
+    def first_bad(records: list[tuple[str, str, Tensor]]) -> Optional[str]:
+        """The core's :func:`~mp_callbacks.monitor_helpers.first_culprit` of ``records``
+        (reads the flags: one sync), None if all are finite."""
         if not records:
             return None
-        device = records[0][1].device
-        flags = torch.stack([f.to(device) for _, f in records]).tolist()
-        for (path, _), bad in zip(records, flags):
-            if bad:
-                return path
-        return None
+        device = records[0][2].device
+        flags = torch.stack([f.to(device) for _, _, f in records]).tolist()
+        bad = [(kind, path) for (kind, path, _), b in zip(records, flags) if b]
+        return first_culprit([p for k, p in bad if k == "forward"], any(k == "loss" for k, _ in bad),
+                             [p for k, p in bad if k == "backward"])
 
 
 @dataclass
@@ -223,7 +222,7 @@ class _Pending:
     before: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
-class MixedPrecisionMonitor(Callback):
+class MixedPrecisionMonitor(MonitorFacade, Callback):
     """Mixed-precision diagnostics for :class:`lightning_ext.MixedPrecision`, with the shared metric names.
 
     Args:
@@ -259,37 +258,20 @@ class MixedPrecisionMonitor(Callback):
         monitor.history.to_jsonl("mp.jsonl")
     """
 
+    SCHEMA = MONITOR_SCHEMA
+    STATE_WORD = "checkpoint"
+
     def __init__(self, log_every_n_steps: int = 50, divergence_patience: Optional[int] = None,
                  auto_fallback_after: Optional[int] = None, attribute_overflows: bool = True,
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
                  history_maxlen: int = 100_000) -> None:
-        self.core = MonitorCore(log_every_n_steps=log_every_n_steps, divergence_patience=divergence_patience,
-                                auto_fallback_after=auto_fallback_after, history_maxlen=history_maxlen)
-        self.attribute_overflows = bool(attribute_overflows)
-        self.measure_grads = bool(measure_grads)
-        self.measure_swamping = bool(measure_swamping)
-        self.log_memory = bool(log_memory)
+        self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,
+                    measure_grads, measure_swamping, log_memory, history_maxlen)
         self.tracer = OverflowTracer()
-        self.memory_reports: list[dict[str, Any]] = []
-        self._step = 0
         self._pending: Optional[_Pending] = None
 
     # ------------------------------------------------------------------ API
-    @property
-    def history(self) -> History:
-        """The run's :class:`~mp_callbacks.diagnostics.History` (steps and events)."""
-        return self.core.history
-
-    @property
-    def log_every_n_steps(self) -> int:
-        """The logging cadence."""
-        return self.core.log_every_n_steps
-
-    @property
-    def step(self) -> int:
-        """Scaler transitions seen so far (the last recorded or skipped step's number)."""
-        return self._step
-
+    # history, log_every_n_steps, step, state_dict, load_state_dict, repr: MonitorFacade
     @staticmethod
     def _plugin(trainer: "pl.Trainer") -> MixedPrecision:
         plugin = trainer.precision_plugin
@@ -331,8 +313,10 @@ class MixedPrecisionMonitor(Callback):
         FP32 masters of ``*-master``), ``optimizer_state`` (every tensor in the
         optimizers' state, step counters included).  ``estimate`` is
         :func:`mp_callbacks.master.estimate_memory` for the same parameters and
-        storage dtypes (None for an optimizer the core does not know).
-        Gradients and optimizer state that do not exist yet (before the first
+        storage dtypes with ``fp32_master_grads=True`` (the FP32 gradient a
+        parameter with a master holds at the step: 18 B/param for
+        ``bf16-master`` + AdamW), as the Keras monitor's (None for an
+        optimizer the core does not know).  Gradients and optimizer state that do not exist yet (before the first
         step) are not counted in ``actual``.
         """
         plugin = self._plugin(trainer)
@@ -356,9 +340,8 @@ class MixedPrecisionMonitor(Callback):
                         grads += p.grad.nbytes
             for slot in raw.state.values():
                 state += sum(v.nbytes for v in _tensors(slot))
-            name = type(raw).__name__.lower()
-            if name == "sgd" and any(g.get("momentum", 0) for g in raw.param_groups):
-                name = "sgd-momentum"
+            name = optimizer_kind(type(raw).__name__,
+                                  max((float(g.get("momentum", 0) or 0) for g in raw.param_groups), default=0.0))
             names.append(name)
             try:
                 optimizer_slots(name)
@@ -367,7 +350,8 @@ class MixedPrecisionMonitor(Callback):
                 names[-1] = f"{name} (unknown to the core)"
                 break
             part = estimate_memory(plugin.recipe.master, name,
-                                   [(p.numel(), storage[id(p)][0]) for p in _opt_params(raw)])
+                                   [(p.numel(), storage[id(p)][0]) for p in _opt_params(raw)],
+                                   fp32_master_grads=True)
             est = part if est is None else MemoryEstimate(*(a + b for a, b in zip(
                 (est.params, est.weights, est.grads, est.masters, est.optimizer_state),
                 (part.params, part.weights, part.grads, part.masters, part.optimizer_state))))
@@ -401,8 +385,17 @@ class MixedPrecisionMonitor(Callback):
             self._log_memory(trainer, "train_end")
         self.tracer.remove()
 
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        """Training failed: remove the hooks, stop recording, forget the unfinished step."""
+        self.uninstall()
+
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        """Remove the hooks (also after an exception)."""
+        """Remove the hooks."""
+        self.uninstall()
+
+    def uninstall(self) -> None:
+        """Remove the attribution hooks and forget any unfinished step (idempotent)."""
+        self.tracer.active = False
         self.tracer.remove()
         self._pending = None
 
@@ -455,7 +448,7 @@ class MixedPrecisionMonitor(Callback):
         self._step += 1
         step = self._step
         overflow_host = plugin.last_step_skipped(pending.optimizer) if plugin.can_skip else False
-        if not pending.logging and not overflow_host:
+        if not self.core.should_record(step, overflow_host):
             self.tracer.take(pending.cut)
             self.core.observe_clean()
             return
@@ -491,22 +484,19 @@ class MixedPrecisionMonitor(Callback):
         def get(name: str) -> Optional[float]:
             return read[optional[name]] if name in optional else None
 
-        underflow = swamped = None
-        if "underflow_total" in optional:
-            total = get("underflow_total")
-            underflow = get("underflow_lost") / total if total else 0.0
-        if "swamp_total" in optional:  # measured only on applied steps
-            total = get("swamp_total")
-            swamped = get("swamp_lost") / total if total else 0.0
+        def counts(prefix: str) -> Optional[tuple[float, float]]:
+            return (read[optional[f"{prefix}_lost"]], read[optional[f"{prefix}_total"]]) \
+                if f"{prefix}_total" in optional else None
+
         records = self.tracer.take(pending.cut)
         module = self._blame(records) if (overflow and self.attribute_overflows) else None
-        stats = StepStats(
-            step=step, scale=read[0], overflow=overflow, overflows_total=int(read[2]),
-            skipped_total=int(read[3]), growths_total=int(read[4]), loss=get("loss"), grad_norm=get("grad_norm"),
-            grad_underflow_frac=underflow, update_swamped_frac=swamped, overflow_module=module,
+        stats = StepStats.from_counts(
+            step, read[0], overflow, read[2], read[3], read[4], loss=get("loss"), grad_norm=get("grad_norm"),
+            underflow=counts("underflow"), swamped=counts("swamp"),  # swamping: measured on applied steps only
+            overflow_module=module,
         )
         try:
-            moved = self._record(stats, plugin.recipe.scaler.min_scale)
+            moved = self.core.record(stats, plugin.recipe.scaler.min_scale)
         finally:
             self._log(trainer, stats)
         for path in moved:
@@ -518,7 +508,7 @@ class MixedPrecisionMonitor(Callback):
             self._log_text(trainer, "mp/fallback", message, step)
 
     @staticmethod
-    def _blame(records: list[tuple[str, Tensor]]) -> Optional[str]:
+    def _blame(records: list[tuple[str, str, Tensor]]) -> Optional[str]:
         """The first non-finite record; under DDP every rank takes the same answer.
 
         Each rank finds its local culprit (its own forward outputs and local
@@ -535,16 +525,6 @@ class MixedPrecisionMonitor(Callback):
         gathered: list[Optional[str]] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         return next((g for g in gathered if g), None)
-
-    def _record(self, stats: StepStats, min_scale: float) -> list[str]:
-        if stats.overflow_module == LOSS_SOURCE and self.core.fallback is not None:
-            # the loss itself is not a module: never move it to FP32
-            fallback, self.core.fallback = self.core.fallback, None
-            try:
-                return self.core.record(stats, min_scale)
-            finally:
-                self.core.fallback = fallback
-        return self.core.record(stats, min_scale)
 
     def _move_to_fp32(self, plugin: MixedPrecision, pl_module: "pl.LightningModule", path: str) -> None:
         try:
@@ -583,25 +563,4 @@ class MixedPrecisionMonitor(Callback):
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=self._step)
 
-    # ---------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Plain data: schema tag and version, the step count and the core's history/guard/fallback state."""
-        return {"schema": MONITOR_SCHEMA, "schema_version": MONITOR_SCHEMA_VERSION, "step": int(self._step),
-                "core": self.core.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; another schema or version is an error naming both."""
-        if not isinstance(state_dict, Mapping) or state_dict.get("schema") != MONITOR_SCHEMA:
-            found = state_dict.get("schema") if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(f"the checkpoint holds monitor schema {found!r}; this callback reads {MONITOR_SCHEMA!r}")
-        if state_dict.get("schema_version") != MONITOR_SCHEMA_VERSION:
-            raise ValueError(f"the checkpoint holds {MONITOR_SCHEMA} schema v{state_dict.get('schema_version')!r}; "
-                             f"this version reads v{MONITOR_SCHEMA_VERSION}")
-        self.core.load_state_dict(state_dict["core"])
-        self._step = int(state_dict.get("step", 0))
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(log_every_n_steps={self.log_every_n_steps}, "
-                f"divergence_patience={self.core.guard.patience if self.core.guard else None}, "
-                f"auto_fallback_after={self.core.fallback.threshold if self.core.fallback else None})")
 

@@ -16,12 +16,13 @@ references':
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence, Union
+from typing import Iterable, Iterator, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from mp_callbacks.dtypes import FORMATS, canonical_dtype
+from mp_callbacks.meters import fraction
 
 __all__ = [
     "grad_norm", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "underflow_limit",
@@ -57,15 +58,22 @@ def underflow_limit(compute: str, scale: Union[Tensor, float], device: Union[tor
 
 def underflow_counts(grads: Iterable[Tensor], compute: str, scale: Union[Tensor, float]) -> tuple[Tensor, Tensor]:
     """``(lost, nonzero)`` element counts of the underflow rule over FP32 (unscaled) ``grads`` (no sync)."""
+    def counts() -> Iterator[tuple[Tensor, Tensor]]:
+        limit = None
+        for g in grads:
+            a = _dense(g).detach().abs()
+            if limit is None:
+                limit = underflow_limit(compute, scale, a.device).to(a.device)
+            nz = a > 0
+            yield (nz & (a.to(torch.float32) < limit)).sum(), nz.sum()
+
+    return _sum_counts(counts())
+
+
+def _sum_counts(counts: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Sum per-tensor ``(lost, total)`` counts on the first one's device (int64 zeros when there are none)."""
     lost = total = None
-    limit = None
-    for g in grads:
-        a = _dense(g).detach().abs()
-        if limit is None:
-            limit = underflow_limit(compute, scale, a.device).to(a.device)
-        nz = a > 0
-        n_total = nz.sum()
-        n_lost = (nz & (a.to(torch.float32) < limit)).sum()
+    for n_lost, n_total in counts:
         total = n_total if total is None else total + n_total.to(total.device)
         lost = n_lost if lost is None else lost + n_lost.to(lost.device)
     if total is None:
@@ -78,7 +86,7 @@ def grad_underflow_fraction(grads: Sequence[Tensor], compute: str, scale: Union[
     """:func:`underflow_counts` as a fraction (reads the counts: one sync)."""
     lost, total = underflow_counts(grads, compute, scale)
     lost_n, total_n = (int(v) for v in torch.stack([lost, total.to(lost.device)]).tolist())
-    return lost_n / total_n if total_n else 0.0
+    return fraction(lost_n, total_n)
 
 
 def swamped_counts(weights: Iterable[Tensor], updates: Iterable[Tensor],
@@ -94,23 +102,18 @@ def swamped_counts(weights: Iterable[Tensor], updates: Iterable[Tensor],
     weights = list(weights)
     if isinstance(storages, str):
         storages = [storages] * len(weights)
-    lost = total = None
-    for w, d, storage in zip(weights, updates, storages):
-        fmt = FORMATS[canonical_dtype(storage)]
-        wa = w.detach().to(torch.float32).abs().clamp_min(fmt.tiny)
-        _, w_exp = torch.frexp(wa)  # |w| = m * 2**e with m in [0.5, 1): floor(log2|w|) = e - 1
-        da = d.detach().to(torch.float32).abs()
-        _, d_exp = torch.frexp(da)
-        nz = da > 0
-        # |d| < 2**(e_w - 1 - mant - 1)  <=>  floor(log2|d|) < e_w - mant - 2  <=>  e_d <= e_w - mant - 2
-        n_lost = (nz & (d_exp <= w_exp - (fmt.mantissa_bits + 2))).sum()
-        n_total = nz.sum()
-        total = n_total if total is None else total + n_total.to(total.device)
-        lost = n_lost if lost is None else lost + n_lost.to(lost.device)
-    if total is None:
-        zero = torch.zeros((), dtype=torch.int64)
-        return zero, zero.clone()
-    return lost, total
+    def counts() -> Iterator[tuple[Tensor, Tensor]]:
+        for w, d, storage in zip(weights, updates, storages):
+            fmt = FORMATS[canonical_dtype(storage)]
+            wa = w.detach().to(torch.float32).abs().clamp_min(fmt.tiny)
+            _, w_exp = torch.frexp(wa)  # |w| = m * 2**e with m in [0.5, 1): floor(log2|w|) = e - 1
+            da = d.detach().to(torch.float32).abs()
+            _, d_exp = torch.frexp(da)
+            nz = da > 0
+            # |d| < 2**(e_w - 1 - mant - 1)  <=>  floor(log2|d|) < e_w - mant - 2  <=>  e_d <= e_w - mant - 2
+            yield (nz & (d_exp <= w_exp - (fmt.mantissa_bits + 2))).sum(), nz.sum()
+
+    return _sum_counts(counts())
 
 
 def update_swamped_fraction(weights: Sequence[Tensor], updates: Sequence[Tensor],
@@ -118,4 +121,4 @@ def update_swamped_fraction(weights: Sequence[Tensor], updates: Sequence[Tensor]
     """:func:`swamped_counts` as a fraction (reads the counts: one sync)."""
     lost, total = swamped_counts(weights, updates, storages)
     lost_n, total_n = (int(v) for v in torch.stack([lost, total.to(lost.device)]).tolist())
-    return lost_n / total_n if total_n else 0.0
+    return fraction(lost_n, total_n)

@@ -15,14 +15,25 @@ import os
 from collections import deque
 from typing import Any, Iterable, Iterator, Mapping
 
+from .meters import fraction
+
+#: The loss scale the step's gradients were produced with (before the step's scaler transition).
 SCALE = "mp/scale"
+#: 1.0 when the step's gradients held an inf/NaN (the step was skipped), else 0.0.
 OVERFLOW = "mp/overflow"
+#: Overflow steps so far (after this step).
 OVERFLOWS_TOTAL = "mp/overflows_total"
+#: Optimizer steps skipped so far (after this step).
 SKIPPED_TOTAL = "mp/skipped_total"
+#: Scale growths so far (after this step).
 GROWTHS_TOTAL = "mp/growths_total"
+#: Global L2 norm of the unscaled FP32 gradients (logging steps only).
 GRAD_NORM = "mp/grad_norm"
+#: Share of non-zero gradients that flush to zero in the compute dtype at the scale (see :mod:`.meters`).
 GRAD_UNDERFLOW_FRAC = "mp/grad_underflow_frac"
+#: Share of non-zero updates lost in the storage dtype without a master (see :mod:`.meters`).
 UPDATE_SWAMPED_FRAC = "mp/update_swamped_frac"
+#: Text: the first non-finite module of an overflow step (history/checkpoint/text loggers, never a metric).
 OVERFLOW_MODULE = "mp/overflow_module"
 
 METRICS = (
@@ -66,21 +77,49 @@ class StepStats:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _json_number(v) for k, v in dataclasses.asdict(self).items()}
+        """Plain JSON-safe data: every field, non-finite floats as strings (``"inf"``, ``"nan"``)."""
+        return {k: json_safe(v) for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StepStats":
+        """Inverse of :meth:`to_dict`; an unknown field is a ``ValueError`` naming the valid ones."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown StepStats field(s) {unknown}; valid: {sorted(names)}")
         return cls(**{k: _from_json_number(v) for k, v in data.items()})
 
+    @classmethod
+    def from_counts(cls, step: int, scale: float, overflow: bool, overflows_total: float, skipped_total: float,
+                    growths_total: float, loss: float | None = None, grad_norm: float | None = None,
+                    underflow: tuple[float, float] | None = None, swamped: tuple[float, float] | None = None,
+                    overflow_module: str | None = None) -> "StepStats":
+        """A record from the numbers an adapter read back (host floats).
 
-def _json_number(value: Any) -> Any:
-    # JSON has no inf/nan: store them as strings so a line always parses.
+        ``underflow`` / ``swamped`` are the meters' ``(lost, total)`` counts
+        (None: not measured), turned into shares with
+        :func:`~mp_callbacks.meters.fraction`; the counters are rounded to ints.
+        """
+        return cls(step=int(step), scale=float(scale), overflow=bool(overflow),
+                   overflows_total=int(overflows_total), skipped_total=int(skipped_total),
+                   growths_total=int(growths_total), loss=None if loss is None else float(loss),
+                   grad_norm=None if grad_norm is None else float(grad_norm),
+                   grad_underflow_frac=None if underflow is None else fraction(*underflow),
+                   update_swamped_frac=None if swamped is None else fraction(*swamped),
+                   overflow_module=overflow_module)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float stored as a string (JSON has no inf/NaN), recursively.
+
+    Mappings (keys as strings) and lists/tuples (as lists) are walked; other values pass through.
+    """
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -101,6 +140,7 @@ class History:
         self.events: deque[dict[str, Any]] = deque(maxlen=maxlen)
 
     def append(self, stats: StepStats) -> None:
+        """Keep one step's record (the oldest is dropped past ``maxlen``)."""
         self._steps.append(stats)
 
     def add_event(self, kind: str, **fields: Any) -> None:
@@ -123,10 +163,12 @@ class History:
 
     # -- plain data -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Plain data: schema version, ``maxlen``, the steps (:meth:`StepStats.to_dict`) and the events."""
         return {"schema_version": HISTORY_SCHEMA_VERSION, "maxlen": self.maxlen,
                 "steps": [s.to_dict() for s in self._steps], "events": list(self.events)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the contents with a :meth:`state_dict`; another schema version is a ``ValueError``."""
         version = state.get("schema_version") if isinstance(state, Mapping) else None
         if version != HISTORY_SCHEMA_VERSION:
             raise ValueError(f"history state has schema_version={version!r}; expected {HISTORY_SCHEMA_VERSION}")
@@ -144,6 +186,7 @@ class History:
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike[str], maxlen: int = 100_000) -> "History":
+        """Read a file written by :meth:`to_jsonl`; a line that is not JSON is a ``ValueError`` naming it."""
         history = cls(maxlen=maxlen)
         with open(path, encoding="utf-8") as fh:
             for number, line in enumerate(fh, 1):
@@ -161,6 +204,7 @@ class History:
 
     @classmethod
     def from_steps(cls, steps: Iterable[StepStats], maxlen: int = 100_000) -> "History":
+        """A history holding ``steps`` (in order, no events)."""
         history = cls(maxlen=maxlen)
         for s in steps:
             history.append(s)

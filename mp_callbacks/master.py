@@ -27,12 +27,27 @@ from typing import Any, Iterable, Mapping
 
 from .dtypes import canonical_dtype, dtype_bytes
 
-# FP32 state slots per parameter kept by each optimizer.
 OPTIMIZER_SLOTS: dict[str, int] = {
     "sgd": 0, "sgd-momentum": 1, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2,
     "adamax": 2, "nadam": 2, "radam": 2, "lamb": 2, "rmsprop": 1, "adagrad": 1, "adadelta": 2,
     "lion": 1,
 }
+"""Optimizer name (lower case, ``-`` for ``_``) -> state tensors it keeps per parameter, each of the
+parameter's size in ``MasterPlan.state_dtype`` (Adam: m and v; SGD with momentum: the momentum buffer).
+Scalar bookkeeping (step counters, learning rates) is not counted."""
+
+
+def optimizer_kind(name: str, momentum: float = 0.0) -> str:
+    """The :data:`OPTIMIZER_SLOTS` key of a framework optimizer: its class name lower-cased,
+    ``"sgd"`` becoming ``"sgd-momentum"`` when ``momentum`` is non-zero (the buffer it then keeps).
+
+    ``optimizer_kind("SGD", 0.9) == "sgd-momentum"``, ``optimizer_kind("AdamW") == "adamw"``.
+    Unknown names pass through (:func:`optimizer_slots` rejects them).
+    """
+    kind = str(name).lower().replace("_", "-")
+    if kind == "sgd" and momentum:
+        kind = "sgd-momentum"
+    return kind
 
 
 def optimizer_slots(optimizer: str) -> int:
@@ -69,11 +84,13 @@ class MasterPlan:
         return self.master_weights and canonical_dtype(storage_dtype) != "float32"
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data: ``{"param_dtype", "master_weights", "state_dtype"}`` (canonical dtype names)."""
         return {"param_dtype": self.param_dtype, "master_weights": self.master_weights,
                 "state_dtype": self.state_dtype}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "MasterPlan":
+        """Inverse of :meth:`to_dict` (validated like the constructor)."""
         return cls(**dict(data))
 
 
@@ -89,13 +106,16 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """All model-state bytes: weights + grads + masters + optimizer state."""
         return self.weights + self.grads + self.masters + self.optimizer_state
 
     @property
     def bytes_per_param(self) -> float:
+        """:attr:`total` per parameter (0.0 for no parameters)."""
         return self.total / self.params if self.params else 0.0
 
     def to_dict(self) -> dict[str, float]:
+        """Plain data: every field plus ``total`` and ``bytes_per_param``."""
         return {"params": self.params, "weights": self.weights, "grads": self.grads,
                 "masters": self.masters, "optimizer_state": self.optimizer_state,
                 "total": self.total, "bytes_per_param": self.bytes_per_param}

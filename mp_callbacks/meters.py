@@ -40,6 +40,12 @@ CHECKLIST = (
 )
 
 
+def fraction(lost: float, total: float) -> float:
+    """``lost / total`` as a float, 0.0 when nothing was counted (``total == 0``): every meter's share."""
+    lost, total = float(lost), float(total)
+    return lost / total if total else 0.0
+
+
 def underflow_threshold(compute: str, scale: float) -> float:
     """Unscaled gradient magnitude below which a value flushes to zero in ``compute``."""
     return FORMATS[canonical_dtype(compute)].smallest_subnormal / 2.0 / float(scale)
@@ -54,7 +60,7 @@ def grad_underflow_fraction(grads: list[Any], compute: str, scale: float) -> flo
         nz = a[a > 0]
         total += nz.size
         lost += int(np.count_nonzero(nz < limit))
-    return lost / total if total else 0.0
+    return fraction(lost, total)
 
 
 def half_ulp(weights: Any, storage: str) -> np.ndarray:
@@ -75,7 +81,7 @@ def update_swamped_fraction(weights: list[Any], updates: list[Any], storage: str
         mask = d > 0
         total += int(mask.sum())
         lost += int(np.count_nonzero(d[mask] < h[mask]))
-    return lost / total if total else 0.0
+    return fraction(lost, total)
 
 
 class DivergenceError(RuntimeError):
@@ -106,9 +112,11 @@ class DivergenceGuard:
             )
 
     def state_dict(self) -> dict[str, int]:
+        """Plain data: ``{"patience", "streak"}`` (the current run of overflows at the floor)."""
         return {"patience": self.patience, "streak": self.streak}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a :meth:`state_dict` (patience and streak)."""
         self.patience, self.streak = int(state["patience"]), int(state["streak"])
 
 
@@ -133,9 +141,11 @@ class FallbackTracker:
         return False
 
     def state_dict(self) -> dict[str, Any]:
+        """Plain data: ``{"threshold", "blame": {module: overflows}, "moved": [modules in FP32, in order]}``."""
         return {"threshold": self.threshold, "blame": dict(self.blame), "moved": list(self.moved)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (threshold, blame counts, moved modules)."""
         self.threshold = int(state["threshold"])
         self.blame = {str(k): int(v) for k, v in state["blame"].items()}
         self.moved = [str(m) for m in state["moved"]]

@@ -4,13 +4,18 @@ An adapter's callback gathers numbers from its framework (scale, overflow
 flag, counters, optional meters, the blamed module) and hands them to
 :class:`MonitorCore`, which
 
-* decides when to log (every ``log_every_n_steps`` applied or skipped steps,
-  and on every overflow step);
-* builds the :class:`~mp_callbacks.diagnostics.StepStats` and the metric dict
-  with the shared names, and keeps the :class:`History`;
-* records overflow attributions as history events;
+* decides which steps get a full record (:meth:`MonitorCore.should_log`:
+  every ``log_every_n_steps``-th step) and which are recorded at all
+  (:meth:`MonitorCore.should_record`: those, and every overflow step);
+* keeps the :class:`History` of :class:`~mp_callbacks.diagnostics.StepStats`
+  (built by the adapters with :meth:`StepStats.from_counts`);
+* records overflow attributions as history events (the blame order is
+  :func:`~mp_callbacks.monitor_helpers.first_culprit`);
 * runs the divergence guard (optional) and the auto-fallback tracker
-  (optional), returning the modules to move to FP32.
+  (optional), returning the modules to move to FP32 (never
+  :data:`~mp_callbacks.monitor_helpers.LOSS_SOURCE`: the loss is no module);
+* writes and checks the adapters' checkpoint envelope (:meth:`MonitorCore.envelope`,
+  :meth:`MonitorCore.load_envelope`).
 
 Host syncs: the adapters read device values only on logging steps and on
 overflow steps (which the scaler already knows about on the host).
@@ -22,8 +27,10 @@ from typing import Any, Mapping
 
 from .diagnostics import History, StepStats
 from .meters import DivergenceGuard, FallbackTracker
+from .monitor_helpers import LOSS_SOURCE
 
 MONITOR_SCHEMA_VERSION = 1
+"""Version of :meth:`MonitorCore.state_dict` and of the adapters' envelope around it."""
 
 
 class MonitorCore:
@@ -32,9 +39,9 @@ class MonitorCore:
     Args:
       log_every_n_steps: log a full record every N steps (overflow steps always).
       divergence_patience: stop after this many consecutive overflows at the
-        scale floor (None: never).
+        scale floor (None: never; otherwise an integer >= 1).
       auto_fallback_after: move a module to FP32 after this many overflows
-        blamed on it (None: never).
+        blamed on it (None: never; otherwise an integer >= 1).
       history_maxlen: records kept in memory.
     """
 
@@ -44,16 +51,26 @@ class MonitorCore:
             raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be an integer >= 1")
         self.log_every_n_steps = log_every_n_steps
         self.history = History(maxlen=history_maxlen)
-        self.guard = DivergenceGuard(divergence_patience) if divergence_patience else None
-        self.fallback = FallbackTracker(auto_fallback_after) if auto_fallback_after else None
+        # None is "off"; 0 or a negative number is an error (raised by the guard / tracker)
+        self.guard = DivergenceGuard(divergence_patience) if divergence_patience is not None else None
+        self.fallback = FallbackTracker(auto_fallback_after) if auto_fallback_after is not None else None
 
     def should_log(self, step: int) -> bool:
         """True on every ``log_every_n_steps``-th step (1-based: steps N, 2N, ...)."""
         return step % self.log_every_n_steps == 0
 
+    def should_record(self, step: int, overflow: bool) -> bool:
+        """True when step ``step`` goes to :meth:`record`: every logging step and every overflow step.
+
+        Other steps go to :meth:`observe_clean`.
+        """
+        return bool(overflow) or self.should_log(step)
+
     def record(self, stats: StepStats, min_scale: float = 0.0) -> list[str]:
         """Keep ``stats``; returns the modules that must move to FP32 now (auto-fallback).
 
+        An overflow blamed on :data:`~mp_callbacks.monitor_helpers.LOSS_SOURCE`
+        is recorded but never counts towards a fallback (the loss is no module).
         Raises :class:`~mp_callbacks.meters.DivergenceError` from the guard.
         """
         self.history.append(stats)
@@ -61,7 +78,7 @@ class MonitorCore:
         if stats.overflow:
             self.history.add_event("overflow", step=stats.step, scale=stats.scale,
                                    module=stats.overflow_module)
-            if self.fallback is not None and stats.overflow_module:
+            if self.fallback is not None and stats.overflow_module and stats.overflow_module != LOSS_SOURCE:
                 if self.fallback.blame_module(stats.overflow_module):
                     moved.append(stats.overflow_module)
                     self.history.add_event("fallback", step=stats.step, module=stats.overflow_module,
@@ -77,6 +94,7 @@ class MonitorCore:
 
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Plain data: schema version, the history, and the guard's / tracker's state (None when off)."""
         return {
             "schema_version": MONITOR_SCHEMA_VERSION,
             "history": self.history.state_dict(),
@@ -85,6 +103,11 @@ class MonitorCore:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; another schema version is a ``ValueError``.
+
+        The guard's / tracker's state is restored only when this core has one
+        (the constructor's arguments decide whether they run).
+        """
         version = state.get("schema_version") if isinstance(state, Mapping) else None
         if version != MONITOR_SCHEMA_VERSION:
             raise ValueError(f"monitor state has schema_version={version!r}; expected {MONITOR_SCHEMA_VERSION}")
@@ -93,3 +116,91 @@ class MonitorCore:
             self.guard.load_state_dict(state["guard"])
         if self.fallback is not None and state.get("fallback"):
             self.fallback.load_state_dict(state["fallback"])
+
+    # -- the adapters' checkpoint envelope ----------------------------------------------
+    def envelope(self, schema: str, step: int) -> dict[str, Any]:
+        """An adapter's checkpoint record: ``{"schema", "schema_version", "step", "core": state_dict()}``.
+
+        ``schema`` names the adapter (``"lightning_ext.MixedPrecisionMonitor"``),
+        ``step`` is its step count.
+        """
+        return {"schema": schema, "schema_version": MONITOR_SCHEMA_VERSION, "step": int(step),
+                "core": self.state_dict()}
+
+    def load_envelope(self, schema: str, state: Any, what: str = "checkpoint") -> int:
+        """Check and restore an :meth:`envelope`; returns its step count.
+
+        Another ``schema`` tag or version is a ``ValueError`` naming both
+        (``what``: the word for the record in the message, e.g. ``"state"``).
+        """
+        if not isinstance(state, Mapping) or state.get("schema") != schema:
+            found = state.get("schema") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"the {what} holds monitor schema {found!r}; this callback reads {schema!r}")
+        if state.get("schema_version") != MONITOR_SCHEMA_VERSION:
+            raise ValueError(f"the {what} holds {schema} schema v{state.get('schema_version')!r}; "
+                             f"this version reads v{MONITOR_SCHEMA_VERSION}")
+        self.load_state_dict(state["core"])
+        return int(state.get("step", 0))
+
+    def arguments(self) -> str:
+        """The constructor arguments that shape behaviour, as ``name=value, ...`` (for the adapters' repr)."""
+        return (f"log_every_n_steps={self.log_every_n_steps}, "
+                f"divergence_patience={self.guard.patience if self.guard else None}, "
+                f"auto_fallback_after={self.fallback.threshold if self.fallback else None}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.arguments()})"
+
+
+class MonitorFacade:
+    """The public face both adapters' ``MixedPrecisionMonitor`` callbacks share (a mixin, listed first).
+
+    The adapter sets :attr:`core` (a :class:`MonitorCore`), ``_step`` (its
+    step count) and the class attributes :attr:`SCHEMA` (its checkpoint tag)
+    and :attr:`STATE_WORD` (what its error messages call the record).
+    """
+
+    SCHEMA: str = ""
+    STATE_WORD: str = "checkpoint"
+    core: MonitorCore
+    _step: int
+
+    def _setup(self, log_every_n_steps: int, divergence_patience: int | None, auto_fallback_after: int | None,
+               attribute_overflows: bool, measure_grads: bool, measure_swamping: bool, log_memory: bool,
+               history_maxlen: int) -> None:
+        """The constructor arguments both adapters take: the core, the switches, an empty run."""
+        self.core = MonitorCore(log_every_n_steps=log_every_n_steps, divergence_patience=divergence_patience,
+                                auto_fallback_after=auto_fallback_after, history_maxlen=history_maxlen)
+        self.attribute_overflows = bool(attribute_overflows)
+        self.measure_grads = bool(measure_grads)
+        self.measure_swamping = bool(measure_swamping)
+        self.log_memory = bool(log_memory)
+        self.memory_reports: list[dict[str, Any]] = []
+        self._step = 0
+
+    @property
+    def history(self) -> History:
+        """The run's :class:`~mp_callbacks.diagnostics.History` (steps and events)."""
+        return self.core.history
+
+    @property
+    def log_every_n_steps(self) -> int:
+        """The logging cadence."""
+        return self.core.log_every_n_steps
+
+    @property
+    def step(self) -> int:
+        """Scaler transitions seen so far (the last recorded or skipped step's number)."""
+        return self._step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the core's :meth:`MonitorCore.envelope` (schema tag and version, the step
+        count and the core's history/guard/fallback state)."""
+        return self.core.envelope(self.SCHEMA, self._step)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; another schema or version is an error naming both."""
+        self._step = self.core.load_envelope(self.SCHEMA, state_dict, self.STATE_WORD)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.core.arguments()})"

@@ -10,6 +10,8 @@
   extracted from logged rows (plain lists), so adapters compare like with like.
 * :data:`LOSS_SOURCE`: the attribution name used when the loss itself is
   non-finite while every module's forward output was finite.
+* :func:`first_culprit` / :func:`attribution_order`: the one blame order of
+  overflow attribution (forward outputs, then the loss, then gradients).
 
 Conventions of a logged step ``k`` (1-based, one per scaler transition):
 ``mp/scale`` is the scale step ``k``'s gradients were produced with (the scale
@@ -31,6 +33,36 @@ LOSS_SOURCE = "<loss>"
 
 SCALER_SERIES = (SCALE, OVERFLOW, OVERFLOWS_TOTAL, SKIPPED_TOTAL, GROWTHS_TOTAL)
 """The metric names whose per-step sequences are fixed by the scaler alone."""
+
+
+def attribution_order(forward: Sequence[str], backward: Sequence[str]) -> list[str]:
+    """Every attribution candidate in blame order: ``forward`` (module outputs in call order),
+    :data:`LOSS_SOURCE`, then ``backward`` (gradients in backward, i.e. reverse-call, order).
+
+    The first non-finite entry of this list is :func:`first_culprit`'s answer;
+    an adapter that picks the culprit on the device (Keras) builds its name
+    table with this function and takes the first flagged index.
+    """
+    return [*forward, LOSS_SOURCE, *backward]
+
+
+def first_culprit(forward_bad: Sequence[str], loss_bad: bool, backward_bad: Sequence[str]) -> str | None:
+    """The module blamed for an overflow step, None when nothing non-finite was seen.
+
+    The order (both frameworks):
+
+    1. the first module whose forward output was non-finite, in call order
+       (``forward_bad``: the non-finite forward records, in call order);
+    2. else the loss itself (``loss_bad``): :data:`LOSS_SOURCE`;
+    3. else the first module whose gradient (its input gradient or its own
+       parameters' gradients) was non-finite, in backward (reverse-call)
+       order (``backward_bad``: the non-finite gradient records, in that order).
+    """
+    if forward_bad:
+        return forward_bad[0]
+    if loss_bad:
+        return LOSS_SOURCE
+    return backward_bad[0] if backward_bad else None
 
 
 def swamp_storage_dtype(recipe: Recipe, stored_dtype: str, kept_fp32: bool) -> str:

@@ -277,8 +277,9 @@ def test_memory_report_counts_real_variables_next_to_the_estimate():
     start, end = monitor.memory_reports
     n = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     assert start["when"] == "train_start" and end["when"] == "train_end"
-    assert end["estimate"] == estimate_memory(get_recipe("bf16-master").master, "adam", n).to_dict()
-    assert end["estimate"]["bytes_per_param"] == 16.0
+    assert end["estimate"] == estimate_memory(get_recipe("bf16-master").master, "adam", n,
+                                           fp32_master_grads=True).to_dict()
+    assert end["estimate"]["bytes_per_param"] == 18.0  # FP32 grads on the masters at the step
     actual = end["actual"]
     assert (actual["weights"], actual["grads"], actual["masters"]) == (2 * n, 4 * n, 4 * n)
     slots = sum(int(np.prod(v.shape)) * 4 for v in opt.inner_optimizer.variables if len(v.shape))
@@ -313,3 +314,34 @@ def test_monitor_on_the_torch_backend():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"backend": "torch", "series_ok": True, "modules": [LOSS_SOURCE] * 3,
                       "fallback": ["amplify", "amplify"], "policy": "float32", "overflows": 2}
+
+
+class _RaiseAtBatch(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            raise RuntimeError("boom in a callback")
+
+
+def _patched(model):
+    return [l.name for l in [model, *model._flatten_layers(include_self=False)]
+            if {"call", "train_step", "_compute_loss"} & set(l.__dict__)]
+
+
+def test_a_failing_fit_leaves_nothing_behind_after_uninstall_or_the_next_fit():
+    model = tiny_regressor()
+    opt = compile_scaled(model, {"init_scale": 2.0**8})
+    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    with pytest.raises(RuntimeError, match="boom in a callback"):
+        fit(model, monitor, 4, callbacks=[_RaiseAtBatch(1)])
+    monitor.uninstall()
+    assert _patched(model) == [] and opt.stats_hook is None
+    monitor.uninstall()  # idempotent
+    with pytest.raises(RuntimeError, match="boom in a callback"):
+        fit(model, monitor, 4, callbacks=[_RaiseAtBatch(1)])
+    fit(model, monitor, 4)  # train start removes what the failed fit left, then installs once
+    assert _patched(model) == [] and opt.stats_hook is None
+    assert [s.step for s in monitor.history][-4:] == [5, 6, 7, 8]

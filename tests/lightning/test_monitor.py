@@ -299,8 +299,9 @@ def test_memory_report_counts_real_tensors_next_to_the_estimate():
     n = sum(p.numel() for p in model.parameters())
     tensors = len(list(model.parameters()))
     assert start["when"] == "train_start" and end["when"] == "train_end"
-    assert end["estimate"] == estimate_memory(trainer.precision_plugin.recipe.master, "adam", n).to_dict()
-    assert end["estimate"]["bytes_per_param"] == 16.0
+    assert end["estimate"] == estimate_memory(trainer.precision_plugin.recipe.master, "adam", n,
+                                           fp32_master_grads=True).to_dict()
+    assert end["estimate"]["bytes_per_param"] == 18.0  # FP32 grads on the masters at the step
     actual = end["actual"]
     # bf16 weights, FP32 master grads (the bf16 grads are released), FP32 masters, Adam m/v + step counters
     assert (actual["weights"], actual["grads"], actual["masters"]) == (2 * n, 4 * n, 4 * n)
@@ -372,3 +373,25 @@ def test_ddp_ranks_blame_and_move_the_same_module(tmp_path):
         assert r["rules"][0] == ["net.1", "float32"] and r["overflows"] == 2
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+class _RaisesAtStep(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step == 2:
+            raise RuntimeError("boom in training_step")
+        return loss
+
+
+def test_a_failing_run_leaves_no_hooks_behind():
+    model = _RaisesAtStep()
+    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        _fit(model, MixedPrecision("16-mixed"), monitor, 5)
+    assert len(monitor.history) == 2
+    assert not monitor.tracer.active and not monitor.tracer._handles and not monitor.tracer.records
+    assert monitor._pending is None
+    for sub in model.modules():
+        assert not sub._forward_hooks and not sub._forward_pre_hooks
+    for p in model.parameters():
+        assert not p._backward_hooks

@@ -6,6 +6,9 @@ multiplies the loss by inf, Keras gets an inf sample weight) run through
 ``log_every_n_steps=1``; the ``mp/scale``, ``mp/overflows_total``, ``mp/skipped_total`` (and
 ``mp/overflow``, ``mp/growths_total``) series, the blamed source and the step numbers are equal, and
 equal to the core scaler's :func:`~mp_callbacks.monitor_helpers.expected_series`.
+
+Attribution: a model whose ``net.amplify`` layer blows up in fp16 (same dotted name in both
+frameworks) is blamed on that layer by both monitors, on every step.
 """
 
 import os
@@ -81,3 +84,55 @@ def test_lightning_and_keras_monitors_log_the_same_scaler_series():
     blamed = [(s.step, s.overflow_module) for s in lightning_history if s.overflow]
     assert blamed == [(s.step, s.overflow_module) for s in keras_history if s.overflow]
     assert blamed == [(k + 1, LOSS_SOURCE) for k in sorted(INF_STEPS)]
+
+
+def _lightning_blame(steps):
+    from collections import OrderedDict
+
+    import torch
+    from lx_models import loader, trainer_kwargs
+    from monitor_models import AMPLIFY_FP16, Amplify, AmplifiedRegressor
+    from torch import nn
+
+    from lightning_ext import MixedPrecision, MixedPrecisionMonitor
+
+    torch.set_num_threads(1)
+    model = AmplifiedRegressor()
+    model.net = nn.Sequential(OrderedDict(dense=nn.Linear(8, 16), amplify=Amplify(), relu=nn.ReLU(),
+                                          head=nn.Linear(16, 1)))
+    model.on_fit_start = lambda: None
+    monitor = MixedPrecisionMonitor(log_every_n_steps=1, log_memory=False)
+    plugin = MixedPrecision("16-mixed", policy=AMPLIFY_FP16, scaler={"init_scale": 2.0**8})
+    pl.Trainer(plugins=[plugin], max_steps=steps, callbacks=[monitor], **trainer_kwargs()).fit(model, loader())
+    return [(s.step, s.overflow_module) for s in monitor.history]
+
+
+def _keras_blame(steps):
+    from keras_monitor_models import Amplify, compile_scaled, fit
+
+    from keras_ext import MixedPrecisionMonitor
+
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.layers.Dense(16, name="dense"), Amplify(name="amplify"),
+                                keras.layers.ReLU(name="relu"), keras.layers.Dense(1, name="head")], name="net")
+        model = keras.Sequential([keras.Input((8,)), net])
+        compile_scaled(model, {"init_scale": 2.0**8})
+        monitor = MixedPrecisionMonitor(log_every_n_steps=1, log_memory=False)
+        fit(model, monitor, steps)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    return [(s.step, s.overflow_module) for s in monitor.history]
+
+
+# Amplify's constant 1e6 becomes inf when TensorFlow converts it to float16: that is the point.
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_lightning_and_keras_monitors_blame_the_same_in_model_layer():
+    """An in-model blow-up (``net.amplify``: inf in fp16) gets the same dotted name from both monitors."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("Keras attribution of an in-model layer is tested on the TensorFlow backend")
+    steps = 3
+    want = [(k, "net.amplify") for k in range(1, steps + 1)]
+    assert _lightning_blame(steps) == want
+    assert _keras_blame(steps) == want
