@@ -253,7 +253,9 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         layer's variables in float32 (``*-mixed`` recipes, where only the
         compute dtype changes); under ``*-master`` it logs that the layer must
         be rebuilt with ``apply_policy(model, policy.with_fp32_modules(path))``.
-      attribute_overflows: name the first non-finite layer of overflow steps.
+      attribute_overflows: name the first non-finite layer of overflow steps
+        (one in-graph reduction per layer output and input gradient every step).
+        Default None: on exactly when ``auto_fallback_after`` is set.
       measure_grads: ``mp/grad_norm`` and ``mp/grad_underflow_frac`` on logging steps.
       measure_swamping: ``mp/update_swamped_frac`` on logging steps.
       log_memory: compute :meth:`memory_report` at train start and end.
@@ -281,7 +283,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     STATE_WORD = "state"
 
     def __init__(self, log_every_n_steps: int = 50, divergence_patience: Optional[int] = None,
-                 auto_fallback_after: Optional[int] = None, attribute_overflows: bool = True,
+                 auto_fallback_after: Optional[int] = None, attribute_overflows: Optional[bool] = None,
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
                  compute_dtype: Optional[str] = None, state_path: Optional[str | os.PathLike[str]] = None,
                  overflow_buffer: int = 256, history_maxlen: int = 100_000) -> None:

@@ -140,7 +140,10 @@ class OverflowTracer:
         with torch.no_grad():
             for t in tensors:
                 if t.is_floating_point() and t.numel():
-                    b = torch.logical_not(torch.isfinite(t.detach()).all())
+                    # One read pass: an inf/NaN element makes the float32 sum non-finite (a
+                    # sum of finite fp16/bf16 values cannot overflow float32 in practice);
+                    # cheaper than isfinite(t).all(), which materialises a bool tensor.
+                    b = torch.logical_not(torch.isfinite(t.detach().sum(dtype=torch.float32)))
                     flag = b if flag is None else torch.logical_or(flag, b.to(flag.device))
         return flag
 
@@ -236,7 +239,9 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
       auto_fallback_after: after this many overflows blamed on the same module,
         move it to FP32 with :meth:`MixedPrecision.keep_in_fp32` (None: never).
       attribute_overflows: name the first non-finite module on overflow steps
-        (forward hooks + gradient hooks queue tiny device reductions every step).
+        (forward hooks + gradient hooks queue one device reduction per module
+        output and gradient every step: 5-50% slower steps on small models).
+        Default None: on exactly when ``auto_fallback_after`` is set.
       measure_grads: compute ``mp/grad_norm`` and ``mp/grad_underflow_frac`` on logging steps.
       measure_swamping: compute ``mp/update_swamped_frac`` on logging steps
         (snapshots the optimizer's parameters before the step).
@@ -262,7 +267,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
     STATE_WORD = "checkpoint"
 
     def __init__(self, log_every_n_steps: int = 50, divergence_patience: Optional[int] = None,
-                 auto_fallback_after: Optional[int] = None, attribute_overflows: bool = True,
+                 auto_fallback_after: Optional[int] = None, attribute_overflows: Optional[bool] = None,
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
                  history_maxlen: int = 100_000) -> None:
         self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,

@@ -166,11 +166,19 @@ class MonitorFacade:
     _step: int
 
     def _setup(self, log_every_n_steps: int, divergence_patience: int | None, auto_fallback_after: int | None,
-               attribute_overflows: bool, measure_grads: bool, measure_swamping: bool, log_memory: bool,
+               attribute_overflows: bool | None, measure_grads: bool, measure_swamping: bool, log_memory: bool,
                history_maxlen: int) -> None:
-        """The constructor arguments both adapters take: the core, the switches, an empty run."""
+        """The constructor arguments both adapters take: the core, the switches, an empty run.
+
+        ``attribute_overflows=None`` (the default) turns attribution on exactly when
+        ``auto_fallback_after`` is set (fallback needs a culprit): attribution checks
+        every module's output and gradients on every step, which costs far more
+        than the rest of the monitor (see ``benchmarks/``), so it is opt-in.
+        """
         self.core = MonitorCore(log_every_n_steps=log_every_n_steps, divergence_patience=divergence_patience,
                                 auto_fallback_after=auto_fallback_after, history_maxlen=history_maxlen)
+        if attribute_overflows is None:
+            attribute_overflows = auto_fallback_after is not None
         self.attribute_overflows = bool(attribute_overflows)
         self.measure_grads = bool(measure_grads)
         self.measure_swamping = bool(measure_swamping)

@@ -96,3 +96,21 @@ def test_json_safe_and_optimizer_kind():
     assert json_safe({"a": [float("inf"), 1.0, (float("nan"),)], 2: "x"}) == {"a": ["inf", 1.0, ["nan"]], "2": "x"}
     assert optimizer_kind("SGD", 0.9) == "sgd-momentum" and optimizer_kind("SGD") == "sgd"
     assert optimizer_kind("AdamW") == "adamw"
+
+
+def test_attribution_is_opt_in_unless_fallback_needs_it():
+    from mp_callbacks.monitor import MonitorFacade
+
+    def setup(**kw):
+        m = MonitorFacade()
+        args = dict(log_every_n_steps=1, divergence_patience=None, auto_fallback_after=None,
+                    attribute_overflows=None, measure_grads=True, measure_swamping=True, log_memory=True,
+                    history_maxlen=10)
+        args.update(kw)
+        m._setup(**args)
+        return m.attribute_overflows
+
+    assert setup() is False
+    assert setup(auto_fallback_after=2) is True
+    assert setup(attribute_overflows=True) is True
+    assert setup(auto_fallback_after=2, attribute_overflows=False) is False

@@ -22,13 +22,13 @@ def main() -> None:
     model = tiny_regressor()
     opt = compile_scaled(model, {"init_scale": 2.0**4, "growth_interval": 3})
     rec = RecordLogs()
-    monitor = keras_ext.MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = keras_ext.MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     fit(model, monitor, steps, inf_steps=inf, callbacks=[rec])
     want = expected_series(opt.scaler_config, [k in inf for k in range(steps)])
 
     model2 = tiny_regressor(middle=Amplify(name="amplify"))
     opt2 = compile_scaled(model2, {"init_scale": 2.0**8, "growth_interval": 100})
-    monitor2 = keras_ext.MixedPrecisionMonitor(log_every_n_steps=1, auto_fallback_after=2)
+    monitor2 = keras_ext.MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1, auto_fallback_after=2)
     fit(model2, monitor2, 5)
     print(json.dumps({
         "backend": keras.backend.backend(),

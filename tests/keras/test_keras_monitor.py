@@ -78,7 +78,7 @@ def test_shared_names_reach_logs_history_csv_and_tensorboard(tmp_path):
     keras.config.set_dtype_policy("mixed_float16")
     model = tiny_regressor()
     compile_scaled(model, {"init_scale": 2.0**8, "growth_interval": 100})
-    monitor = MixedPrecisionMonitor(log_every_n_steps=2)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=2)
     rec = RecordLogs()
     csv_path = tmp_path / "log.csv"
     tb_dir = tmp_path / "tb"
@@ -115,7 +115,7 @@ def test_requires_the_keras_ext_optimizer():
     model = tiny_regressor()
     model.compile(keras.optimizers.SGD(), "mse")
     with pytest.raises(TypeError, match="keras_ext.LossScaleOptimizer"):
-        fit(model, MixedPrecisionMonitor(), 2)
+        fit(model, MixedPrecisionMonitor(attribute_overflows=True), 2)
 
 
 # --------------------------------------------------------------- scaler series
@@ -124,7 +124,7 @@ def test_logged_series_equal_the_core_scaler():
     inf, steps = {2, 3, 7, 8, 12}, 16
     model = tiny_regressor()
     opt = compile_scaled(model, {"init_scale": 2.0**4, "growth_interval": 3})
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     rec = RecordLogs()
     fit(model, monitor, steps, inf_steps=inf, callbacks=[rec])
     want = expected_series(opt.scaler_config, [k in inf for k in range(steps)])
@@ -146,7 +146,7 @@ def test_reads_only_on_logging_steps_epoch_and_train_end(monkeypatch):
     monkeypatch.setattr(MixedPrecisionMonitor, "_drain", counting)
     model = tiny_regressor()
     compile_scaled(model, {"init_scale": 2.0**8})
-    monitor = MixedPrecisionMonitor(log_every_n_steps=4, log_memory=False)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=4, log_memory=False)
     fit(model, monitor, 12, inf_steps={5})
     assert reads == [(4, True), (8, True), (12, True), (12, False), (12, False)]
     assert [(s.step, s.overflow) for s in monitor.history] == [(4, False), (6, True), (8, False), (12, False)]
@@ -158,7 +158,7 @@ def test_attribution_names_the_overflowing_layer_and_state_round_trips(tmp_path)
     keras.config.set_dtype_policy("mixed_float16")
     model = tiny_regressor(middle=Amplify(name="amplify"))
     compile_scaled(model, {"init_scale": 2.0**8})
-    monitor = MixedPrecisionMonitor(log_every_n_steps=50)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50)
     fit(model, monitor, 3)  # recorded from the device buffer at the epoch end
     assert [(s.step, s.overflow_module) for s in monitor.history] == [(1, "amplify"), (2, "amplify"),
                                                                        (3, "amplify")]
@@ -169,7 +169,7 @@ def test_attribution_names_the_overflowing_layer_and_state_round_trips(tmp_path)
     path = tmp_path / "monitor.json"
     monitor.save_state(path)
     json.loads(path.read_text())  # plain JSON
-    restored = MixedPrecisionMonitor()
+    restored = MixedPrecisionMonitor(attribute_overflows=True)
     restored.load_state(path)
     assert [s.overflow_module for s in restored.history] == ["amplify"] * 3
     assert list(restored.history.events) == json.loads(json.dumps(list(monitor.history.events)))
@@ -183,7 +183,7 @@ def test_attribution_finds_a_layer_whose_gradient_overflows():
     keras.config.set_dtype_policy("mixed_float16")
     model = tiny_regressor(middle=GradBoost(name="boost"))
     compile_scaled(model, {"init_scale": 2.0**8})
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     fit(model, monitor, 2)
     assert [s.overflow_module for s in monitor.history] == ["boost", "boost"]
 
@@ -195,7 +195,7 @@ def test_auto_fallback_moves_the_culprit_to_fp32_and_a_resume_keeps_it(tmp_path)
     state = tmp_path / "monitor.json"
     model = tiny_regressor(middle=Amplify(name="amplify"))
     opt = compile_scaled(model, {"init_scale": 2.0**8, "growth_interval": 100})
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1, auto_fallback_after=2, state_path=state)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1, auto_fallback_after=2, state_path=state)
     fit(model, monitor, 6)
     assert [s.overflow for s in monitor.history] == [True, True, False, False, False, False]
     assert opt.overflows == 2 and opt.steps == 6
@@ -206,7 +206,7 @@ def test_auto_fallback_moves_the_culprit_to_fp32_and_a_resume_keeps_it(tmp_path)
     # a fresh model (float16 again) and a fresh monitor reading the state file: amplify moves before training
     model2 = tiny_regressor(middle=Amplify(name="amplify"))
     opt2 = compile_scaled(model2, {"init_scale": 2.0**8, "growth_interval": 100})
-    monitor2 = MixedPrecisionMonitor(log_every_n_steps=1, auto_fallback_after=2, state_path=state)
+    monitor2 = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1, auto_fallback_after=2, state_path=state)
     fit(model2, monitor2, 4)
     assert model2.get_layer("amplify").dtype_policy.name == "float32"
     assert opt2.overflows == 0 and len(monitor2.history) == 6 + 4
@@ -218,7 +218,7 @@ def test_divergence_guard_stops_with_scale_layer_step_and_checklist():
     keras.config.set_dtype_policy("mixed_float16")
     model = tiny_regressor(middle=Amplify(name="amplify"))
     compile_scaled(model, {"init_scale": 4.0, "min_scale": 1.0, "growth_interval": 100})
-    monitor = MixedPrecisionMonitor(log_every_n_steps=50, divergence_patience=3)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50, divergence_patience=3)
     with pytest.raises(DivergenceError) as info:
         fit(model, monitor, 8, epochs=3)  # the rows are read at the first epoch end
     message = str(info.value)
@@ -238,7 +238,7 @@ def test_update_swamping_fraction(recipe, expected):
     scaler = {"init_scale": 2.0**8} if recipe == "16-mixed" else None
     opt = keras_ext.master_optimizer(keras.optimizers.SGD(1e-5), recipe, scaler=scaler)
     model.compile(opt, mean_output, jit_compile=False)
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     x = np.ones((12, 64), "float32")
     model.fit(x, np.zeros((12, 1), "float32"), batch_size=4, shuffle=False, verbose=0, callbacks=[monitor])
     assert monitor.history.series("update_swamped_frac") == [expected] * 3
@@ -253,7 +253,7 @@ def test_underflow_fraction_rises_as_the_scale_drops():
     opt = keras_ext.LossScaleOptimizer(keras.optimizers.SGD(1e-3), {"init_scale": 2.0**16, "backoff_factor": 2.0**-8,
                                                                      "growth_interval": 1000})
     model.compile(opt, lambda y, p: ops.sum(p, axis=-1) * 1e-4, jit_compile=False)
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     x, y = spread_inputs()
     w = np.ones(len(x), "float32")
     w[[1, 3, 5]] = np.inf
@@ -272,7 +272,7 @@ def test_memory_report_counts_real_variables_next_to_the_estimate():
     model = tiny_regressor()
     opt = keras_ext.master_optimizer(keras.optimizers.Adam(1e-3), "bf16-master")
     model.compile(opt, "mse", jit_compile=False)
-    monitor = MixedPrecisionMonitor(log_every_n_steps=50)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50)
     fit(model, monitor, 3)
     start, end = monitor.memory_reports
     n = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -290,7 +290,7 @@ def test_memory_report_counts_real_variables_next_to_the_estimate():
 def test_history_plot_and_jsonl_round_trip(tmp_path):
     model = tiny_regressor()
     compile_scaled(model, {"init_scale": 2.0**8, "growth_interval": 2})
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     fit(model, monitor, 6, inf_steps={1, 4})
     png = tmp_path / "scale.png"
     plot(monitor.history, png, title="keras 16-mixed")
@@ -334,7 +334,7 @@ def _patched(model):
 def test_a_failing_fit_leaves_nothing_behind_after_uninstall_or_the_next_fit():
     model = tiny_regressor()
     opt = compile_scaled(model, {"init_scale": 2.0**8})
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     with pytest.raises(RuntimeError, match="boom in a callback"):
         fit(model, monitor, 4, callbacks=[_RaiseAtBatch(1)])
     monitor.uninstall()

@@ -83,7 +83,7 @@ def test_swamping_rule_is_exact_at_half_an_ulp(storage):
 def test_shared_names_reach_csv_and_tensorboard(tmp_path):
     csv_logger = CSVLogger(tmp_path, name="csv")
     tb_logger = TensorBoardLogger(tmp_path, name="tb")
-    monitor = MixedPrecisionMonitor(log_every_n_steps=2)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=2)
     plugin = MixedPrecision("16-mixed", scaler={"init_scale": 2.0**8, "growth_interval": 100})
     trainer = _fit(TinyRegressor(inf_steps={2}), plugin, monitor, 8, logger=[csv_logger, tb_logger])
     # every 2nd step logs everything; the overflow at step 3 (global step 2) is recorded too
@@ -116,7 +116,7 @@ def test_shared_names_reach_csv_and_tensorboard(tmp_path):
 
 
 def test_requires_the_lightning_ext_plugin():
-    trainer = pl.Trainer(precision="16-mixed", max_steps=1, callbacks=[MixedPrecisionMonitor()], **trainer_kwargs())
+    trainer = pl.Trainer(precision="16-mixed", max_steps=1, callbacks=[MixedPrecisionMonitor(attribute_overflows=True)], **trainer_kwargs())
     with pytest.raises(MisconfigurationException, match="lightning_ext.MixedPrecision"):
         trainer.fit(TinyRegressor(), loader())
 
@@ -125,7 +125,7 @@ def test_requires_the_lightning_ext_plugin():
 def test_logged_series_equal_the_core_scaler(tmp_path):
     inf = {2, 3, 7, 8, 12}
     steps = 16
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     plugin = MixedPrecision("16-mixed", scaler={"init_scale": 2.0**4, "growth_interval": 3})
     logger = CSVLogger(tmp_path)
     _fit(TinyRegressor(inf_steps=inf), plugin, monitor, steps, logger=logger)
@@ -158,13 +158,13 @@ def test_no_host_sync_between_logging_steps(monkeypatch):
         return counts["n"]
 
     baseline = reads(None)
-    with_monitor = reads(MixedPrecisionMonitor(log_every_n_steps=4, log_memory=False))
+    with_monitor = reads(MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=4, log_memory=False))
     assert with_monitor - baseline == 1 + 3  # train start + steps 4, 8, 12
 
 
 # ------------------------------------------------------------------ attribution
 def test_attribution_names_the_overflowing_module_and_checkpoints_keep_it(tmp_path):
-    monitor = MixedPrecisionMonitor(log_every_n_steps=50)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50)
     plugin = MixedPrecision("16-mixed", policy=AMPLIFY_FP16, scaler={"init_scale": 2.0**8})
     trainer = _fit(AmplifiedRegressor(), plugin, monitor, 3)
     assert [(s.step, s.overflow_module) for s in monitor.history] == [(1, "net.1"), (2, "net.1"), (3, "net.1")]
@@ -174,7 +174,7 @@ def test_attribution_names_the_overflowing_module_and_checkpoints_keep_it(tmp_pa
     path = tmp_path / "m.ckpt"
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)  # plain data only
-    restored = MixedPrecisionMonitor()
+    restored = MixedPrecisionMonitor(attribute_overflows=True)
     restored.load_state_dict(ckpt["callbacks"][monitor.state_key])
     assert [s.overflow_module for s in restored.history] == ["net.1"] * 3
     assert list(restored.history.events) == list(monitor.history.events)
@@ -204,14 +204,14 @@ def test_attribution_finds_a_module_whose_gradient_overflows():
     model.net = torch.nn.Sequential(torch.nn.Linear(8, 16), GradBoost(), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     policy = PrecisionPolicy(params="float32", compute="float16", output="float32",
                              module_rules=(("GradBoost", "float16"),))
-    monitor = MixedPrecisionMonitor(log_every_n_steps=50)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50)
     _fit(model, MixedPrecision("16-mixed", policy=policy, scaler={"init_scale": 2.0**8}), monitor, 2)
     assert [s.overflow_module for s in monitor.history] == ["net.1", "net.1"]
 
 
 # ---------------------------------------------------------------- auto-fallback
 def test_auto_fallback_moves_the_culprit_to_fp32_and_resume_keeps_it(tmp_path):
-    monitor = MixedPrecisionMonitor(log_every_n_steps=50, auto_fallback_after=2)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50, auto_fallback_after=2)
     plugin = MixedPrecision("16-mixed", policy=AMPLIFY_FP16, scaler={"init_scale": 2.0**8, "growth_interval": 100})
     trainer = _fit(AmplifiedRegressor(), plugin, monitor, 6)
     assert [(s.step, s.overflow) for s in monitor.history] == [(1, True), (2, True)]  # then only clean steps
@@ -222,7 +222,7 @@ def test_auto_fallback_moves_the_culprit_to_fp32_and_resume_keeps_it(tmp_path):
     path = tmp_path / "fb.ckpt"
     trainer.save_checkpoint(path)
     # a fresh plugin (original policy) resumes: the restored monitor moves net.1 again before training
-    monitor2 = MixedPrecisionMonitor(log_every_n_steps=50, auto_fallback_after=2)
+    monitor2 = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50, auto_fallback_after=2)
     plugin2 = MixedPrecision("16-mixed", policy=AMPLIFY_FP16, scaler={"init_scale": 2.0**8, "growth_interval": 100})
     trainer2 = pl.Trainer(plugins=[plugin2], max_steps=10, callbacks=[monitor2], **trainer_kwargs())
     trainer2.fit(AmplifiedRegressor(), loader(), ckpt_path=path)
@@ -250,7 +250,7 @@ def test_keep_in_fp32_under_master_weights_restores_fp32_storage():
 
 # ---------------------------------------------------------------- divergence
 def test_divergence_guard_stops_with_scale_module_step_and_checklist():
-    monitor = MixedPrecisionMonitor(log_every_n_steps=50, divergence_patience=3)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50, divergence_patience=3)
     plugin = MixedPrecision("16-mixed", policy=AMPLIFY_FP16,
                             scaler={"init_scale": 4.0, "min_scale": 1.0, "growth_interval": 100})
     with pytest.raises(DivergenceError) as info:
@@ -266,7 +266,7 @@ def test_divergence_guard_stops_with_scale_module_step_and_checklist():
 @pytest.mark.parametrize("recipe,expected", [("bf16-master", 1.0), ("16-mixed", 1.0), ("32-true", 0.0)])
 def test_update_swamping_fraction(recipe, expected):
     """lr * grad = 1e-5 on weights of 1.0: lost in bf16/fp16 storage (half ulp 2**-8 / 2**-11), kept in FP32."""
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     model = OnesLinear(lr=1e-5)
     scaler = {"init_scale": 2.0**8} if recipe == "16-mixed" else None  # 2**16 * grad 1 overflows fp16
     _fit(model, MixedPrecision(recipe, scaler=scaler), monitor, 3, data=ones_loader())
@@ -276,7 +276,7 @@ def test_update_swamping_fraction(recipe, expected):
 
 
 def test_underflow_fraction_rises_as_the_scale_drops():
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     plugin = MixedPrecision("16-mixed", scaler={"init_scale": 2.0**16, "backoff_factor": 2.0**-8,
                                                 "growth_interval": 1000})
     model = SpreadGrads(inf_steps={1, 3, 5})
@@ -292,7 +292,7 @@ def test_underflow_fraction_rises_as_the_scale_drops():
 
 # ---------------------------------------------------------------- memory, export
 def test_memory_report_counts_real_tensors_next_to_the_estimate():
-    monitor = MixedPrecisionMonitor(log_every_n_steps=50)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50)
     model = TinyRegressor()
     trainer = _fit(model, MixedPrecision("bf16-master"), monitor, 3)
     start, end = monitor.memory_reports
@@ -311,7 +311,7 @@ def test_memory_report_counts_real_tensors_next_to_the_estimate():
 
 
 def test_history_plot_and_jsonl_round_trip(tmp_path):
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     plugin = MixedPrecision("16-mixed", scaler={"init_scale": 2.0**8, "growth_interval": 2})
     _fit(TinyRegressor(inf_steps={1, 4}), plugin, monitor, 6)
     png = tmp_path / "scale.png"
@@ -327,14 +327,14 @@ def test_history_plot_and_jsonl_round_trip(tmp_path):
 
 def test_accumulation_and_manual_optimization_count_optimizer_steps():
     """One record per scaler transition: accumulated micro-batches are one step; two optimizers are two."""
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     plugin = MixedPrecision("16-mixed", scaler={"init_scale": 2.0**8})
     _fit(TinyRegressor(inf_steps={1}), plugin, monitor, 4, accumulate_grad_batches=2)
     assert [(s.step, s.overflow) for s in monitor.history] == [(1, False), (2, True), (3, False), (4, False)]
 
     from test_skip_semantics import TwoOptimizers
 
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     plugin = MixedPrecision("16-mixed", scaler={"init_scale": 2.0**8})
     _fit(TwoOptimizers(), plugin, monitor, 6)
     # batch 1's generator step (the 3rd transition) had an inf loss; the discriminator's step is clean
@@ -345,7 +345,7 @@ def test_accumulation_and_manual_optimization_count_optimizer_steps():
 
 def test_without_loss_scaling_overflows_are_seen_on_logging_steps():
     """bf16 (no scaling, nothing skipped): no per-step read, so overflows show up at the next logging step."""
-    monitor = MixedPrecisionMonitor(log_every_n_steps=2)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=2)
     _fit(TinyRegressor(inf_steps={1}), MixedPrecision("bf16-mixed"), monitor, 4)
     rows = [(s.step, s.overflow, s.overflows_total, s.skipped_total, s.overflow_module) for s in monitor.history]
     # step 2 applied a non-finite update (bf16 has no skip), so step 4's forward is already NaN in net.0
@@ -359,7 +359,7 @@ def test_ddp_ranks_blame_and_move_the_same_module(tmp_path):
     """
     from monitor_models import SaveMonitorState
 
-    monitor = MixedPrecisionMonitor(log_every_n_steps=50, auto_fallback_after=2)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50, auto_fallback_after=2)
     trainer = pl.Trainer(
         plugins=[MixedPrecision("16-mixed", policy=AMPLIFY_FP16, scaler={"init_scale": 2.0**8})],
         strategy="ddp_spawn", max_steps=5, callbacks=[monitor, SaveMonitorState(str(tmp_path), monitor)],
@@ -385,7 +385,7 @@ class _RaisesAtStep(TinyRegressor):
 
 def test_a_failing_run_leaves_no_hooks_behind():
     model = _RaisesAtStep()
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     with pytest.raises(RuntimeError, match="boom in training_step"):
         _fit(model, MixedPrecision("16-mixed"), monitor, 5)
     assert len(monitor.history) == 2

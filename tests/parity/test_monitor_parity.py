@@ -46,7 +46,7 @@ def _lightning_run():
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     plugin = MixedPrecision("16-mixed", scaler=SCALER)
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1, log_memory=False)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1, log_memory=False)
     trainer = pl.Trainer(plugins=[plugin], max_steps=STEPS, callbacks=[monitor], **trainer_kwargs())
     trainer.fit(TinyRegressor(inf_steps=INF_STEPS), loader(n=8 * STEPS))
     return plugin.recipe.scaler, monitor.history
@@ -61,7 +61,7 @@ def _keras_run(config):
     try:
         model = tiny_regressor()
         opt = compile_scaled(model, config)
-        monitor = MixedPrecisionMonitor(log_every_n_steps=1, log_memory=False)
+        monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1, log_memory=False)
         rec = RecordLogs()
         fit(model, monitor, STEPS, inf_steps=INF_STEPS, callbacks=[rec])
     finally:
@@ -101,7 +101,7 @@ def _lightning_blame(steps):
     model.net = nn.Sequential(OrderedDict(dense=nn.Linear(8, 16), amplify=Amplify(), relu=nn.ReLU(),
                                           head=nn.Linear(16, 1)))
     model.on_fit_start = lambda: None
-    monitor = MixedPrecisionMonitor(log_every_n_steps=1, log_memory=False)
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1, log_memory=False)
     plugin = MixedPrecision("16-mixed", policy=AMPLIFY_FP16, scaler={"init_scale": 2.0**8})
     pl.Trainer(plugins=[plugin], max_steps=steps, callbacks=[monitor], **trainer_kwargs()).fit(model, loader())
     return [(s.step, s.overflow_module) for s in monitor.history]
@@ -119,7 +119,7 @@ def _keras_blame(steps):
                                 keras.layers.ReLU(name="relu"), keras.layers.Dense(1, name="head")], name="net")
         model = keras.Sequential([keras.Input((8,)), net])
         compile_scaled(model, {"init_scale": 2.0**8})
-        monitor = MixedPrecisionMonitor(log_every_n_steps=1, log_memory=False)
+        monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1, log_memory=False)
         fit(model, monitor, steps)
     finally:
         keras.config.set_dtype_policy("float32")
