@@ -471,7 +471,7 @@ class MixedPrecision(Precision):
         """``torch.autocast`` in the compute dtype (a null context for ``32-true``)."""
         if not self.recipe.low_precision:
             return contextlib.nullcontext()
-        return torch.autocast(self._device_type, dtype=self.compute_dtype, cache_enabled=False)
+        return torch.autocast(self._device_type, dtype=self.compute_dtype)
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
