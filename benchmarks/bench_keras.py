@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import base_parser  # noqa: E402
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -75,13 +77,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=512)
+    parser = base_parser(__doc__)
     parser.add_argument("--policy", choices=["mixed_bfloat16", "float32"], default="mixed_bfloat16")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA) for both variants")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -8,7 +8,6 @@ one process, alternating, on the same MLP and batches.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import sys
@@ -22,7 +21,7 @@ import torch  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 
-from common import alternate, print_table  # noqa: E402
+from common import base_parser, alternate, print_table  # noqa: E402
 from lightning_ext import MixedPrecision  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
 from mp_callbacks.compare import RunSpec  # noqa: E402
@@ -36,13 +35,7 @@ def measure(make_plugin, spec: RunSpec):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=512)
+    parser = base_parser(__doc__)
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")

@@ -19,7 +19,6 @@ logger's, not the monitor's.  Ratio = median over rounds of with / without.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import warnings
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import alternate, print_table  # noqa: E402
+from common import base_parser, alternate, print_table  # noqa: E402
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
 from mp_callbacks.compare import RunSpec  # noqa: E402
@@ -46,13 +45,7 @@ def measure(recipe: str, spec: RunSpec, monitor: dict | None, log_every: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser = base_parser(__doc__, rounds=5, steps=100, hidden=512, batch_size=256)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--recipes", nargs="+", default=["16-mixed", "bf16-master"])
     args = parser.parse_args()

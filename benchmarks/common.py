@@ -7,6 +7,7 @@ thresholds here: the scripts print figures, the README records them.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from typing import Callable, Mapping
 
@@ -32,3 +33,16 @@ def print_table(title: str, times: Mapping[str, list[float]], pairs: list[tuple[
         print(f"  {name:<34} median step {1000 * statistics.median(ts):8.3f} ms over {len(ts)} rounds")
     for ours, native, target in pairs:
         print(f"  ratio {ours} / {native}: {ratio(times, ours, native):.3f}   (target {target})")
+
+
+def base_parser(doc: str | None, rounds: int = 7, steps: int = 40, hidden: int = 1024, depth: int = 3,
+                batch_size: int = 512) -> argparse.ArgumentParser:
+    """The flags every benchmark takes: threads, rounds, steps and the MLP's size."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--depth", type=int, default=depth)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    return parser

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -213,44 +213,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+def _checked(kind: type, test: Callable[[float], bool], rule: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` that parses ``kind`` and requires ``test(value)``."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"{value} must be {rule}")
+        return value
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
-    return value
-
-
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1]")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, ">= 1")
+_nonnegative_int = _checked(int, lambda v: v >= 0, ">= 0")
+_positive_float = _checked(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
+_probability = _checked(float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
