@@ -8,10 +8,8 @@ one process, alternating, on the same MLP and batches.
 
 from __future__ import annotations
 
-import logging
 import statistics
 import sys
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,7 +19,7 @@ import torch  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 
-from common import base_parser, alternate, print_table  # noqa: E402
+from common import base_parser, thread_specs, alternate, print_table  # noqa: E402
 from lightning_ext import MixedPrecision  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
 from mp_callbacks.compare import RunSpec  # noqa: E402
@@ -37,11 +35,7 @@ def measure(make_plugin, spec: RunSpec):
 def main() -> None:
     parser = base_parser(__doc__)
     args = parser.parse_args()
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    for threads in args.threads:
-        spec = RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden, depth=args.depth,
-                       threads=threads)
+    for threads, spec in thread_specs(args):
         torch.set_num_threads(threads)
         variants = {
             "ours 16-mixed": lambda: MixedPrecision("16-mixed", "cpu"),

@@ -19,9 +19,7 @@ logger's, not the monitor's.  Ratio = median over rounds of with / without.
 
 from __future__ import annotations
 
-import logging
 import sys
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import base_parser, alternate, print_table  # noqa: E402
+from common import base_parser, thread_specs, alternate, print_table  # noqa: E402
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
 from mp_callbacks.compare import RunSpec  # noqa: E402
@@ -49,11 +47,7 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--recipes", nargs="+", default=["16-mixed", "bf16-master"])
     args = parser.parse_args()
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    for threads in args.threads:
-        spec = RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden, depth=args.depth,
-                       threads=threads)
+    for threads, spec in thread_specs(args):
         torch.set_num_threads(threads)
         variants = {}
         for recipe in args.recipes:

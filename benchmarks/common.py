@@ -8,8 +8,10 @@ thresholds here: the scripts print figures, the README records them.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
-from typing import Callable, Mapping
+import warnings
+from typing import Any, Callable, Iterator, Mapping
 
 
 def alternate(variants: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
@@ -46,3 +48,14 @@ def base_parser(doc: str | None, rounds: int = 7, steps: int = 40, hidden: int =
     parser.add_argument("--depth", type=int, default=depth)
     parser.add_argument("--batch-size", type=int, default=batch_size)
     return parser
+
+
+def thread_specs(args: argparse.Namespace) -> Iterator[tuple[int, Any]]:
+    """``(threads, RunSpec)`` for each ``--threads`` value, with Lightning's and Python's chatter off."""
+    from mp_callbacks.compare import RunSpec
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    for threads in args.threads:
+        yield threads, RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden,
+                               depth=args.depth, threads=threads)
