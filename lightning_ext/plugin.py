@@ -536,7 +536,10 @@ class MixedPrecision(Precision):
                 local = torch.zeros((), dtype=torch.float32, device=dev)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(dev))
                 found_inf = found_inf + local.to(device)
-            found_inf = self._all_reduce_max(found_inf)
+            if self.recipe.scaler.enabled:
+                # Every rank must take the same skip decision.  With scaling off nothing is
+                # decided (every step is applied), so no collective: the count stays per rank.
+                found_inf = self._all_reduce_max(found_inf)
         self._unscaled[id(optimizer)] = found_inf
         return found_inf
 
