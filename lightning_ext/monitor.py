@@ -428,7 +428,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
                     pending.grad_norm = grad_norm(grads)
-                    pending.underflow = underflow_counts(grads, plugin.policy.compute, plugin.scaler.scale)
+                    pending.underflow = underflow_counts(grads, plugin.policy.compute, plugin.scaler.grad_scale)
             if self.measure_swamping:
                 with torch.no_grad():
                     pending.before = [(p, p.detach().clone()) for p in params if p.requires_grad]

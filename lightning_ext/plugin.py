@@ -169,6 +169,16 @@ class LossScalerView:
         return self.state.scale
 
     @property
+    def grad_scale(self) -> Tensor:
+        """The scale the current gradients were produced with (0-d tensor, no sync).
+
+        Differs from :attr:`scale` after an earlier optimizer updated the scaler
+        since the last backward (several optimizers stepping after one backward).
+        """
+        used = self._plugin._grad_scale
+        return used if used is not None else self.state.scale
+
+    @property
     def found_inf(self) -> Optional[Tensor]:
         """Whether the latest step's gradients were non-finite (0-d bool tensor), None before any step."""
         return self._plugin._last_overflow
