@@ -11,7 +11,7 @@ SKIP = {3, 4, 7}
 
 
 class Snapshots(pl.Callback):
-    """After every batch: params, FP32 masters, Adam step/exp_avg of the first optimizer param, LR."""
+    """After every batch: params, FP32 masters, the Adam state of every optimizer param, LR."""
 
     def __init__(self) -> None:
         self.rows: list[dict] = []
@@ -20,7 +20,10 @@ class Snapshots(pl.Callback):
         opt = trainer.optimizers[0]
         first = opt.param_groups[0]["params"][0]
         state = opt.state.get(first, {})
+        slots = {f"{i}.{k}": v.clone() for i, p in enumerate(opt.param_groups[0]["params"])
+                 for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v)}
         self.rows.append({
+            "slots": slots,
             "params": params_of(pl_module),
             "masters": {k: v.clone() for k, v in trainer.precision_plugin.master_state_dict().items()},
             "step": int(state["step"]) if "step" in state else 0,
@@ -50,6 +53,7 @@ def test_skipped_steps_change_nothing(recipe):
             assert _same(before["masters"], after["masters"]), k
             assert after["step"] == before["step"], k
             assert torch.equal(before["exp_avg"], after["exp_avg"]), k
+            assert _same(before["slots"], after["slots"]), k  # step, exp_avg, exp_avg_sq of every param
             assert after["lr"] == before["lr"], k  # the LR scheduler did not advance
             assert after["scale"] == before["scale"] / 2
         else:
