@@ -183,7 +183,9 @@ def test_history_jsonl_round_trip_and_plot(tmp_path):
 
 
 def test_core_imports_no_framework():
-    code = ("import sys, mp_callbacks, mp_callbacks.diagnostics, mp_callbacks.recipes;"
+    code = ("import sys, pkgutil, importlib, mp_callbacks;"
+            "[importlib.import_module('mp_callbacks.' + m.name) for m in pkgutil.iter_modules(mp_callbacks.__path__)"
+            " if m.name != '__main__'];"
             "bad=[m for m in sys.modules if m.split('.')[0] in ('torch','keras','tensorflow','lightning','jax')];"
             "print(bad); sys.exit(1 if bad else 0)")
     subprocess.run([sys.executable, "-c", code], check=True)
