@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
     import keras
 
     import keras_ext
-    from common import alternate, print_table
+    from common import alternate, print_table, with_controls
     from keras_ext.compare import fit_once
     from mp_callbacks.compare import RunSpec
 
@@ -68,7 +68,8 @@ def worker(args: argparse.Namespace) -> None:
             return statistics.median(recorder.timed())
         return once
 
-    times = alternate({k: measure(v) for k, v in variants.items()}, args.rounds)
+    times = alternate(with_controls({k: measure(v) for k, v in variants.items()}, ["native LossScaleOptimizer"]),
+                      args.rounds)
     print_table(
         f"Keras {keras.__version__} ({keras.backend.backend()}), policy {args.policy}, jit_compile={args.jit}, "
         f"MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {args.threads} thread(s)", times,

@@ -44,7 +44,7 @@ def _child(args: argparse.Namespace) -> None:
     import numpy as np
 
     import keras_ext
-    from common import alternate, print_table
+    from common import alternate, control_name, print_table
 
     rng = np.random.default_rng(0)
     n = args.batch_size * args.steps
@@ -85,6 +85,7 @@ def _child(args: argparse.Namespace) -> None:
 
     variants = {
         "monitor off": variant(None),
+        control_name("monitor off"): variant(None),
         "monitor on (50)": variant(keras_ext.MixedPrecisionMonitor(log_every_n_steps=50, log_memory=False)),
         "monitor on (50) + attribution": variant(
             keras_ext.MixedPrecisionMonitor(log_every_n_steps=50, log_memory=False, attribute_overflows=True)),

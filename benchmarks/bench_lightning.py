@@ -3,7 +3,9 @@
     python benchmarks/bench_lightning.py [--threads 1 2] [--rounds 7] [--steps 40]
 
 Prints median per-step times and median ratios (ours / native), measured in
-one process, alternating, on the same MLP and batches.
+one process, alternating, on the same MLP and batches; beside each ratio, the
+control ratio of the native variant against a second copy of itself (the
+noise of the machine).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 
-from common import base_parser, thread_specs, alternate, print_table  # noqa: E402
+from common import alternate, base_parser, print_table, thread_specs, with_controls  # noqa: E402
 from lightning_ext import MixedPrecision  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
 from mp_callbacks.compare import RunSpec  # noqa: E402
@@ -45,7 +47,9 @@ def main() -> None:
             "ours bf16-master": lambda: MixedPrecision("bf16-master", "cpu"),
             "native 32-true": lambda: Precision(),
         }
-        times = alternate({k: measure(v, spec) for k, v in variants.items()}, args.rounds)
+        measured = with_controls({k: measure(v, spec) for k, v in variants.items()},
+                                 ["native 16-mixed", "native bf16-mixed", "native 32-true"])
+        times = alternate(measured, args.rounds)
         print_table(
             f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s)", times,
             [("ours 16-mixed", "native 16-mixed", "<= 1.03"),

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import base_parser, thread_specs, alternate, print_table  # noqa: E402
+from common import alternate, base_parser, print_table, thread_specs, with_controls  # noqa: E402
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
 from mp_callbacks.compare import RunSpec  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
             variants[f"{recipe} + monitor + attribution"] = measure(
                 recipe, spec, {"attribute_overflows": True}, args.log_every)
             variants[f"{recipe}"] = measure(recipe, spec, None, args.log_every)
-        times = alternate(variants, args.rounds)
+        times = alternate(with_controls(variants, list(args.recipes)), args.rounds)
         pairs = []
         for r in args.recipes:
             pairs += [(f"{r} + monitor", r, "<= 1.05"), (f"{r} + monitor + attribution", r, "opt-in, no target")]

@@ -28,13 +28,35 @@ def ratio(times: Mapping[str, list[float]], ours: str, native: str) -> float:
     return statistics.median(a / b for a, b in zip(times[ours], times[native]))
 
 
+def control_name(name: str) -> str:
+    """The name of ``name``'s control variant: the same thing run a second time, as a separate variant."""
+    return f"{name} (control)"
+
+
+def with_controls(variants: Mapping[str, Callable[[], float]], natives: list[str]) -> dict[str, Callable[[], float]]:
+    """``variants`` plus a control copy of each native variant, placed right after ours-and-native.
+
+    A control runs exactly what its native runs; ``control / native`` measures
+    how far two identical variants drift apart on this machine (the noise a
+    ratio of ours / native carries).
+    """
+    out = dict(variants)
+    for name in natives:
+        out[control_name(name)] = variants[name]
+    return out
+
+
 def print_table(title: str, times: Mapping[str, list[float]], pairs: list[tuple[str, str, str]]) -> None:
-    """``pairs``: (ours, native, target text)."""
+    """``pairs``: (ours, native, target text); a native with a control variant gets its control ratio beside."""
     print(f"\n{title}")
     for name, ts in times.items():
-        print(f"  {name:<34} median step {1000 * statistics.median(ts):8.3f} ms over {len(ts)} rounds")
+        print(f"  {name:<42} median step {1000 * statistics.median(ts):8.3f} ms over {len(ts)} rounds")
     for ours, native, target in pairs:
-        print(f"  ratio {ours} / {native}: {ratio(times, ours, native):.3f}   (target {target})")
+        line = f"  ratio {ours} / {native}: {ratio(times, ours, native):.3f}   (target {target})"
+        control = control_name(native)
+        if control in times:
+            line += f"   control {control} / {native}: {ratio(times, control, native):.3f}"
+        print(line)
 
 
 def base_parser(doc: str | None, rounds: int = 7, steps: int = 40, hidden: int = 1024, depth: int = 3,

@@ -235,7 +235,8 @@ def fit_once(
         _policy._ACTIVE.clear()
         _policy._ACTIVE.update(active_before)
     inner = keras.optimizers.AdamW(learning_rate=spec.lr)
-    opt = master_optimizer(inner, name, scaler=scaler_for(name, spec)) if optimizer is None else optimizer(inner)
+    opt = (master_optimizer(inner, name, scaler=scaler_for(name, spec), count_overflows=True) if optimizer is None
+           else optimizer(inner))
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit_compile)
     recorder = _Recorder(opt if isinstance(opt, LossScaleOptimizer) else None, progress, record)

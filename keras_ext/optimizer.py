@@ -35,6 +35,7 @@ from mp_callbacks.scaler import (
     ScalerConfig,
     ScalerState,
     check_state_dict,
+    checks_overflow,
     floor_message,
     initial_state,
     make_state_dict,
@@ -81,6 +82,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         variables inside the optimizer (the ``*-master`` recipes); the inner
         optimizer then updates the masters with FP32 slots and the rounded
         result is written back to the model after every applied step.
+      count_overflows: with scaling off (``enabled=False``), whether each step
+        looks for inf/NaN gradients to count them; ``None`` (default): only
+        while a :class:`keras_ext.MixedPrecisionMonitor` is attached.  With
+        scaling on the check always runs (it decides the skip).  The rule is
+        :func:`mp_callbacks.scaler.checks_overflow`, as in the Lightning plugin.
       name: the optimizer's name.
 
     The optimizer's ``apply``/``apply_gradients`` expect gradients of the
@@ -97,6 +103,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         initial_scale: float | None = None,
         dynamic_growth_steps: int | None = None,
         master_weights: bool = False,
+        count_overflows: bool | None = None,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -123,6 +130,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config = config.replace(**overrides)
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be True or False, not {master_weights!r}")
+        if count_overflows is not None and not isinstance(count_overflows, bool):
+            raise TypeError(f"count_overflows must be True, False or None, not {count_overflows!r}")
         start = float(initial_state(config).scale)
         super().__init__(
             inner_optimizer,
@@ -133,6 +142,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         self._config = config
         self._master_weights = master_weights
+        self.count_overflows = count_overflows
         self._grads_already_unscaled = False
         self._state_vars: dict[str, Any] = {}
         self._masters: list[Any] = []
@@ -148,6 +158,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def master_weights(self) -> bool:
         """True when FP32 master copies of low-precision variables are kept."""
         return self._master_weights
+
+    @property
+    def checks_overflow(self) -> bool:
+        """True when steps look for inf/NaN gradients (:func:`mp_callbacks.scaler.checks_overflow`).
+
+        Read when the train step is traced; the monitor retraces when it attaches.
+        """
+        return checks_overflow(self._config, self.count_overflows, self._stats_hook is not None)
 
     # -- building -------------------------------------------------------------------
     @_no_tracking
@@ -332,7 +350,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def _found_inf(self, grads: Sequence[Any]) -> Any:
-        """True when any gradient of this replica holds an inf or NaN (no host sync)."""
+        """True when any gradient of this replica holds an inf or NaN (no host sync).
+
+        False without looking when the step does not check (:attr:`checks_overflow`).
+        """
+        if not self.checks_overflow:
+            return ops.convert_to_tensor(False)
         sparse = _indexed_slices_type()
         flags = [
             ops.all(ops.isfinite(g.values if isinstance(g, sparse) else g)) for g in grads if g is not None
@@ -472,6 +495,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "scaler": self._config.to_dict(),
             "master_weights": self._master_weights,
+            "count_overflows": self.count_overflows,
         }
 
     @classmethod
@@ -555,13 +579,14 @@ def master_optimizer(
     recipe: Recipe | str = "bf16-master",
     *,
     scaler: ScalerConfig | str | Mapping[str, Any] | None = None,
+    count_overflows: bool | None = None,
     name: str | None = None,
 ) -> LossScaleOptimizer:
     """The optimizer a recipe asks for: loss scaling per the recipe, FP32 masters for ``*-master``.
 
     ``recipe`` is a :class:`mp_callbacks.Recipe` or a name (``"bf16-master"``,
     ``"16-master"``, ``"16-mixed"``...); ``scaler`` overrides the recipe's
-    scaler.  Build the model with :func:`keras_ext.set_global_policy` /
+    scaler; ``count_overflows`` is :class:`LossScaleOptimizer`'s.  Build the model with :func:`keras_ext.set_global_policy` /
     :func:`keras_ext.apply_policy` for the same recipe so that its variables
     are stored in the recipe's ``param_dtype``.
     """
@@ -571,6 +596,7 @@ def master_optimizer(
         raise TypeError(f"recipe must be a mp_callbacks.Recipe or a recipe name, not {type(recipe).__name__}")
     recipe = recipe.with_scaler(scaler)
     return LossScaleOptimizer(
-        inner_optimizer, recipe.scaler, master_weights=recipe.master.master_weights, name=name
+        inner_optimizer, recipe.scaler, master_weights=recipe.master.master_weights,
+        count_overflows=count_overflows, name=name,
     )
 

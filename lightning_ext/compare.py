@@ -61,15 +61,23 @@ class _Module(pl.LightningModule):
 
 
 def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of model state held right now: params, grads, FP32 masters, optimizer state."""
+    """Bytes of model state held right now: params, grads, FP32 masters, optimizer state.
+
+    Counts the memory actually allocated: each distinct storage once, at its
+    current size (a weight whose storage is released during the optimizer step
+    counts 0), so views and tied weights are not counted twice.
+    """
     seen: set[int] = set()
     total = 0
 
     def add(t: Any) -> None:
         nonlocal total
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            key = storage.data_ptr() if storage.nbytes() else id(storage)
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
 
     for p in module.parameters():
         add(p)
@@ -80,7 +88,7 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
             add(p.grad)
     for state in optimizer.state.values():
         for v in state.values():
-            if isinstance(v, torch.Tensor) and v.numel() > 1:  # scalar step counters are not per-param
+            if isinstance(v, torch.Tensor) and v.dim() > 0:  # 0-d step counters are not per-param state
                 add(v)
     return total
 
@@ -119,9 +127,23 @@ class _Recorder(pl.Callback):
         """Step times without the first 10% (warm-up)."""
         return self.times[max(1, len(self.times) // 10):] or self.times
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.record and trainer.global_step == self.steps - 1:  # grads, masters and slots all alive
-            self.state_bytes = state_bytes(pl_module, optimizer)
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.record:
+            return
+        raw = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
+
+        def measure(optimizer: Any, args: Any, kwargs: Any) -> None:
+            # Inside optimizer.step() of the last step: grads, masters and slots all alive,
+            # measured when the update runs (what the recipe's memory budget is about).
+            if trainer.global_step == self.steps - 1:
+                self.state_bytes = state_bytes(pl_module, optimizer)
+
+        self._hook = raw.register_step_pre_hook(measure)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -186,7 +208,7 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     # The output layer runs in FP32, as keras_ext.apply_policy does for the layer producing the
     # model output (torch has no notion of "the output module": a rule names it).
     policy = get_recipe(recipe).policy.with_fp32_modules(f"net.{2 * spec.depth}")
-    plugin = MixedPrecision(recipe, "cpu", scaler=scaler_for(recipe, spec), policy=policy)
+    plugin = MixedPrecision(recipe, "cpu", scaler=scaler_for(recipe, spec), policy=policy, count_overflows=True)
     with PeakRSS() as rss:
         module, recorder = fit_once(plugin, spec, progress)
     _, _, x_te, y_te = digits_data(spec.seed)
@@ -196,7 +218,8 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
         accuracy = float((logits.argmax(-1).numpy() == y_te).mean())
     n_params = sum(p.numel() for p in module.parameters())
     storage = [(p.numel(), str(p.dtype).replace("torch.", "")) for p in module.parameters()]
-    estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage, fp32_master_grads=True)
+    estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage, fp32_master_grads=True,
+                               weights_released=plugin.free_weights_during_step)
     timed = recorder.timed()
     losses = [s.loss for s in recorder.history if s.loss is not None and np.isfinite(s.loss)]
     tail = losses[-10:] or [float("nan")]

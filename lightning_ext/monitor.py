@@ -274,6 +274,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
                     measure_grads, measure_swamping, log_memory, history_maxlen)
         self.tracer = OverflowTracer()
         self._pending: Optional[_Pending] = None
+        self._attached: Optional[MixedPrecision] = None
 
     # ------------------------------------------------------------------ API
     # history, log_every_n_steps, step, state_dict, load_state_dict, repr: MonitorFacade
@@ -368,7 +369,9 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """Check that the trainer uses :class:`lightning_ext.MixedPrecision` (clear error otherwise)."""
         if stage == "fit":
-            self._plugin(trainer)
+            plugin = self._plugin(trainer)
+            plugin.monitored = True  # with scaling off, steps now check for (and count) overflows
+            self._attached = plugin
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Read the step counter (one sync), re-apply restored fallbacks, install hooks, log memory."""
@@ -399,10 +402,13 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         self.uninstall()
 
     def uninstall(self) -> None:
-        """Remove the attribution hooks and forget any unfinished step (idempotent)."""
+        """Remove the attribution hooks, forget any unfinished step, detach from the plugin (idempotent)."""
         self.tracer.active = False
         self.tracer.remove()
         self._pending = None
+        plugin, self._attached = getattr(self, "_attached", None), None
+        if plugin is not None:
+            plugin.monitored = False
 
     # ------------------------------------------------------------ per step
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,

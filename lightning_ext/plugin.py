@@ -16,7 +16,12 @@ What the plugin does per optimizer step (all decisions come from
    over the optimizer's (master) gradients, using ``1/scale`` computed in
    float64 exactly as ``torch.amp.GradScaler`` does; the resulting
    ``found_inf`` is all-reduced (MAX) over the process group, so every rank
-   takes the same decision.
+   takes the same decision.  With scaling off (bf16 and FP32 recipes) the
+   check only feeds the overflow counter, so it runs when
+   :func:`mp_callbacks.scaler.checks_overflow` says so: with a
+   :class:`~lightning_ext.MixedPrecisionMonitor` attached, or
+   ``count_overflows=True``; otherwise the step costs what Lightning's own
+   plugin costs.
 4. ``on_before_optimizer_step`` hooks and gradient clipping (norm or value) run
    on the unscaled FP32 gradients.
 5. **Transition**: :func:`mp_callbacks.scaler.next_state` evaluated with
@@ -25,7 +30,9 @@ What the plugin does per optimizer step (all decisions come from
    ``GradScaler.step`` does with ``found_inf.item()``); with scaling disabled
    (bf16 and FP32 recipes) it is known statically and nothing is read.
 7. **Applied**: ``optimizer.step()``, then (``*-master``) every master is
-   rounded back into its low-precision parameter.  **Skipped**: nothing is
+   rounded back into its low-precision parameter (whose storage is released
+   during the step: nothing reads it, and the step then holds no more than
+   the recipe's 16 B/param budget for AdamW).  **Skipped**: nothing is
    called, so parameters, masters, optimizer slots and the optimizer's own step
    counters stay bit-for-bit unchanged.
 
@@ -64,6 +71,7 @@ from mp_callbacks.scaler import (
     ScalerState,
     StateDictError,
     check_state_dict,
+    checks_overflow,
     floor_message,
     initial_state,
     make_state_dict,
@@ -237,6 +245,15 @@ class MixedPrecision(Precision):
         recipe's default (dynamic ``torch`` preset for fp16, off for bf16/fp32).
       policy: the operator policy (a :class:`~mp_callbacks.policy.PrecisionPolicy`,
         a policy string or dict), or ``None`` for the recipe's.
+      count_overflows: with scaling off, whether every step looks for inf/NaN
+        gradients to count them (``scaler.overflows``); ``None`` (default):
+        only while a :class:`~lightning_ext.MixedPrecisionMonitor` is attached.
+        With scaling on the check always runs (it decides the skip).
+      free_weights_during_step: ``*-master`` only: release the low-precision
+        weights' storage while ``optimizer.step()`` updates the masters and
+        rebuild them from the masters right after (the step then holds 16
+        B/param for AdamW instead of 18).  Set False if an optimizer step hook
+        of yours reads the module's weights.
 
     Raises:
       RecipeError: an unknown recipe name (the message lists the valid ones).
@@ -252,6 +269,8 @@ class MixedPrecision(Precision):
         device: Union[str, torch.device] = "cpu",
         scaler: Union[torch.amp.GradScaler, ScalerConfig, str, Mapping[str, Any], None] = None,
         policy: Union[PrecisionPolicy, str, Mapping[str, Any], None] = None,
+        count_overflows: Optional[bool] = None,
+        free_weights_during_step: bool = True,
     ) -> None:
         try:
             name = canonical_recipe_name(precision)
@@ -265,6 +284,11 @@ class MixedPrecision(Precision):
             raise RecipeError(f"lightning_ext.MixedPrecision: {exc}.{hint}") from None
         self.recipe: Recipe = get_recipe(name, scaler=_scaler_config_from(scaler), policy=policy)
         self.precision = self.recipe.name  # type: ignore[assignment]
+        if count_overflows is not None and not isinstance(count_overflows, bool):
+            raise TypeError(f"count_overflows must be True, False or None, not {count_overflows!r}")
+        self.count_overflows = count_overflows
+        self.monitored = False  # set by MixedPrecisionMonitor while it is attached
+        self.free_weights_during_step = bool(free_weights_during_step)
         self.device = str(device)
         self._device_type = torch.device(device).type
         self._ops = TorchOps("cpu")
@@ -306,6 +330,16 @@ class MixedPrecision(Precision):
     def can_skip(self) -> bool:
         """True when a step can be skipped (scaling enabled): then the decision costs one host read."""
         return self.recipe.scaler.enabled
+
+    @property
+    def checks_overflow(self) -> bool:
+        """True when steps look for inf/NaN gradients (:func:`mp_callbacks.scaler.checks_overflow`).
+
+        Always with scaling on; with scaling off when ``count_overflows=True``
+        or a :class:`~lightning_ext.MixedPrecisionMonitor` is attached.  Steps
+        that do not check count no overflows.
+        """
+        return checks_overflow(self.recipe.scaler, self.count_overflows, self.monitored)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, device={self.device!r})"
@@ -431,6 +465,29 @@ class MixedPrecision(Precision):
             with torch.no_grad():
                 torch._foreach_copy_(lows, masters)  # one fused, rounding copy per step
 
+    @staticmethod
+    def _release_weights(entries: Iterable[tuple[str, nn.Parameter, nn.Parameter]]) -> list[tuple[Any, int]]:
+        """Free the storage of low-precision weights that the masters rebuild after the step.
+
+        During ``optimizer.step()`` nothing reads them (the update runs on the
+        masters), so the step holds FP32 grads + masters + optimizer state
+        only: 16 B/param for AdamW under ``bf16-master``, as the recipe's memory
+        budget says.  A weight is released only when it owns its whole storage
+        (no view of a larger buffer) and that storage can be resized.
+        Returns ``(storage, nbytes)`` to restore with ``storage.resize_(nbytes)``.
+        """
+        released: list[tuple[Any, int]] = []
+        for _, low, master in entries:
+            if low is master or low.storage_offset() != 0 or not low.is_contiguous():
+                continue
+            storage = low.untyped_storage()
+            nbytes = storage.nbytes()
+            if nbytes != low.numel() * low.element_size() or nbytes == 0 or not storage.resizable():
+                continue
+            storage.resize_(0)
+            released.append((storage, nbytes))
+        return released
+
     def _master_entries(self, optimizer: Optimizer) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         return [e for e in self._masters.values() if id(e[2]) in in_opt]
@@ -504,53 +561,70 @@ class MixedPrecision(Precision):
 
         Called by :meth:`optimizer_step` and before clipping; calling it yourself
         (manual optimization) before inspecting gradients is allowed: a second
-        call before the step is a no-op.
+        call before the step is a no-op.  When the step does not check
+        (:attr:`checks_overflow` is False: scaling off, no monitor) ``found_inf``
+        is 0 without looking at the gradients.
         """
         optimizer = _unwrap_optimizer(optimizer)
         done = self._unscaled.get(id(optimizer))
         if done is not None:
             return done
         device = self._state.scale.device
-        entries = self._master_entries(optimizer) if self._masters else []
         with torch.no_grad():
-            reuse_dst, reuse_src = [], []
-            for _, low, master in entries:
-                if low.grad is None:
-                    continue
-                if master.grad is None or master.grad.shape != master.shape:
-                    master.grad = low.grad.to(torch.float32)
-                else:
-                    reuse_dst.append(master.grad)
-                    reuse_src.append(low.grad)
-                low.grad = None
-            if reuse_dst:
-                torch._foreach_copy_(reuse_dst, reuse_src)
-            groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    grad = p.grad
-                    if grad is None:
-                        continue
-                    if grad.is_sparse:
-                        if grad.dtype is torch.float16:
-                            p.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    groups[(grad.device, grad.dtype)].append(grad)
-            if self.recipe.scaler.enabled:
-                scale = self._grad_scale if self._grad_scale is not None else self._state.scale
-                inv_scale = scale.double().reciprocal().float()
+            if self._masters:
+                self._grads_to_masters(self._master_entries(optimizer))
+            if self.checks_overflow:
+                found_inf = self._check_and_unscale(optimizer, device)
             else:
-                inv_scale = torch.ones((), dtype=torch.float32, device=device)
-            found_inf = torch.zeros((), dtype=torch.float32, device=device)
-            for (dev, _), grads in groups.items():
-                local = torch.zeros((), dtype=torch.float32, device=dev)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(dev))
-                found_inf = found_inf + local.to(device)
-            if self.recipe.scaler.enabled:
-                # Every rank must take the same skip decision.  With scaling off nothing is
-                # decided (every step is applied), so no collective: the count stays per rank.
-                found_inf = self._all_reduce_max(found_inf)
+                found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._unscaled[id(optimizer)] = found_inf
+        return found_inf
+
+    @staticmethod
+    def _grads_to_masters(entries: Iterable[tuple[str, nn.Parameter, nn.Parameter]]) -> None:
+        """Each low-precision gradient becomes its master's FP32 gradient; the low one is released."""
+        reuse_dst, reuse_src = [], []
+        for _, low, master in entries:
+            if low.grad is None:
+                continue
+            if master.grad is None or master.grad.shape != master.shape:
+                master.grad = low.grad.to(torch.float32)
+            else:
+                reuse_dst.append(master.grad)
+                reuse_src.append(low.grad)
+            low.grad = None
+        if reuse_dst:
+            torch._foreach_copy_(reuse_dst, reuse_src)
+            reuse_src.clear()
+
+    def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:
+        """``found_inf`` of the optimizer's gradients, unscaled in place by ``1/scale`` (GradScaler's kernel)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        p.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                groups[(grad.device, grad.dtype)].append(grad)
+        if self.recipe.scaler.enabled:
+            scale = self._grad_scale if self._grad_scale is not None else self._state.scale
+            inv_scale = scale.double().reciprocal().float()
+        else:
+            inv_scale = torch.ones((), dtype=torch.float32, device=device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        for (dev, _), grads in groups.items():
+            local = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(dev))
+            if local is not found_inf:
+                found_inf = found_inf + local.to(device)
+        if self.recipe.scaler.enabled:
+            # Every rank must take the same skip decision.  With scaling off nothing is
+            # decided (every step is applied), so no collective: the count stays per rank.
+            found_inf = self._all_reduce_max(found_inf)
         return found_inf
 
     @staticmethod
@@ -597,9 +671,17 @@ class MixedPrecision(Precision):
         self._unscaled.pop(id(raw), None)
         retval = None
         if applied:
-            retval = raw.step(**kwargs)
             if self._masters:
-                self._copy_masters_to_params(self._master_entries(raw))
+                entries = self._master_entries(raw)
+                released = self._release_weights(entries) if self.free_weights_during_step else []
+                try:
+                    retval = raw.step(**kwargs)
+                finally:  # also when the optimizer fails: the weights always come back from the masters
+                    for storage, nbytes in released:
+                        storage.resize_(nbytes)
+                    self._copy_masters_to_params(entries)
+            else:
+                retval = raw.step(**kwargs)
         elif config.on_min_scale != "clamp" and int(new.floor_hits.item()) > int(old.floor_hits.item()):
             message = floor_message(int(new.steps.item()), float(new.scale.item()), config)
             if config.on_min_scale == "raise":

@@ -25,6 +25,9 @@ class TorchOps:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
+        # Python constants (growth_interval, factors, 0, 1...) become device tensors once:
+        # a scaler transition then launches only its arithmetic.  Never mutated in place.
+        self._constants: dict[tuple[torch.dtype, type, str], torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"TorchOps(device={str(self.device)!r})"
@@ -38,8 +41,20 @@ class TorchOps:
     # -- constants and conversions ------------------------------------------------
     def _scalar(self, value: Any, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
+            if value.dtype == dtype and value.dim() == 0 and value.device == self.device:
+                return value
             return value.to(device=self.device, dtype=dtype).reshape(())
-        return torch.full((), value, dtype=dtype, device=self.device)
+        key = (dtype, type(value), repr(value))  # repr keeps -0.0 apart from 0.0
+        constant = self._constants.get(key)
+        if constant is None:
+            constant = self._constants[key] = torch.full((), value, dtype=dtype, device=self.device)
+        return constant
+
+    def _like(self, b: Any, a: torch.Tensor) -> torch.Tensor:
+        """``b`` as a tensor of ``a``'s dtype on this device (constants cached)."""
+        if isinstance(b, torch.Tensor) and b.dtype == a.dtype and b.device == self.device:
+            return b
+        return self._scalar(b, a.dtype)
 
     def f32(self, value: Any) -> torch.Tensor:
         """A float32 0-d tensor holding ``value`` (a number or a tensor)."""
@@ -58,25 +73,25 @@ class TorchOps:
     # -- arithmetic and selection ---------------------------------------------------
     def where(self, cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a`` where ``cond`` else ``b``, in ``a``'s dtype."""
-        a = torch.as_tensor(a, device=self.device)
-        b = torch.as_tensor(b, device=self.device).to(a.dtype)
-        return torch.where(self.boolean(cond), a, b)
+        if not isinstance(a, torch.Tensor):
+            a = torch.as_tensor(a, device=self.device)
+        return torch.where(self.boolean(cond), a, self._like(b, a))
 
     def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a * b`` in ``a``'s dtype (float32 overflow gives inf, as in NumPy)."""
-        return torch.mul(a, torch.as_tensor(b, device=self.device).to(a.dtype))
+        return torch.mul(a, self._like(b, a))
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a + b`` in ``a``'s dtype."""
-        return torch.add(a, torch.as_tensor(b, device=self.device).to(a.dtype))
+        return torch.add(a, self._like(b, a))
 
     def minimum(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Elementwise minimum."""
-        return torch.minimum(a, torch.as_tensor(b, device=self.device).to(a.dtype))
+        return torch.minimum(a, self._like(b, a))
 
     def maximum(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Elementwise maximum."""
-        return torch.maximum(a, torch.as_tensor(b, device=self.device).to(a.dtype))
+        return torch.maximum(a, self._like(b, a))
 
     def isfinite(self, a: torch.Tensor) -> torch.Tensor:
         """True where ``a`` is neither inf nor NaN."""

@@ -19,6 +19,7 @@ from .scaler import (
     ScalerConfig,
     ScalerState,
     StateDictError,
+    checks_overflow,
     initial_state,
     next_state,
 )
@@ -30,5 +31,5 @@ __all__ = [
     "MemoryEstimate", "NUMPY_OPS", "NumpyOps", "PRESETS", "PolicyError", "PrecisionPolicy",
     "RECIPE_NAMES", "Recipe", "RecipeError", "ScaleFloorError", "ScaleFloorWarning",
     "ScalerConfig", "ScalerState", "StateDictError", "StepStats", "bytes_per_param",
-    "canonical_recipe_name", "estimate_memory", "get_recipe", "initial_state", "next_state",
+    "canonical_recipe_name", "checks_overflow", "estimate_memory", "get_recipe", "initial_state", "next_state",
 ]

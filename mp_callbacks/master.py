@@ -16,8 +16,12 @@ AdamW under ``bf16-master``: 2 + 2 + 4 + 4 + 4 = 16 B/param.
 That count keeps gradients in the storage dtype.  Framework optimizers need
 the gradient in the dtype of the tensor they update, so at the optimizer step
 both adapters hold the gradient as FP32 on the master (the low-precision
-gradient is released first): ``fp32_master_grads=True`` counts that peak,
-18 B/param for AdamW under ``bf16-master``.
+gradient is released first): ``fp32_master_grads=True`` counts that, 18
+B/param for AdamW under ``bf16-master``.  Nothing reads the low-precision
+weights during the step (they are rebuilt from the masters after it), so an
+adapter may release them for its duration (the Lightning plugin does):
+``weights_released=True`` counts them as 0 at the step, 4 + 4 + 4 + 4 = 16
+B/param for AdamW, the same peak as the end of the backward pass.
 """
 
 from __future__ import annotations
@@ -123,14 +127,18 @@ class MemoryEstimate:
 
 def estimate_memory(
     plan: MasterPlan, optimizer: str, params: Iterable[tuple[int, str]] | int,
-    fp32_master_grads: bool = False,
+    fp32_master_grads: bool = False, weights_released: bool = False,
 ) -> MemoryEstimate:
     """Bytes of model state for ``params``: an int (all stored in ``plan.param_dtype``)
     or ``(numel, storage_dtype)`` pairs (FP32-kept parameters included).
 
     ``fp32_master_grads``: count the gradient of a parameter with a master as
     FP32 (what the adapters hold at the optimizer step) instead of its storage dtype.
+    ``weights_released``: with ``fp32_master_grads``, the low-precision weight of a
+    parameter with a master is released during the step and counts 0.
     """
+    if weights_released and not fp32_master_grads:
+        raise ValueError("weights_released=True describes the optimizer step: pass fp32_master_grads=True too")
     if isinstance(params, int):
         params = [(params, plan.param_dtype)]
     slots = optimizer_slots(optimizer)
@@ -139,16 +147,18 @@ def estimate_memory(
     for numel, dtype in params:
         size = dtype_bytes(dtype)
         n += numel
-        w += numel * size
         if plan.needs_master(dtype):
+            w += 0 if weights_released else numel * size
             m += numel * 4
             g += numel * (4 if fp32_master_grads else size)
         else:
+            w += numel * size
             g += numel * size
         s += numel * slots * state_bytes
     return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s)
 
 
-def bytes_per_param(plan: MasterPlan, optimizer: str, fp32_master_grads: bool = False) -> float:
+def bytes_per_param(plan: MasterPlan, optimizer: str, fp32_master_grads: bool = False,
+                    weights_released: bool = False) -> float:
     """Bytes of model state per parameter when every parameter uses ``plan.param_dtype``."""
-    return estimate_memory(plan, optimizer, 1, fp32_master_grads).bytes_per_param
+    return estimate_memory(plan, optimizer, 1, fp32_master_grads, weights_released).bytes_per_param

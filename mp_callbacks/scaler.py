@@ -21,7 +21,7 @@ while the scale already sits at ``min_scale`` is a *floor hit*: ``clamp``
 ignores it, ``warn`` warns, ``raise`` raises :class:`ScaleFloorError`.
 
 ``enabled=False`` turns scaling off: the scale is 1.0, every step is applied,
-overflows are still counted.  ``dynamic=False`` keeps the scale at
+overflows are counted when the adapter looks for them (:func:`checks_overflow`).  ``dynamic=False`` keeps the scale at
 ``init_scale`` forever but still skips steps whose gradients are not finite.
 """
 
@@ -312,6 +312,28 @@ def next_state(
         floor_hits=ops.add(state.floor_hits, count(floor_hit)),
     )
     return new, clean
+
+
+def checks_overflow(config: ScalerConfig, count_overflows: bool | None = None, monitored: bool = False) -> bool:
+    """Whether a step must look for inf/NaN gradients (a pass over every gradient).
+
+    Rule: always when loss scaling is enabled (the skip decision needs it).
+    With scaling off nothing is decided by the check (every step is applied),
+    so it only feeds the overflow counter, a diagnostic: ``count_overflows``
+    decides when given (True/False); by default (None) the check runs exactly
+    when a diagnostics monitor is attached (``monitored``).  A step that does
+    not check reports no overflow.
+
+    >>> checks_overflow(ScalerConfig.preset("torch"), count_overflows=False)
+    True
+    >>> checks_overflow(ScalerConfig(enabled=False)), checks_overflow(ScalerConfig(enabled=False), monitored=True)
+    (False, True)
+    """
+    if config.enabled:
+        return True
+    if count_overflows is not None:
+        return bool(count_overflows)
+    return bool(monitored)
 
 
 # -- plain-data state -----------------------------------------------------------

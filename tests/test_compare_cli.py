@@ -64,10 +64,12 @@ def test_results_are_sane(report):
     for fw in ("lightning", "keras"):
         assert results[(fw, "16-mixed")]["skipped"] >= 1
         master = results[(fw, "bf16-master")]
-        # bf16 hidden layers (2 + 4 FP32 grad + 4 master + 8 Adam) and an FP32 output layer (4 + 4 + 8)
+        # bf16 hidden layers (4 FP32 grad + 4 master + 8 Adam, + 2 for the bf16 weight that Keras keeps
+        # during the step; the Lightning plugin releases it) and an FP32 output layer (4 + 4 + 8)
         hidden = 64 * 32 + 32 + 32 * 32 + 32
         out = 32 * 10 + 10
-        expected = (hidden * 18 + out * 16) / (hidden + out)
+        per_hidden = 16 if fw == "lightning" else 18
+        expected = (hidden * per_hidden + out * 16) / (hidden + out)
         assert master["state_bytes_per_param"] == pytest.approx(expected), (fw, master)
         assert master["estimate_bytes_per_param"] == pytest.approx(expected), (fw, master)
     # Both frameworks saw the same data: their baselines end at a similar accuracy.

@@ -94,6 +94,8 @@ class TinyRegressor(pl.LightningModule):
         extra = {"fused": True} if self.fused else {}
         if self.optimizer_name == "adam":
             opt = torch.optim.Adam(self.parameters(), lr=self.lr, **extra)
+        elif self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
         elif self.optimizer_name == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=self.lr)
         elif self.optimizer_name == "lbfgs":

@@ -94,6 +94,7 @@ class Case:
     inf_steps: tuple[int, ...] = INF_STEPS
     blowup_steps: tuple[int, ...] = BLOWUP_STEPS
     snapshot_every: int = SNAPSHOT_EVERY
+    count_overflows: Optional[bool] = True  # both sides; None: the adapters' default (only when monitored)
 
     @property
     def recipe_obj(self) -> Recipe:
@@ -110,7 +111,8 @@ class Case:
     @property
     def id(self) -> str:
         scaler = "default" if self.scaler is None else ("scaled" if self.scaler.enabled else "off")
-        return f"{self.recipe}-{self.optimizer}-{self.kind}-{scaler}"
+        counting = "" if self.count_overflows else f"-count{self.count_overflows}"
+        return f"{self.recipe}-{self.optimizer}-{self.kind}-{scaler}{counting}"
 
     def batches(self) -> harness.Batches:
         blowup = {s: self.blowup_factor for s in self.blowup_steps if s < self.steps}
@@ -184,7 +186,8 @@ def run_lightning(case: Case, init_module: Any = None) -> Trajectory:
     b = case.batches()
     data = [(torch.from_numpy(b.x[i]), torch.from_numpy(b.y[i]), torch.from_numpy(b.w[i]), float(b.f[i]))
             for i in range(case.steps)]
-    plugin = MixedPrecision(case.recipe, "cpu", scaler=case.scaler, policy=recipe.policy)
+    plugin = MixedPrecision(case.recipe, "cpu", scaler=case.scaler, policy=recipe.policy,
+                            count_overflows=case.count_overflows)
     traj = Trajectory()
     paths = list(harness.layer_map(case.kind))
 
@@ -323,7 +326,8 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
         kp._ACTIVE.update(policy=None, recipe=None)
     harness.copy_torch_to_keras(init, model, case.kind)
     opt = keras_ext.LossScaleOptimizer(keras_optimizer(case.optimizer), recipe.scaler,
-                                       master_weights=recipe.master.master_weights)
+                                       master_weights=recipe.master.master_weights,
+                                       count_overflows=case.count_overflows)
     model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
     opt.build(model.trainable_variables)
     # The FP32 masters start from torch's exact FP32 values (Lightning's plugin keeps

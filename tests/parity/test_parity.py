@@ -74,6 +74,23 @@ def test_nonfinite_step_without_scaling_is_applied_in_both(recipe):
         assert np.all(np.isfinite(side.losses[:3])) and not np.any(np.isfinite(side.losses[3:]))
 
 
+def test_without_scaling_overflows_are_counted_only_on_request_in_both():
+    """Scaling off and no monitor: neither framework looks for inf/NaN (nothing is decided by it).
+
+    Same schedule as the test above, with the adapters' default ``count_overflows=None``:
+    both apply every step and count no overflow (the check is a diagnostic, on while a
+    monitor is attached); the trajectories still agree step by step.
+    """
+    case = Case("bf16-mixed", "sgd", "mlp", hidden=HIDDEN["mlp"], scaler=None, steps=8, inf_steps=(3,),
+                blowup_steps=(), snapshot_every=8, count_overflows=None)
+    t, k = runs.run_lightning(case), runs.run_keras(case)
+    checks.assert_decisions_equal(case, t, k)
+    for side in (t, k):
+        assert side.overflow == [False] * 8
+        assert side.applied == [True] * 8 and side.counters[-1] == (8, 0, 0, 0)
+        assert not np.any(np.isfinite(side.losses[3:]))
+
+
 def test_keras_fit_equals_train_on_batch():
     """The Keras side uses train_on_batch (per-step losses); model.fit runs the same train step."""
     case = Case("16-mixed", "sgd", "mlp", hidden=HIDDEN["mlp"], steps=40, snapshot_every=40)
