@@ -25,10 +25,10 @@ import keras
 from keras import ops
 
 from mp_callbacks.dtypes import FORMATS, canonical_dtype
-from mp_callbacks.meters import fraction
+from mp_callbacks.meters import fraction, sample_stride
 
 __all__ = [
-    "grad_norm", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "update_swamped_fraction",
+    "grad_norm", "sample", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "update_swamped_fraction",
 ]
 
 
@@ -40,6 +40,14 @@ def _f64(x: Any) -> Any:
     return ops.cast(x, "float64")
 
 
+def sample(t: Any, samples: int | None = None) -> Any:
+    """The elements a meter reads from ``t``: every :func:`mp_callbacks.meters.sample_stride`-th
+    element of the flattened tensor (``samples=None``: all).  Needs a static size."""
+    flat = ops.reshape(_dense(t), (-1,))
+    stride = sample_stride(int(flat.shape[0]), samples)
+    return flat if stride == 1 else flat[::stride]
+
+
 def grad_norm(grads: Sequence[Any]) -> Any:
     """Global L2 norm of ``grads`` (0-d float64; inf/NaN when a gradient is non-finite)."""
     total = ops.convert_to_tensor(0.0, dtype="float64")
@@ -49,24 +57,26 @@ def grad_norm(grads: Sequence[Any]) -> Any:
     return ops.sqrt(total)
 
 
-def underflow_counts(grads: Iterable[Any], compute: str, scale: Any) -> tuple[Any, Any]:
-    """``(lost, nonzero)`` counts of the underflow rule over FP32 (unscaled) ``grads`` (no sync)."""
+def underflow_counts(grads: Iterable[Any], compute: str, scale: Any, samples: int | None = None) -> tuple[Any, Any]:
+    """``(lost, nonzero)`` counts of the underflow rule over FP32 (unscaled) ``grads`` (no sync);
+    ``samples``: elements read per tensor (:func:`sample`)."""
     half_sub = FORMATS[canonical_dtype(compute)].smallest_subnormal / 2.0
     limit = ops.divide(ops.convert_to_tensor(half_sub, dtype="float64"), _f64(scale))
     lost = total = ops.convert_to_tensor(0.0, dtype="float64")
     for g in grads:
         if g is None:
             continue
-        a = ops.abs(_f64(_dense(g)))
+        a = ops.abs(_f64(sample(g, samples)))
         nz = ops.greater(a, 0.0)
         total = total + ops.sum(_f64(nz))
         lost = lost + ops.sum(_f64(ops.logical_and(nz, ops.less(a, limit))))
     return lost, total
 
 
-def grad_underflow_fraction(grads: Sequence[Any], compute: str, scale: Any) -> float:
+def grad_underflow_fraction(grads: Sequence[Any], compute: str, scale: Any, samples: int | None = None) -> float:
     """:func:`underflow_counts` as a fraction (one host read)."""
-    lost, total = (float(v) for v in ops.convert_to_numpy(ops.stack(underflow_counts(grads, compute, scale))))
+    lost, total = (float(v) for v in ops.convert_to_numpy(ops.stack(underflow_counts(grads, compute, scale,
+                                                                                     samples))))
     return fraction(lost, total)
 
 
@@ -98,15 +108,19 @@ def _pow2_floor(a: Any) -> Any:
     return ops.cast(ops.power(two, e), "float32")
 
 
-def swamped_counts(weights: Iterable[Any], updates: Iterable[Any], storages: str | Iterable[str]) -> tuple[Any, Any]:
+def swamped_counts(weights: Iterable[Any], updates: Iterable[Any], storages: str | Iterable[str],
+                   samples: int | None = None) -> tuple[Any, Any]:
     """``(lost, nonzero)`` counts of the swamping rule (no sync).
 
     Args:
       weights: the weights before the step (any float dtype).
       updates: the applied updates (``after - before``), same shapes.
       storages: one storage dtype name for all, or one per weight.
+      samples: elements read per tensor (:func:`sample`, the same ones of a
+        weight and its update); the monitor passes tensors it already sampled.
     """
-    weights = list(weights)
+    weights = [sample(w, samples) for w in weights]
+    updates = [sample(d, samples) for d in updates]
     storages = [storages] * len(weights) if isinstance(storages, str) else list(storages)
     lost = total = ops.convert_to_tensor(0.0, dtype="float64")
     for w, d, storage in zip(weights, updates, storages):
@@ -118,7 +132,9 @@ def swamped_counts(weights: Iterable[Any], updates: Iterable[Any], storages: str
     return lost, total
 
 
-def update_swamped_fraction(weights: Sequence[Any], updates: Sequence[Any], storages: str | Sequence[str]) -> float:
+def update_swamped_fraction(weights: Sequence[Any], updates: Sequence[Any], storages: str | Sequence[str],
+                            samples: int | None = None) -> float:
     """:func:`swamped_counts` as a fraction (one host read)."""
-    lost, total = (float(v) for v in ops.convert_to_numpy(ops.stack(swamped_counts(weights, updates, storages))))
+    lost, total = (float(v) for v in ops.convert_to_numpy(ops.stack(swamped_counts(weights, updates, storages,
+                                                                                   samples))))
     return fraction(lost, total)

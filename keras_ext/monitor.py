@@ -101,14 +101,14 @@ from keras import ops
 from mp_callbacks.diagnostics import METRICS, OVERFLOW_MODULE, StepStats, json_safe
 from mp_callbacks.dtypes import canonical_dtype
 from mp_callbacks.master import MasterPlan, MemoryEstimate, estimate_memory, optimizer_kind, optimizer_slots
-from mp_callbacks.meters import DivergenceError
+from mp_callbacks.meters import METER_SAMPLES, DivergenceError
 from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
 from mp_callbacks.monitor_helpers import attribution_order, swamp_storage_dtype
 from mp_callbacks.recipes import Recipe, get_recipe
 
 from . import policy as _policy
 from .policy import _own_variables, _walk
-from .keras_meters import grad_norm, swamped_counts, underflow_counts
+from .keras_meters import grad_norm, sample, swamped_counts, underflow_counts
 from .optimizer import LossScaleOptimizer
 
 __all__ = ["MEMORY_BYTES_PER_PARAM", "MEMORY_ESTIMATE_BYTES_PER_PARAM", "MONITOR_SCHEMA",
@@ -258,6 +258,10 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         Default None: on exactly when ``auto_fallback_after`` is set.
       measure_grads: ``mp/grad_norm`` and ``mp/grad_underflow_frac`` on logging steps.
       measure_swamping: ``mp/update_swamped_frac`` on logging steps.
+      meter_samples: elements per tensor that the underflow and swamping
+        meters read (a strided sample, :func:`mp_callbacks.meters.sample_stride`),
+        which bounds a logging step's cost per tensor; ``None`` reads every element.
+        ``mp/grad_norm`` always reads every element.
       log_memory: compute :meth:`memory_report` at train start and end.
       compute_dtype: the low-precision compute dtype of the underflow rule
         (default: the compute dtype of keras_ext's / Keras' global policy at train start).
@@ -286,10 +290,11 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
                  auto_fallback_after: Optional[int] = None, attribute_overflows: Optional[bool] = None,
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
                  compute_dtype: Optional[str] = None, state_path: Optional[str | os.PathLike[str]] = None,
-                 overflow_buffer: int = 256, history_maxlen: int = 100_000) -> None:
+                 overflow_buffer: int = 256, history_maxlen: int = 100_000,
+                 meter_samples: Optional[int] = METER_SAMPLES) -> None:
         super().__init__()
         self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,
-                    measure_grads, measure_swamping, log_memory, history_maxlen)
+                    measure_grads, measure_swamping, log_memory, history_maxlen, meter_samples)
         if not isinstance(overflow_buffer, int) or overflow_buffer < 1:
             raise ValueError(f"overflow_buffer={overflow_buffer!r} must be an integer >= 1")
         self.compute_dtype = canonical_dtype(compute_dtype) if compute_dtype else None
@@ -384,7 +389,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             key = [(id(t), st) for t, st in targets]
             if self._swamp is None or self._swamp[0] != key:  # compiled once, again after a fallback
                 self._swamp = (key, self._swamp_function(targets))
-            self._before = [ops.copy(t) for t, _ in targets]
+            self._before = [ops.copy(sample(t, self.meter_samples)) for t, _ in targets]  # the sampled elements
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         """Count the steps; on a logging step read the device values once and write ``logs``."""
@@ -547,7 +552,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             dev.stats.assign(ops.stack([scale64, found64, nan, nan, nan, ops.cast(0.0, "float64")]))
 
         def meters() -> None:
-            lost, total = underflow_counts(dense, compute, scale64)
+            lost, total = underflow_counts(dense, compute, scale64, self.meter_samples)
             dev.stats.assign(ops.stack([scale64, found64, grad_norm(dense), lost, total,
                                         ops.cast(1.0, "float64")]))
 
@@ -653,7 +658,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         storages = [s for _, s in targets]
 
         def counts(befores: list[Any]) -> Any:
-            updates = [ops.subtract(ops.cast(t, "float32"), ops.cast(b, "float32"))
+            updates = [ops.subtract(ops.cast(sample(t, self.meter_samples), "float32"), ops.cast(b, "float32"))
                        for (t, _), b in zip(targets, befores)]
             return ops.stack(list(swamped_counts(befores, updates, storages)))
 

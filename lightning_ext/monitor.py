@@ -54,11 +54,12 @@ from torch import Tensor, nn
 from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats
 from mp_callbacks.dtypes import canonical_dtype
 from mp_callbacks.master import MemoryEstimate, estimate_memory, optimizer_kind, optimizer_slots
+from mp_callbacks.meters import METER_SAMPLES
 from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
 from mp_callbacks.monitor_helpers import LOSS_SOURCE, first_culprit, swamp_storage_dtype
 
 from .plugin import MixedPrecision
-from .torch_meters import grad_norm, swamped_counts, underflow_counts
+from .torch_meters import grad_norm, sample, swamped_counts, underflow_counts
 
 __all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor", "OverflowTracer"]
 
@@ -245,6 +246,10 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
       measure_grads: compute ``mp/grad_norm`` and ``mp/grad_underflow_frac`` on logging steps.
       measure_swamping: compute ``mp/update_swamped_frac`` on logging steps
         (snapshots the optimizer's parameters before the step).
+      meter_samples: elements per tensor that the underflow and swamping
+        meters read (a strided sample, :func:`mp_callbacks.meters.sample_stride`),
+        which bounds a logging step's cost per tensor; ``None`` reads every element.
+        ``mp/grad_norm`` always reads every element.
       log_memory: log :meth:`memory_report` at train start and end.
       history_maxlen: records kept in :attr:`history`.
 
@@ -269,9 +274,9 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
     def __init__(self, log_every_n_steps: int = 50, divergence_patience: Optional[int] = None,
                  auto_fallback_after: Optional[int] = None, attribute_overflows: Optional[bool] = None,
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
-                 history_maxlen: int = 100_000) -> None:
+                 history_maxlen: int = 100_000, meter_samples: Optional[int] = METER_SAMPLES) -> None:
         self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,
-                    measure_grads, measure_swamping, log_memory, history_maxlen)
+                    measure_grads, measure_swamping, log_memory, history_maxlen, meter_samples)
         self.tracer = OverflowTracer()
         self._pending: Optional[_Pending] = None
         self._attached: Optional[MixedPrecision] = None
@@ -319,10 +324,13 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         FP32 masters of ``*-master``), ``optimizer_state`` (every tensor in the
         optimizers' state, step counters included).  ``estimate`` is
         :func:`mp_callbacks.master.estimate_memory` for the same parameters and
-        storage dtypes with ``fp32_master_grads=True`` (the FP32 gradient a
-        parameter with a master holds at the step: 18 B/param for
-        ``bf16-master`` + AdamW), as the Keras monitor's (None for an
-        optimizer the core does not know).  Gradients and optimizer state that do not exist yet (before the first
+        storage dtypes at the optimizer step: ``fp32_master_grads=True`` (the
+        FP32 gradient a parameter with a master holds then) and
+        ``weights_released`` as the plugin's ``free_weights_during_step``
+        (16 B/param for ``bf16-master`` + AdamW; 18 with the weights kept)
+        (None for an optimizer the core does not know).  Under ``*-master``
+        the plugin drops the masters' FP32 gradients after an applied step, so
+        ``actual`` at train end holds none.  Gradients and optimizer state that do not exist yet (before the first
         step) are not counted in ``actual``.
         """
         plugin = self._plugin(trainer)
@@ -357,7 +365,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
                 break
             part = estimate_memory(plugin.recipe.master, name,
                                    [(p.numel(), storage[id(p)][0]) for p in _opt_params(raw)],
-                                   fp32_master_grads=True)
+                                   fp32_master_grads=True, weights_released=plugin.free_weights_during_step)
             est = part if est is None else MemoryEstimate(*(a + b for a, b in zip(
                 (est.params, est.weights, est.grads, est.masters, est.optimizer_state),
                 (part.params, part.weights, part.grads, part.masters, part.optimizer_state))))
@@ -434,10 +442,11 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
                     pending.grad_norm = grad_norm(grads)
-                    pending.underflow = underflow_counts(grads, plugin.policy.compute, plugin.scaler.grad_scale)
+                    pending.underflow = underflow_counts(grads, plugin.policy.compute, plugin.scaler.grad_scale,
+                                                         self.meter_samples)
             if self.measure_swamping:
-                with torch.no_grad():
-                    pending.before = [(p, p.detach().clone()) for p in params if p.requires_grad]
+                with torch.no_grad():  # only the sampled elements are kept and compared
+                    pending.before = [(p, sample(p, self.meter_samples).clone()) for p in params if p.requires_grad]
         self._pending = pending
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
@@ -481,7 +490,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
             with torch.no_grad():
                 storage = self._storage_dtypes(trainer)
                 weights = [b for _, b in pending.before]
-                updates = [p.detach() - b for p, b in pending.before]
+                updates = [sample(p, self.meter_samples) - b for p, b in pending.before]
                 lost, total = swamped_counts(weights, updates, [storage.get(id(p), ("float32", "float32"))[1]
                                                                 for p, _ in pending.before])
             add("swamp_lost", lost)

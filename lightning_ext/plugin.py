@@ -677,8 +677,14 @@ class MixedPrecision(Precision):
                 try:
                     retval = raw.step(**kwargs)
                 finally:  # also when the optimizer fails: the weights always come back from the masters
-                    for storage, nbytes in released:
-                        storage.resize_(nbytes)
+                    if released:
+                        # The FP32 grads are spent: drop them before the weights come back, so that
+                        # the step's end holds no more than its middle (zero_grad would drop them
+                        # only at the next step).
+                        for _, _, master in entries:
+                            master.grad = None
+                        for storage, nbytes in released:
+                            storage.resize_(nbytes)
                     self._copy_masters_to_params(entries)
             else:
                 retval = raw.step(**kwargs)

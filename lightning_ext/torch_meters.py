@@ -16,22 +16,29 @@ references':
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from mp_callbacks.dtypes import FORMATS, canonical_dtype
-from mp_callbacks.meters import fraction
+from mp_callbacks.meters import fraction, sample_stride
 
 __all__ = [
-    "grad_norm", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "underflow_limit",
+    "grad_norm", "sample", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "underflow_limit",
     "update_swamped_fraction",
 ]
 
 
 def _dense(t: Tensor) -> Tensor:
     return t.coalesce()._values() if t.is_sparse else t
+
+
+def sample(t: Tensor, samples: Optional[int] = None) -> Tensor:
+    """The elements a meter reads from ``t``: a strided view of the flattened tensor
+    (:func:`mp_callbacks.meters.sample_stride`; ``samples=None``: every element)."""
+    flat = _dense(t).detach().reshape(-1)
+    return flat[::sample_stride(flat.numel(), samples)]
 
 
 def grad_norm(grads: Sequence[Tensor]) -> Tensor:
@@ -56,12 +63,14 @@ def underflow_limit(compute: str, scale: Union[Tensor, float], device: Union[tor
     return torch.where(limit32.to(torch.float64) < limit64, up, limit32)
 
 
-def underflow_counts(grads: Iterable[Tensor], compute: str, scale: Union[Tensor, float]) -> tuple[Tensor, Tensor]:
-    """``(lost, nonzero)`` element counts of the underflow rule over FP32 (unscaled) ``grads`` (no sync)."""
+def underflow_counts(grads: Iterable[Tensor], compute: str, scale: Union[Tensor, float],
+                     samples: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """``(lost, nonzero)`` element counts of the underflow rule over FP32 (unscaled) ``grads`` (no sync);
+    ``samples``: elements read per tensor (:func:`sample`)."""
     def counts() -> Iterator[tuple[Tensor, Tensor]]:
         limit = None
         for g in grads:
-            a = _dense(g).detach().abs()
+            a = sample(g, samples).abs()
             if limit is None:
                 limit = underflow_limit(compute, scale, a.device).to(a.device)
             nz = a > 0
@@ -82,15 +91,16 @@ def _sum_counts(counts: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor
     return lost, total
 
 
-def grad_underflow_fraction(grads: Sequence[Tensor], compute: str, scale: Union[Tensor, float]) -> float:
+def grad_underflow_fraction(grads: Sequence[Tensor], compute: str, scale: Union[Tensor, float],
+                            samples: Optional[int] = None) -> float:
     """:func:`underflow_counts` as a fraction (reads the counts: one sync)."""
-    lost, total = underflow_counts(grads, compute, scale)
+    lost, total = underflow_counts(grads, compute, scale, samples)
     lost_n, total_n = (int(v) for v in torch.stack([lost, total.to(lost.device)]).tolist())
     return fraction(lost_n, total_n)
 
 
 def swamped_counts(weights: Iterable[Tensor], updates: Iterable[Tensor],
-                   storages: Union[str, Iterable[str]]) -> tuple[Tensor, Tensor]:
+                   storages: Union[str, Iterable[str]], samples: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """``(lost, nonzero)`` counts of the swamping rule (no sync).
 
     Args:
@@ -98,8 +108,11 @@ def swamped_counts(weights: Iterable[Tensor], updates: Iterable[Tensor],
         value before the step).
       updates: the applied updates (``after - before``), same shapes.
       storages: one storage dtype name for all, or one per weight.
+      samples: elements read per tensor (:func:`sample`, the same ones of a
+        weight and its update); the monitor passes tensors it already sampled.
     """
-    weights = list(weights)
+    weights = [sample(w, samples) for w in weights]
+    updates = [sample(d, samples) for d in updates]
     if isinstance(storages, str):
         storages = [storages] * len(weights)
     def counts() -> Iterator[tuple[Tensor, Tensor]]:
@@ -117,8 +130,8 @@ def swamped_counts(weights: Iterable[Tensor], updates: Iterable[Tensor],
 
 
 def update_swamped_fraction(weights: Sequence[Tensor], updates: Sequence[Tensor],
-                            storages: Union[str, Sequence[str]]) -> float:
+                            storages: Union[str, Sequence[str]], samples: Optional[int] = None) -> float:
     """:func:`swamped_counts` as a fraction (reads the counts: one sync)."""
-    lost, total = swamped_counts(weights, updates, storages)
+    lost, total = swamped_counts(weights, updates, storages, samples)
     lost_n, total_n = (int(v) for v in torch.stack([lost, total.to(lost.device)]).tolist())
     return fraction(lost_n, total_n)

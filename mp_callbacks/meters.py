@@ -15,6 +15,14 @@ Update swamping (``mp/update_swamped_frac``)
     for ``|w|`` in ``[2**e, 2**(e+1))`` (subnormal weights use the subnormal
     spacing).  These are the updates that master weights keep.
 
+Sampling (both fraction meters)
+    A share does not need every element: a meter reads at most ``samples``
+    elements of each tensor, elements ``0, s, 2s, ...`` of the flattened tensor
+    with the stride of :func:`sample_stride`, so its cost on a logging step is
+    bounded per tensor instead of growing with the model.  ``samples=None``
+    reads every element.  The references below take the same argument, so an
+    adapter's sampled answer is still checked exactly.
+
 Divergence guard
     When overflows keep coming while the scale sits at its floor for
     ``patience`` consecutive overflow steps, training stops with
@@ -40,6 +48,42 @@ CHECKLIST = (
 )
 
 
+METER_SAMPLES = 4096
+"""Default elements per tensor that the underflow and swamping meters read (``None``: all)."""
+
+
+def sample_stride(numel: int, samples: int | None = METER_SAMPLES) -> int:
+    """Stride over a flattened tensor of ``numel`` elements that reads at most ``samples`` of them.
+
+    Rule: 1 when ``samples`` is None or ``numel <= samples``; else
+    ``ceil(numel / samples)``, made odd (+1 when even) so that the samples walk
+    across the columns of power-of-two-wide matrices instead of always landing
+    on the same few.
+
+    >>> sample_stride(1000), sample_stride(1024 * 1024), sample_stride(10**6, None)
+    (1, 257, 1)
+    """
+    if samples is None or numel <= samples:
+        return 1
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"meter samples={samples!r} must be a positive integer or None")
+    stride = -(-numel // samples)
+    return stride + 1 if stride % 2 == 0 else stride
+
+
+def check_samples(samples: int | None) -> int | None:
+    """Validate a ``samples`` argument: a positive int or None (clear error otherwise)."""
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
+        raise ValueError(f"meter_samples={samples!r} must be a positive integer (elements per tensor) or None (all)")
+    return samples
+
+
+def sampled(values: Any, samples: int | None = None) -> np.ndarray:
+    """The elements a meter reads from ``values``: flattened, every :func:`sample_stride`-th."""
+    flat = np.asarray(values).ravel()
+    return flat[::sample_stride(flat.size, samples)]
+
+
 def fraction(lost: float, total: float) -> float:
     """``lost / total`` as a float, 0.0 when nothing was counted (``total == 0``): every meter's share."""
     lost, total = float(lost), float(total)
@@ -51,12 +95,12 @@ def underflow_threshold(compute: str, scale: float) -> float:
     return FORMATS[canonical_dtype(compute)].smallest_subnormal / 2.0 / float(scale)
 
 
-def grad_underflow_fraction(grads: list[Any], compute: str, scale: float) -> float:
-    """NumPy reference of the underflow rule over FP32 gradients."""
+def grad_underflow_fraction(grads: list[Any], compute: str, scale: float, samples: int | None = None) -> float:
+    """NumPy reference of the underflow rule over FP32 gradients (``samples``: see :func:`sample_stride`)."""
     limit = underflow_threshold(compute, scale)
     total = lost = 0
     for g in grads:
-        a = np.abs(np.asarray(g, dtype=np.float64)).ravel()
+        a = np.abs(sampled(g, samples).astype(np.float64))
         nz = a[a > 0]
         total += nz.size
         lost += int(np.count_nonzero(nz < limit))
@@ -72,12 +116,14 @@ def half_ulp(weights: Any, storage: str) -> np.ndarray:
     return np.exp2(exp - fmt.mantissa_bits - 1)
 
 
-def update_swamped_fraction(weights: list[Any], updates: list[Any], storage: str) -> float:
-    """NumPy reference of the swamping rule: share of non-zero updates lost in ``storage``."""
+def update_swamped_fraction(weights: list[Any], updates: list[Any], storage: str,
+                            samples: int | None = None) -> float:
+    """NumPy reference of the swamping rule: share of non-zero updates lost in ``storage``
+    (``samples``: the same elements of weight and update, see :func:`sample_stride`)."""
     total = lost = 0
     for w, d in zip(weights, updates):
-        d = np.abs(np.asarray(d, dtype=np.float64)).ravel()
-        h = half_ulp(np.asarray(w).ravel(), storage)
+        d = np.abs(sampled(d, samples).astype(np.float64))
+        h = half_ulp(sampled(w, samples), storage)
         mask = d > 0
         total += int(mask.sum())
         lost += int(np.count_nonzero(d[mask] < h[mask]))

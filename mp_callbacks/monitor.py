@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .diagnostics import History, StepStats
-from .meters import DivergenceGuard, FallbackTracker
+from .meters import METER_SAMPLES, DivergenceGuard, FallbackTracker, check_samples
 from .monitor_helpers import LOSS_SOURCE
 
 MONITOR_SCHEMA_VERSION = 1
@@ -167,7 +167,7 @@ class MonitorFacade:
 
     def _setup(self, log_every_n_steps: int, divergence_patience: int | None, auto_fallback_after: int | None,
                attribute_overflows: bool | None, measure_grads: bool, measure_swamping: bool, log_memory: bool,
-               history_maxlen: int) -> None:
+               history_maxlen: int, meter_samples: int | None = METER_SAMPLES) -> None:
         """The constructor arguments both adapters take: the core, the switches, an empty run.
 
         ``attribute_overflows=None`` (the default) turns attribution on exactly when
@@ -182,6 +182,7 @@ class MonitorFacade:
         self.attribute_overflows = bool(attribute_overflows)
         self.measure_grads = bool(measure_grads)
         self.measure_swamping = bool(measure_swamping)
+        self.meter_samples = check_samples(meter_samples)
         self.log_memory = bool(log_memory)
         self.memory_reports: list[dict[str, Any]] = []
         self._step = 0

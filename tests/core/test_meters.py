@@ -71,3 +71,35 @@ def test_fallback_tracker():
     u = FallbackTracker()
     u.load_state_dict(t.state_dict())
     assert u.state_dict() == t.state_dict()
+
+
+def test_sample_stride_rule():
+    from mp_callbacks.meters import METER_SAMPLES, check_samples, sample_stride, sampled
+
+    assert sample_stride(METER_SAMPLES) == 1 and sample_stride(10**9, None) == 1
+    for numel in [4097, 10_000, 2**20, 3 * 2**20 + 7, 10**8]:
+        for samples in [1, 100, 4096]:
+            s = sample_stride(numel, samples)
+            assert s % 2 == 1 and len(range(0, numel, s)) <= samples
+    # An odd stride walks across the columns of a power-of-two-wide matrix instead of a few of them.
+    cols = {i % 1024 for i in range(0, 1024 * 1024, sample_stride(1024 * 1024))}
+    assert len(cols) > 1000
+    np.testing.assert_array_equal(sampled(np.arange(20).reshape(4, 5), 5), [0, 5, 10, 15])
+    with pytest.raises(ValueError, match="meter_samples"):
+        check_samples(0)
+
+
+def test_sampled_references_read_the_same_elements():
+    from mp_callbacks.meters import grad_underflow_fraction, sampled, update_swamped_fraction
+
+    rng = np.random.default_rng(1)
+    g = (rng.standard_normal(50_000) * np.exp2(rng.uniform(-40, 0, 50_000))).astype(np.float32)
+    w = rng.standard_normal(50_000).astype(np.float32)
+    d = (w * np.exp2(rng.uniform(-30, 0, 50_000))).astype(np.float32)
+    assert grad_underflow_fraction([g], "float16", 1.0, samples=999) == \
+        grad_underflow_fraction([sampled(g, 999)], "float16", 1.0)
+    assert update_swamped_fraction([w], [d], "bfloat16", samples=999) == \
+        update_swamped_fraction([sampled(w, 999)], [sampled(d, 999)], "bfloat16")
+    # A 999-element sample estimates the full share closely on data without structure.
+    full, part = (update_swamped_fraction([w], [d], "bfloat16", samples=s) for s in (None, 999))
+    assert abs(full - part) < 0.05

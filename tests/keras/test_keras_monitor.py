@@ -63,6 +63,19 @@ def test_keras_meters_equal_the_numpy_references():
                                                                                                  storage)
 
 
+
+def test_sampled_keras_meters_equal_the_sampled_references():
+    rng = np.random.default_rng(2)
+    g = (rng.standard_normal((300, 257)) * np.exp2(rng.uniform(-40, 0, (300, 257)))).astype(np.float32)
+    w = rng.standard_normal((300, 257)).astype(np.float32)
+    d = (w * np.exp2(rng.uniform(-30, 0, w.shape))).astype(np.float32)
+    for samples in (1000, 4096, None):
+        assert grad_underflow_fraction([g], "float16", np.float32(1.0), samples) == \
+            ref.grad_underflow_fraction([g], "float16", 1.0, samples)
+        assert update_swamped_fraction([w], [d], "bfloat16", samples) == \
+            ref.update_swamped_fraction([w], [d], "bfloat16", samples)
+
+
 @pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32"])
 def test_swamping_rule_is_exact_at_half_an_ulp_and_at_powers_of_two(storage):
     w = np.array([1.0, 1.0, 1.0, 3.0, 2.0**-20, 0.0, 8.0, np.nextafter(np.float32(8), np.float32(0))], np.float32)

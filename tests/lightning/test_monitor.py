@@ -60,6 +60,18 @@ def test_torch_meters_equal_the_numpy_references():
                                        storage) == ref.update_swamped_fraction(weights, updates, storage)
 
 
+def test_sampled_torch_meters_equal_the_sampled_references():
+    rng = np.random.default_rng(2)
+    g = (rng.standard_normal((300, 257)) * np.exp2(rng.uniform(-40, 0, (300, 257)))).astype(np.float32)
+    w = rng.standard_normal((300, 257)).astype(np.float32)
+    d = (w * np.exp2(rng.uniform(-30, 0, w.shape))).astype(np.float32)
+    for samples in (1000, 4096, None):
+        assert grad_underflow_fraction([torch.from_numpy(g)], "float16", 1.0, samples) == \
+            ref.grad_underflow_fraction([g], "float16", 1.0, samples)
+        assert update_swamped_fraction([torch.from_numpy(w)], [torch.from_numpy(d)], "bfloat16", samples) == \
+            ref.update_swamped_fraction([w], [d], "bfloat16", samples)
+
+
 @pytest.mark.parametrize("compute,scale", [("float16", 2.0**16), ("float16", 1000.0), ("bfloat16", 3.0),
                                            ("float16", 2.0**-20)])
 def test_underflow_rule_is_exact_at_the_threshold(compute, scale):
@@ -300,11 +312,13 @@ def test_memory_report_counts_real_tensors_next_to_the_estimate():
     tensors = len(list(model.parameters()))
     assert start["when"] == "train_start" and end["when"] == "train_end"
     assert end["estimate"] == estimate_memory(trainer.precision_plugin.recipe.master, "adam", n,
-                                           fp32_master_grads=True).to_dict()
-    assert end["estimate"]["bytes_per_param"] == 18.0  # FP32 grads on the masters at the step
+                                           fp32_master_grads=True, weights_released=True).to_dict()
+    # At the step: FP32 grads on the masters, bf16 weights released
+    assert end["estimate"]["bytes_per_param"] == 16.0
     actual = end["actual"]
-    # bf16 weights, FP32 master grads (the bf16 grads are released), FP32 masters, Adam m/v + step counters
-    assert (actual["weights"], actual["grads"], actual["masters"]) == (2 * n, 4 * n, 4 * n)
+    # After the step: bf16 weights, no grads (bf16 ones moved to the masters, FP32 ones dropped after the
+    # update), FP32 masters, Adam m/v + step counters
+    assert (actual["weights"], actual["grads"], actual["masters"]) == (2 * n, 0, 4 * n)
     assert actual["optimizer_state"] == 8 * n + 4 * tensors
     assert start["actual"]["grads"] == 0 and start["actual"]["optimizer_state"] == 0
     assert monitor.memory_report(trainer)["actual"] == actual
