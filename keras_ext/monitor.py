@@ -270,6 +270,12 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
       overflow_buffer: device rows for overflow steps between two reads.
       history_maxlen: records kept in :attr:`history`.
 
+    While attached, the monitor turns on the optimizer's per-step overflow check
+    for recipes without loss scaling (``mp/overflow``, ``mp/overflows_total``
+    count inf/NaN gradients there too; see
+    :func:`mp_callbacks.scaler.checks_overflow`): one pass over the gradients
+    per step, the monitor's main per-step cost under bf16 recipes.
+
     Put the monitor *before* ``TensorBoard``/``CSVLogger`` in ``callbacks`` so
     that they see the names it adds to ``logs``.  With ``steps_per_execution=k``
     Keras calls back once per k steps: a logging record is then the last

@@ -253,6 +253,12 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
       log_memory: log :meth:`memory_report` at train start and end.
       history_maxlen: records kept in :attr:`history`.
 
+    While attached, the monitor turns on the plugin's per-step overflow check
+    for recipes without loss scaling (``mp/overflow``, ``mp/overflows_total``
+    count inf/NaN gradients there too; see
+    :func:`mp_callbacks.scaler.checks_overflow`): one pass over the gradients
+    per step, the monitor's main per-step cost under bf16 recipes.
+
     ``mp/update_swamped_frac`` measures the applied update of every optimizer
     parameter (the FP32 master under ``*-master``) against the dtype chosen by
     :func:`~mp_callbacks.monitor_helpers.swamp_storage_dtype`: the actual
