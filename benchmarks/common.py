@@ -1,4 +1,4 @@
-"""Alternating side-by-side timing: every round runs each variant once, in turn.
+"""Alternating side-by-side timing: every round runs each variant once, in turn (order reversed every other round).
 
 Ratios are computed per round (ours / native on the same round, so slow
 phases of the machine hit both) and summarised by their median.  No
@@ -15,11 +15,17 @@ from typing import Any, Callable, Iterator, Mapping
 
 
 def alternate(variants: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Run each variant's ``measure() -> seconds per step`` ``rounds`` times, interleaved."""
+    """Run each variant's ``measure() -> seconds per step`` ``rounds`` times, interleaved.
+
+    The order alternates: even rounds run the variants in the given order, odd
+    rounds in reverse (A B C, C B A, ...), so no variant always runs first or
+    right after the same neighbour (warm caches, allocator state, a slow start).
+    """
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, measure in variants.items():
-            times[name].append(measure())
+    names = list(variants)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(variants[name]())
     return times
 
 

@@ -302,6 +302,7 @@ class MixedPrecision(Precision):
         self._unscaled: dict[int, Tensor] = {}
         # id(low-precision param) -> (name, low param, FP32 master Parameter)
         self._masters: dict[int, tuple[str, nn.Parameter, nn.Parameter]] = {}
+        self._entries_cache: dict[int, tuple[Any, list[tuple[str, nn.Parameter, nn.Parameter]]]] = {}
         self._originals: dict[str, Tensor] = {}
         self._pending_masters: Optional[dict[str, Tensor]] = None
         self._pending_fp32_paths: list[str] = []
@@ -444,6 +445,7 @@ class MixedPrecision(Precision):
                             for k, v in opt.state.pop(p).items()
                         }
         self._pending_masters = None
+        self._entries_cache.clear()
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # DDP broadcast rank 0's low-precision weights; masters must follow rank 0 too.
@@ -489,8 +491,17 @@ class MixedPrecision(Precision):
         return released
 
     def _master_entries(self, optimizer: Optimizer) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        return [e for e in self._masters.values() if id(e[2]) in in_opt]
+        """The master entries whose FP32 master ``optimizer`` updates (cached per step layout)."""
+        groups = optimizer.param_groups
+        key = (len(self._masters), len(groups), tuple(id(g["params"]) for g in groups),
+               sum(len(g["params"]) for g in groups))
+        cached = self._entries_cache.get(id(optimizer))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        in_opt = {id(p) for g in groups for p in g["params"]}
+        entries = [e for e in self._masters.values() if id(e[2]) in in_opt]
+        self._entries_cache[id(optimizer)] = (key, entries)
+        return entries
 
     # --------------------------------------------------------- LR scheduler hold
     def _wrap_scheduler_hook(self, module: Any) -> None:
@@ -871,3 +882,4 @@ class MixedPrecision(Precision):
         self._unwrap_scheduler_hook()
         self._lightning_module = None
         self._unscaled.clear()
+        self._entries_cache.clear()
