@@ -43,10 +43,14 @@ def mlp(hidden: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+OptimizerFactory = Callable[[Any, float], torch.optim.Optimizer]
+"""``(parameters, lr) -> optimizer``: what the runner's module trains with (default: ``AdamW(params, lr)``)."""
+
+
 class _Module(pl.LightningModule):
-    def __init__(self, net: nn.Module, lr: float) -> None:
+    def __init__(self, net: nn.Module, lr: float, optimizer: OptimizerFactory | None = None) -> None:
         super().__init__()
-        self.net, self.lr = net, lr
+        self.net, self.lr, self.make_optimizer = net, lr, optimizer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -57,6 +61,8 @@ class _Module(pl.LightningModule):
         return (losses * w).sum() / w.shape[0]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.make_optimizer is not None:
+            return self.make_optimizer(self.parameters(), self.lr)
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
@@ -179,12 +185,14 @@ class _Clock(pl.Callback):
 
 
 def fit_once(plugin: Any, spec: RunSpec, progress: Callable[[int], None] | None = None,
-             callbacks: Sequence[pl.Callback] = ()) -> tuple[_Module, _Recorder]:
+             callbacks: Sequence[pl.Callback] = (), optimizer: OptimizerFactory | None = None,
+             ) -> tuple[_Module, _Recorder]:
     """Train the spec's MLP once with ``plugin`` (ours or a native Lightning precision plugin).
 
     ``callbacks`` (e.g. a ``MixedPrecisionMonitor`` to benchmark) run inside the timed step:
     the timer starts before their ``on_train_batch_start`` and stops after their
-    ``on_train_batch_end``."""
+    ``on_train_batch_end``.  ``optimizer``: ``(parameters, lr) -> optimizer`` instead of
+    ``torch.optim.AdamW(parameters, lr=lr)``."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
     pl.seed_everything(spec.seed, verbose=False)
@@ -193,7 +201,7 @@ def fit_once(plugin: Any, spec: RunSpec, progress: Callable[[int], None] | None 
     weights = sample_weights(spec)
     batches = [(torch.from_numpy(x_tr[i]), torch.from_numpy(y_tr[i]), torch.from_numpy(weights[s]))
                for s, i in enumerate(idx)]
-    module = _Module(mlp(spec.hidden, spec.depth), spec.lr)
+    module = _Module(mlp(spec.hidden, spec.depth), spec.lr, optimizer)
     recorder = _Recorder(plugin, spec.steps, progress)
     timed = [_Clock(recorder), *callbacks, recorder] if callbacks else [recorder]
     trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_steps=spec.steps, max_epochs=1,

@@ -133,3 +133,19 @@ def test_weights_come_back_when_the_optimizer_step_fails():
     for name, p in model.named_parameters():
         assert p.untyped_storage().nbytes() == p.numel() * 2
         assert torch.equal(p, masters[name].to(torch.bfloat16)), name
+
+
+def test_runner_takes_an_optimizer_factory():
+    from lightning_ext.compare import fit_once
+    from mp_callbacks.compare import RunSpec
+
+    made = []
+
+    def sgd(params, lr):
+        made.append(lr)
+        return torch.optim.SGD(params, lr=lr)
+
+    spec = RunSpec(steps=3, batch_size=32, hidden=16, depth=1)
+    module, recorder = fit_once(MixedPrecision("bf16-master"), spec, optimizer=sgd)
+    assert made == [spec.lr] and len(recorder.times) == 3
+    assert isinstance(module.configure_optimizers(), torch.optim.SGD)
