@@ -42,7 +42,20 @@ METRICS = (
 )
 """Every shared metric name, in logging order."""
 
+#: Logged at train start and end: bytes of model state actually held per parameter (see :func:`memory_metrics`).
+MEMORY_BYTES_PER_PARAM = "mp/memory_bytes_per_param"
+#: Logged next to it: :func:`mp_callbacks.master.estimate_memory` for the same parameters.
+MEMORY_ESTIMATE_BYTES_PER_PARAM = "mp/memory_bytes_per_param_estimate"
+
 HISTORY_SCHEMA_VERSION = 1
+
+
+def memory_metrics(report: Mapping[str, Any]) -> dict[str, float]:
+    """The memory metrics of a :func:`mp_callbacks.master.memory_report` (the estimate only when known)."""
+    out = {MEMORY_BYTES_PER_PARAM: float(report["actual"]["bytes_per_param"])}
+    if report.get("estimate") is not None:
+        out[MEMORY_ESTIMATE_BYTES_PER_PARAM] = float(report["estimate"]["bytes_per_param"])
+    return out
 
 
 @dataclasses.dataclass

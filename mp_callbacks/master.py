@@ -118,6 +118,11 @@ class MemoryEstimate:
         """:attr:`total` per parameter (0.0 for no parameters)."""
         return self.total / self.params if self.params else 0.0
 
+    def __add__(self, other: "MemoryEstimate") -> "MemoryEstimate":
+        """Field-wise sum (the model state of two optimizers' parameters together)."""
+        return MemoryEstimate(self.params + other.params, self.weights + other.weights, self.grads + other.grads,
+                              self.masters + other.masters, self.optimizer_state + other.optimizer_state)
+
     def to_dict(self) -> dict[str, float]:
         """Plain data: every field plus ``total`` and ``bytes_per_param``."""
         return {"params": self.params, "weights": self.weights, "grads": self.grads,
@@ -162,3 +167,44 @@ def bytes_per_param(plan: MasterPlan, optimizer: str, fp32_master_grads: bool = 
                     weights_released: bool = False) -> float:
     """Bytes of model state per parameter when every parameter uses ``plan.param_dtype``."""
     return estimate_memory(plan, optimizer, 1, fp32_master_grads, weights_released).bytes_per_param
+
+
+def is_optimizer_state(shape: Iterable[int]) -> bool:
+    """Whether an optimizer tensor of ``shape`` counts as optimizer state in a memory report.
+
+    Rule (both adapters): tensors with at least one dimension (the per-parameter
+    slots: momentum, Adam's m and v) count; scalars (step counters, the
+    iteration count, the learning rate) are bookkeeping, as in :data:`OPTIMIZER_SLOTS`.
+    """
+    return len(tuple(shape)) > 0
+
+
+def memory_report(
+    recipe: str, plan: MasterPlan, optimizers: Iterable[tuple[str, float, Iterable[tuple[int, str]]]],
+    actual: MemoryEstimate, weights_released: bool = False,
+) -> dict[str, Any]:
+    """What both monitors report: bytes of model state held, next to :func:`estimate_memory`.
+
+    ``optimizers``: one ``(class name, momentum, [(numel, storage dtype) of its
+    parameters])`` per optimizer.  ``actual``: what the adapter measured
+    (``optimizer_state`` per :func:`is_optimizer_state`).  The estimate is taken
+    at the optimizer step (``fp32_master_grads=True``, ``weights_released`` as
+    the adapter does) and is None when an optimizer is unknown to the core.
+
+    Returns plain data: ``{"recipe", "master_weights", "optimizers": [kind...],
+    "actual": actual.to_dict(), "estimate": dict | None}``.
+    """
+    names: list[str] = []
+    estimate: MemoryEstimate | None = None
+    known = True
+    for class_name, momentum, params in optimizers:
+        kind = optimizer_kind(class_name, momentum)
+        if kind not in OPTIMIZER_SLOTS:
+            names.append(f"{kind} (unknown to the core)")
+            known = False
+            continue
+        names.append(kind)
+        part = estimate_memory(plan, kind, list(params), fp32_master_grads=True, weights_released=weights_released)
+        estimate = part if estimate is None else estimate + part
+    return {"recipe": recipe, "master_weights": plan.master_weights, "optimizers": names,
+            "actual": actual.to_dict(), "estimate": estimate.to_dict() if known and estimate is not None else None}

@@ -23,11 +23,14 @@ overflow steps (which the scaler already knows about on the host).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from .diagnostics import History, StepStats
 from .meters import METER_SAMPLES, DivergenceGuard, FallbackTracker, check_samples
 from .monitor_helpers import LOSS_SOURCE
+from .scaler import ScalerConfig, check_count_overflows, checks_overflow
 
 MONITOR_SCHEMA_VERSION = 1
 """Version of :meth:`MonitorCore.state_dict` and of the adapters' envelope around it."""
@@ -86,6 +89,12 @@ class MonitorCore:
         if self.guard is not None:
             self.guard.observe(stats.step, stats.scale, min_scale, stats.overflow, stats.overflow_module)
         return moved
+
+    def fallback_message(self, path: str) -> str:
+        """The announcement of a module moved to FP32 by the auto-fallback (both frameworks)."""
+        blamed = self.fallback.blame.get(path) if self.fallback is not None else None
+        return (f"MixedPrecisionMonitor: {blamed} overflows blamed on {path!r}; it now computes in FP32 "
+                f"(policy: with_fp32_modules({path!r})). Training continues.")
 
     def observe_clean(self) -> None:
         """A clean step that is not logged: only the guard's streak needs to know."""
@@ -213,3 +222,100 @@ class MonitorFacade:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.core.arguments()})"
+
+
+class PackedLayout:
+    """Named slots of one flat float64 vector: many device values, one host read.
+
+    A monitor adds a slot per value it needs (:meth:`add`), stacks the device
+    values in slot order with its framework, reads the vector once and gets the
+    numbers back by name (:meth:`unpack`).  A slot of size 1 unpacks to a float,
+    a larger one to a NumPy array.
+
+    >>> layout = PackedLayout([("scale", 1), ("counts", 2)])
+    >>> layout.unpack([8.0, 1.0, 2.0])["counts"].tolist()
+    [1.0, 2.0]
+    """
+
+    def __init__(self, slots: Iterable[tuple[str, int]] = ()) -> None:
+        self._slots: dict[str, tuple[int, int]] = {}
+        self.size = 0
+        for name, size in slots:
+            self.add(name, size)
+
+    def add(self, name: str, size: int = 1) -> None:
+        """Append slot ``name`` of ``size`` elements; a name may appear once."""
+        if name in self._slots:
+            raise ValueError(f"slot {name!r} is already in the layout")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"slot {name!r} needs a size >= 1, not {size!r}")
+        self._slots[name] = (self.size, size)
+        self.size += size
+
+    @property
+    def names(self) -> list[str]:
+        """Slot names in packing order."""
+        return list(self._slots)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._slots
+
+    def index(self, name: str) -> int:
+        """The offset of slot ``name`` in the vector."""
+        return self._slots[name][0]
+
+    def unpack(self, vector: Sequence[float] | np.ndarray) -> dict[str, Any]:
+        """``{name: float or array}`` from a read vector of exactly :attr:`size` elements."""
+        flat = np.asarray(vector, dtype=np.float64).reshape(-1)
+        if flat.size != self.size:
+            raise ValueError(f"read {flat.size} values for a layout of {self.size}")
+        return {name: (float(flat[at]) if n == 1 else flat[at:at + n].copy()) for name, (at, n) in self._slots.items()}
+
+
+class MonitorPort:
+    """Where a diagnostics monitor attaches: the Lightning plugin and the Keras optimizer (a mix-in).
+
+    One monitor at a time (attaching another replaces it).  While one is
+    attached, steps without loss scaling look for inf/NaN gradients too
+    (:attr:`checks_overflow`).  The owner provides :attr:`scaler_config`.
+    """
+
+    _monitor: Any = None
+    _count_overflows: bool | None = None
+
+    @property
+    def scaler_config(self) -> ScalerConfig:  # pragma: no cover - provided by the owner
+        raise NotImplementedError
+
+    @property
+    def count_overflows(self) -> bool | None:
+        """With scaling off, whether every step counts inf/NaN gradients (None: while a monitor is attached)."""
+        return self._count_overflows
+
+    @count_overflows.setter
+    def count_overflows(self, value: bool | None) -> None:
+        self._count_overflows = check_count_overflows(value)
+
+    @property
+    def monitor(self) -> Any:
+        """The attached monitor, or None."""
+        return self._monitor
+
+    @property
+    def monitored(self) -> bool:
+        """True while a monitor is attached."""
+        return self._monitor is not None
+
+    def attach_monitor(self, monitor: Any) -> None:
+        """Attach ``monitor`` (replacing any other)."""
+        self._monitor = monitor
+
+    def detach_monitor(self, monitor: Any) -> None:
+        """Detach ``monitor`` if it is the attached one (idempotent)."""
+        if self._monitor is monitor:
+            self._monitor = None
+
+    @property
+    def checks_overflow(self) -> bool:
+        """True when steps look for inf/NaN gradients: :func:`mp_callbacks.scaler.checks_overflow`."""
+        return checks_overflow(self.scaler_config, self._count_overflows, self.monitored)

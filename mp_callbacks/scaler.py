@@ -254,64 +254,55 @@ def next_state(
     the step must be skipped.  Pure and branch-free: traceable by every backend.
     """
     found_inf = ops.boolean(found_inf)
-    one = ops.i32(1)
-    zero = ops.i32(0)
-    count = lambda flag: ops.where(flag, one, zero)  # noqa: E731
-
-    if not config.enabled:
-        applied = ops.boolean(True)
-        new = state._replace(
-            steps=ops.add(state.steps, one),
-            overflows=ops.add(state.overflows, count(found_inf)),
-        )
-        return new, applied
-
-    skip = found_inf
+    if not config.enabled:  # nothing is decided: every step applies, overflows are only counted
+        return _counted(state, ops, found_inf, skipped=None, grew=None, floor_hit=None), ops.boolean(True)
     clean = ops.logical_not(found_inf)
-    if not config.dynamic:
-        new = state._replace(
-            steps=ops.add(state.steps, one),
-            overflows=ops.add(state.overflows, count(found_inf)),
-            skipped=ops.add(state.skipped, count(skip)),
-        )
-        return new, clean
+    if not config.dynamic:  # a fixed scale: skip non-finite steps, never move
+        return _counted(state, ops, found_inf, skipped=found_inf, grew=None, floor_hit=None), clean
 
-    scale = state.scale
+    zero, scale = ops.i32(0), state.scale
     min_scale = ops.f32(config.min_scale)
-
     # Overflow branch.
     hyst_after = ops.maximum(ops.add(state.hysteresis_left, ops.i32(-1)), zero)
     backoff = ops.logical_and(found_inf, ops.less_equal(hyst_after, zero))
     backed = ops.maximum(ops.mul(scale, ops.f32(config.backoff_factor)), min_scale)
     floor_hit = ops.logical_and(backoff, ops.less_equal(scale, min_scale))
-
     # Clean branch.
-    tracker_after = ops.add(state.growth_tracker, one)
+    tracker_after = ops.add(state.growth_tracker, ops.i32(1))
     grow = ops.logical_and(clean, ops.greater_equal(tracker_after, ops.i32(config.growth_interval)))
     candidate = ops.mul(scale, ops.f32(config.growth_factor))
     grown = ops.where(ops.isfinite(candidate), ops.minimum(candidate, ops.f32(config.max_scale)), scale)
 
     new_scale = ops.where(backoff, backed, ops.where(grow, grown, scale))
-    new_tracker = ops.where(ops.logical_or(found_inf, grow), zero, tracker_after)
-    refill = grow
-    if config.consecutive_hysteresis:
-        refill = clean
-    new_hyst = ops.where(
-        found_inf, hyst_after, ops.where(refill, ops.i32(config.hysteresis), state.hysteresis_left)
-    )
-    scale_grew = ops.logical_and(grow, ops.not_equal(new_scale, scale))
-
-    new = ScalerState(
+    refill = clean if config.consecutive_hysteresis else grow
+    moved = state._replace(
         scale=new_scale,
-        growth_tracker=new_tracker,
-        hysteresis_left=new_hyst,
-        steps=ops.add(state.steps, one),
-        overflows=ops.add(state.overflows, count(found_inf)),
-        skipped=ops.add(state.skipped, count(skip)),
-        growths=ops.add(state.growths, count(scale_grew)),
-        floor_hits=ops.add(state.floor_hits, count(floor_hit)),
+        growth_tracker=ops.where(ops.logical_or(found_inf, grow), zero, tracker_after),
+        hysteresis_left=ops.where(
+            found_inf, hyst_after, ops.where(refill, ops.i32(config.hysteresis), state.hysteresis_left)),
     )
-    return new, clean
+    grew = ops.logical_and(grow, ops.not_equal(new_scale, scale))
+    return _counted(moved, ops, found_inf, skipped=found_inf, grew=grew, floor_hit=floor_hit), clean
+
+
+def _counted(state: ScalerState, ops: ArrayOps, found_inf: Array, skipped: Array | None, grew: Array | None,
+             floor_hit: Array | None) -> ScalerState:
+    """``state`` with every running counter advanced by one step's flags (the one place counters move).
+
+    A flag given as None cannot be set in this configuration: its counter stays.
+    """
+    one, zero = ops.i32(1), ops.i32(0)
+
+    def plus(counter: Array, flag: Array | None) -> Array:
+        return counter if flag is None else ops.add(counter, ops.where(flag, one, zero))
+
+    return state._replace(
+        steps=ops.add(state.steps, one),
+        overflows=plus(state.overflows, found_inf),
+        skipped=plus(state.skipped, skipped),
+        growths=plus(state.growths, grew),
+        floor_hits=plus(state.floor_hits, floor_hit),
+    )
 
 
 def checks_overflow(config: ScalerConfig, count_overflows: bool | None = None, monitored: bool = False) -> bool:
@@ -334,6 +325,44 @@ def checks_overflow(config: ScalerConfig, count_overflows: bool | None = None, m
     if count_overflows is not None:
         return bool(count_overflows)
     return bool(monitored)
+
+
+def check_count_overflows(value: Any) -> bool | None:
+    """``count_overflows`` as given: True, False or None; anything else is a ``TypeError``."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"count_overflows must be True, False or None, not {value!r}")
+    return value
+
+
+def react_to_floor_hit(config: ScalerConfig, step: int, scale: float, stacklevel: int = 3) -> None:
+    """Apply ``config.on_min_scale`` to a floor hit seen at ``step``: raise, warn, or nothing (clamp).
+
+    ``stacklevel`` is the warning's, counted from the caller of this function.
+    """
+    if config.on_min_scale == "clamp":
+        return
+    message = floor_message(step, scale, config)
+    if config.on_min_scale == "raise":
+        raise ScaleFloorError(message)
+    warnings.warn(message, ScaleFloorWarning, stacklevel=stacklevel)
+
+
+class ScalerCounters:
+    """The running counters as int properties, for any owner of a scaler state (a mix-in).
+
+    The owner implements ``_counter(name) -> int`` (a host read of one of
+    :data:`COUNTER_FIELDS`).
+    """
+
+    def _counter(self, name: str) -> int:  # pragma: no cover - implemented by the owner
+        raise NotImplementedError
+
+    steps = property(lambda self: self._counter("steps"), doc="Scaler transitions (optimizer steps seen).")
+    overflows = property(lambda self: self._counter("overflows"), doc="Steps whose gradients held inf/NaN.")
+    skipped = property(lambda self: self._counter("skipped"), doc="Steps whose update was skipped.")
+    growths = property(lambda self: self._counter("growths"), doc="Times the scale grew.")
+    floor_hits = property(lambda self: self._counter("floor_hits"),
+                          doc="Overflows that asked for a backoff while the scale sat at ``min_scale``.")
 
 
 # -- plain-data state -----------------------------------------------------------
@@ -417,7 +446,7 @@ def floor_message(step: int, scale: float, config: ScalerConfig) -> str:
     )
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(ScalerCounters):
     """Eager Python front end of the transition (NumPy float32 reference).
 
     >>> s = DynamicLossScaler(ScalerConfig.preset("torch"))
@@ -443,11 +472,6 @@ class DynamicLossScaler:
     def _counter(self, name: str) -> int:
         return int(getattr(self._state, name))
 
-    steps = property(lambda self: self._counter("steps"), doc="Steps seen by :meth:`update`.")
-    overflows = property(lambda self: self._counter("overflows"), doc="Steps with non-finite gradients.")
-    skipped = property(lambda self: self._counter("skipped"), doc="Steps whose update was skipped.")
-    growths = property(lambda self: self._counter("growths"), doc="Times the scale grew.")
-    floor_hits = property(lambda self: self._counter("floor_hits"), doc="Overflows at the floor.")
 
     # -- stepping -----------------------------------------------------------------
     def scale_loss(self, loss: Any) -> Any:
@@ -459,11 +483,8 @@ class DynamicLossScaler:
         new, applied = next_state(self.config, self._state, bool(found_inf))
         hit = int(new.floor_hits) > int(self._state.floor_hits)
         self._state = new
-        if hit and self.config.on_min_scale != "clamp":
-            message = floor_message(int(new.steps), float(new.scale), self.config)
-            if self.config.on_min_scale == "raise":
-                raise ScaleFloorError(message)
-            warnings.warn(message, ScaleFloorWarning, stacklevel=2)
+        if hit:
+            react_to_floor_hit(self.config, int(new.steps), float(new.scale))
         return bool(applied)
 
     # -- checkpoints ----------------------------------------------------------------
