@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from mp_callbacks import DynamicLossScaler, ScalerConfig, StateDictError
 
-powers = st.integers(min_value=-126, max_value=127).map(lambda e: 2.0**e)
+# Exponents near the top are drawn often, so that growth candidates overflow float32 (2**126 * 4 = inf).
+powers = st.one_of(st.integers(min_value=-126, max_value=127), st.integers(min_value=124, max_value=127)).map(
+    lambda e: 2.0**e)
 
 
 @st.composite
@@ -47,21 +49,56 @@ def test_scale_stays_in_bounds_finite_and_positive(config, flags):
     assert scaler.overflows == scaler.skipped == sum(flags)
 
 
+def expected_growth(scale: float, config: ScalerConfig) -> np.float32:
+    """The documented growth rule, evaluated independently in float32: the candidate
+    ``scale * growth_factor`` is taken (capped at ``max_scale``) only if it is finite;
+    otherwise the scale stays where it is."""
+    with np.errstate(over="ignore"):
+        candidate = np.float32(scale) * np.float32(config.growth_factor)
+    if not np.isfinite(candidate):
+        return np.float32(scale)
+    return min(candidate, np.float32(config.max_scale))
+
+
 @settings(max_examples=150, deadline=None)
 @given(configs(), sequences)
 def test_growth_only_after_growth_interval_clean_steps(config, flags):
     scaler = DynamicLossScaler(config)
     clean_run = 0  # clean steps since the last overflow or growth opportunity
     for f in flags:
-        before = scaler.scale
+        before, growths_before = scaler.scale, scaler.growths
         scaler.update(f)
         clean_run = 0 if f else clean_run + 1
         if scaler.scale > before:
             assert not f and clean_run == config.growth_interval
         if not f and clean_run == config.growth_interval:
             clean_run = 0
-            expected = min(np.float32(before) * np.float32(config.growth_factor), np.float32(config.max_scale))
+            expected = expected_growth(before, config)
             assert scaler.scale == expected
+            # a growth is counted exactly when the scale moved
+            assert scaler.growths == growths_before + (1 if expected != np.float32(before) else 0)
+        else:
+            assert scaler.growths == growths_before
+
+
+@pytest.mark.parametrize("factor, init, max_scale, want, grew", [
+    # 2**126 * 4 = 2**128 is inf in float32: not finite, so the scale stays (the cap is not applied to inf)
+    (4.0, 2.0**126, 2.0**127, 2.0**126, False),
+    # 2**126 * 2 = 2**127 is finite and within the cap
+    (2.0, 2.0**126, 2.0**127, 2.0**127, True),
+    # 2**125 * 4 = 2**127 is finite: capped at max_scale = 2**126
+    (4.0, 2.0**125, 2.0**126, 2.0**126, True),
+    # already at the cap: the capped candidate equals the scale, which is no growth
+    (2.0, 2.0**127, 2.0**127, 2.0**127, False),
+])
+def test_growth_candidate_must_be_finite_before_the_cap(factor, init, max_scale, want, grew):
+    config = ScalerConfig(init_scale=init, min_scale=1.0, max_scale=max_scale, growth_factor=factor,
+                          growth_interval=1)
+    scaler = DynamicLossScaler(config)
+    assert scaler.update(False) is True
+    assert scaler.scale == want == expected_growth(init, config)
+    assert scaler.growths == int(grew)
+    assert math.isfinite(scaler.scale)
 
 
 @settings(max_examples=150, deadline=None)
