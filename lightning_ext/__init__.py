@@ -1,16 +1,24 @@
 """lightning_ext: the mp_callbacks core as a PyTorch Lightning precision plugin.
 
 ``Trainer(plugins=[lightning_ext.MixedPrecision("bf16-master")])`` trains with
-the core's recipes (``32-true``, ``16-mixed``, ``bf16-mixed``, ``16-master``,
-``bf16-master``), its dynamic loss scaler (evaluated on the device through
-:class:`TorchOps`), its operator policy and FP32 master weights;
+the core's recipes, its dynamic loss scaler (:class:`TorchLossScaler`, torch
+``GradScaler``'s API, evaluated on the device through :class:`TorchOps`), its
+operator policy and FP32 master weights (:class:`MasterWeights`);
 ``callbacks=[lightning_ext.MixedPrecisionMonitor()]`` logs the shared diagnostics.
+
+Modules, one job each: ``plugin`` (Lightning hooks), ``torch_scaler``,
+``masters``, ``scheduler_hold``, ``strategies``, ``module_policy``,
+``attribution``, ``monitor``, ``torch_meters``, ``torch_ops``, ``compare``.
 """
 
+from .attribution import OverflowTracer
+from .masters import MasterWeights
 from .module_policy import apply_module_policy, cast_module_storage
-from .monitor import MixedPrecisionMonitor, OverflowTracer
-from .plugin import LossScalerView, MixedPrecision, check_strategy
+from .monitor import MixedPrecisionMonitor
+from .plugin import MixedPrecision
+from .strategies import check_strategy
 from .torch_ops import TorchOps
+from .torch_scaler import OptState, TorchLossScaler
 
-__all__ = ["LossScalerView", "MixedPrecision", "MixedPrecisionMonitor", "OverflowTracer", "TorchOps",
-           "apply_module_policy", "cast_module_storage", "check_strategy"]
+__all__ = ["MasterWeights", "MixedPrecision", "MixedPrecisionMonitor", "OptState", "OverflowTracer",
+           "TorchLossScaler", "TorchOps", "apply_module_policy", "cast_module_storage", "check_strategy"]

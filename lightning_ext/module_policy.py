@@ -78,6 +78,18 @@ class ModulePolicyHandle:
     handles: list[Any] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
 
+    def add_region(self, module: nn.Module, path: str, device_type: str) -> None:
+        """Make ``module`` (at ``path``) an FP32 region: autocast off, floating inputs cast to FP32.
+
+        A path that already is one is left alone.
+        """
+        if path in self.paths:
+            return
+        region = _Fp32Region(device_type)
+        self.handles.append(module.register_forward_pre_hook(region.pre_hook, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(region.post_hook, with_kwargs=True, always_call=True))
+        self.paths.append(path)
+
     def remove(self) -> None:
         """Remove every hook this handle installed."""
         for handle in self.handles:
@@ -109,10 +121,7 @@ def apply_module_policy(root: nn.Module, policy: PrecisionPolicy, device_type: s
     """Install FP32-region hooks on every module of ``root`` that the policy keeps in FP32."""
     handle = ModulePolicyHandle()
     for path, module in fp32_compute_modules(root, policy):
-        region = _Fp32Region(device_type)
-        handle.handles.append(module.register_forward_pre_hook(region.pre_hook, with_kwargs=True))
-        handle.handles.append(module.register_forward_hook(region.post_hook, with_kwargs=True, always_call=True))
-        handle.paths.append(path)
+        handle.add_region(module, path, device_type)
     return handle
 
 

@@ -40,177 +40,36 @@ Host syncs (the point of the design):
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor, nn
+from torch import Tensor
 
-from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats
+from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats, memory_metrics
 from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.master import MemoryEstimate, estimate_memory, optimizer_kind, optimizer_slots
+from mp_callbacks.master import MemoryEstimate, is_optimizer_state, memory_report
 from mp_callbacks.meters import METER_SAMPLES
-from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
-from mp_callbacks.monitor_helpers import LOSS_SOURCE, first_culprit, swamp_storage_dtype
+from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade, PackedLayout  # version: re-exported
+from mp_callbacks.monitor_helpers import swamp_storage_dtype
 
+from .attribution import OverflowTracer, blame, tensors_in
 from .plugin import MixedPrecision
 from .torch_meters import grad_norm, sample, swamped_counts, underflow_counts
+from .torch_scaler import unwrap_optimizer
 
-__all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor", "OverflowTracer"]
+__all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
 
 MONITOR_SCHEMA = "lightning_ext.MixedPrecisionMonitor"
 """The ``schema`` tag of the callback's checkpoint record."""
 
-MEMORY_BYTES_PER_PARAM = "mp/memory_bytes_per_param"
-"""Logged at train start and end: bytes of model state actually held per parameter."""
-MEMORY_ESTIMATE_BYTES_PER_PARAM = "mp/memory_bytes_per_param_estimate"
-"""Logged next to it: the core's :func:`~mp_callbacks.master.estimate_memory` for the same parameters."""
-
-
-def _tensors(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return getattr(optimizer, "_optimizer", optimizer)
-
 
 def _opt_params(optimizer: Any) -> list[Tensor]:
-    return [p for g in _unwrap(optimizer).param_groups for p in g["params"]]
-
-
-class OverflowTracer:
-    """Device-side "became non-finite" flags per module, in the order they happened (no host sync).
-
-    While :attr:`active`, every hooked module appends ``(kind, path, flag)``
-    records: a ``"forward"`` record after its forward (any floating output
-    non-finite), ``"backward"`` records when the gradient of its inputs is
-    computed (the gradient its backward produced) and when the gradient of its
-    own parameters is computed.  :meth:`on_loss` adds a ``"loss"`` record.
-    :meth:`first_bad` reads the flags (one sync) and hands the non-finite
-    forward records (call order), the loss flag and the non-finite backward
-    records (the order they fired: backward order) to the core's
-    :func:`~mp_callbacks.monitor_helpers.first_culprit`.  The root module is
-    not hooked (its forward is the whole model); when several modules receive
-    the same input tensor the innermost (last to register) owns its gradient record.
-    """
-
-    def __init__(self) -> None:
-        self.active = False
-        self.records: list[tuple[str, str, Tensor]] = []
-        self._handles: list[Any] = []
-        self._inputs: dict[int, tuple[Any, list[str]]] = {}
-
-    def install(self, root: nn.Module) -> None:
-        """Hook every sub-module of ``root`` (and its directly owned parameters)."""
-        self.remove()
-        seen: set[int] = set()
-        for path, module in root.named_modules():
-            if module is root or not path:
-                continue
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_hook(path), always_call=False))
-            for param in module.parameters(recurse=False):
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
-                    self._handles.append(param.register_hook(self._grad_hook([path])))
-
-    def remove(self) -> None:
-        """Take every hook off and forget the records."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.records.clear()
-        self._inputs.clear()
-
-    @staticmethod
-    def _bad(tensors: Iterator[Tensor]) -> Optional[Tensor]:
-        flag = None
-        with torch.no_grad():
-            for t in tensors:
-                if t.is_floating_point() and t.numel():
-                    # One read pass: an inf/NaN element makes the float32 sum non-finite (a
-                    # sum of finite fp16/bf16 values cannot overflow float32 in practice);
-                    # cheaper than isfinite(t).all(), which materialises a bool tensor.
-                    b = torch.logical_not(torch.isfinite(t.detach().sum(dtype=torch.float32)))
-                    flag = b if flag is None else torch.logical_or(flag, b.to(flag.device))
-        return flag
-
-    def _grad_hook(self, owner: list[str]) -> Callable[[Tensor], None]:
-        def hook(grad: Tensor) -> None:
-            if self.active:
-                flag = self._bad(iter((grad,)))
-                if flag is not None:
-                    self.records.append(("backward", owner[0], flag))
-        return hook
-
-    def _pre_hook(self, path: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self.active or not torch.is_grad_enabled():
-                return None
-            for t in _tensors((args, kwargs)):
-                if not (t.requires_grad and t.is_floating_point()):
-                    continue
-                known = self._inputs.get(id(t))
-                if known is not None and known[0]() is t:
-                    known[1][0] = path  # the innermost module receiving this tensor owns its gradient
-                    continue
-                owner = [path]
-                try:
-                    t.register_hook(self._grad_hook(owner))
-                except RuntimeError:
-                    continue
-                self._inputs[id(t)] = (weakref.ref(t), owner)
-            return None
-        return hook
-
-    def _post_hook(self, path: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if self.active:
-                flag = self._bad(_tensors(output))
-                if flag is not None:
-                    self.records.append(("forward", path, flag))
-            return None
-        return hook
-
-    def on_loss(self, loss: Tensor) -> None:
-        """Record whether the (scaled) loss about to be back-propagated is non-finite."""
-        if self.active:
-            flag = self._bad(iter((loss,)))
-            if flag is not None:
-                self.records.append(("loss", LOSS_SOURCE, flag))
-
-    def take(self, count: Optional[int] = None) -> list[tuple[str, str, Tensor]]:
-        """Remove and return the first ``count`` records (all when None)."""
-        count = len(self.records) if count is None else count
-        taken, self.records = self.records[:count], self.records[count:]
-        if not self.records:
-            self._inputs.clear()
-        return taken
-
-    @staticmethod
-    def first_bad(records: list[tuple[str, str, Tensor]]) -> Optional[str]:
-        """The core's :func:`~mp_callbacks.monitor_helpers.first_culprit` of ``records``
-        (reads the flags: one sync), None if all are finite."""
-        if not records:
-            return None
-        device = records[0][2].device
-        flags = torch.stack([f.to(device) for _, _, f in records]).tolist()
-        bad = [(kind, path) for (kind, path, _), b in zip(records, flags) if b]
-        return first_culprit([p for k, p in bad if k == "forward"], any(k == "loss" for k, _ in bad),
-                             [p for k, p in bad if k == "backward"])
+    return [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
 
 
 @dataclass
@@ -305,18 +164,15 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         plugin = self._plugin(trainer)
         module = trainer.lightning_module
         kept: dict[int, bool] = {}
-        named: dict[str, Tensor] = {}
         for path, sub in module.named_modules():
             k = plugin.policy.keeps_fp32(sub, path)
-            for name, p in sub.named_parameters(recurse=False):
-                if id(p) not in kept:
-                    kept[id(p)] = k
-                    named[f"{path}.{name}" if path else name] = p
-        by_ptr = {m.data_ptr(): name for name, m in plugin.master_state_dict().items() if m.numel()}
+            for p in sub.parameters(recurse=False):
+                kept.setdefault(id(p), k)
+        low_of = {id(e.master): e.low for e in plugin.masters.entries()} if plugin.masters is not None else {}
         out: dict[int, tuple[str, str]] = {}
         for opt in trainer.optimizers:
             for p in _opt_params(opt):
-                low = named.get(by_ptr.get(p.data_ptr(), ""), p) if p.numel() else p
+                low = low_of.get(id(p), p)
                 stored = canonical_dtype(low.dtype)
                 out[id(p)] = (stored, swamp_storage_dtype(plugin.recipe, stored, kept.get(id(low), False)))
         return out
@@ -327,70 +183,47 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         ``actual`` sums real tensor ``nbytes``: ``weights`` (the module's
         parameters), ``grads`` (their ``.grad`` plus the FP32 masters'),
         ``masters`` (optimizer parameters that are not module parameters: the
-        FP32 masters of ``*-master``), ``optimizer_state`` (every tensor in the
-        optimizers' state, step counters included).  ``estimate`` is
-        :func:`mp_callbacks.master.estimate_memory` for the same parameters and
-        storage dtypes at the optimizer step: ``fp32_master_grads=True`` (the
-        FP32 gradient a parameter with a master holds then) and
-        ``weights_released`` as the plugin's ``free_weights_during_step``
-        (16 B/param for ``bf16-master`` + AdamW; 18 with the weights kept)
-        (None for an optimizer the core does not know).  Under ``*-master``
-        the plugin drops the masters' FP32 gradients after an applied step, so
-        ``actual`` at train end holds none.  Gradients and optimizer state that do not exist yet (before the first
-        step) are not counted in ``actual``.
+        FP32 masters of ``*-master``), ``optimizer_state`` (optimizer state
+        tensors per :func:`mp_callbacks.master.is_optimizer_state`).  The
+        report is the core's :func:`mp_callbacks.master.memory_report` (the
+        estimate at the optimizer step, with ``weights_released`` as the
+        plugin's ``free_weights_during_step``).  Gradients and optimizer state
+        that do not exist yet (before the first step) are not counted in ``actual``.
         """
         plugin = self._plugin(trainer)
-        module = trainer.lightning_module
-        params = list({id(p): p for p in module.parameters()}.values())
+        params = list({id(p): p for p in trainer.lightning_module.parameters()}.values())
         own = {id(p) for p in params}
-        numel = sum(p.numel() for p in params)
-        weights = sum(p.nbytes for p in params)
         grads = sum(p.grad.nbytes for p in params if p.grad is not None)
-        masters = 0
-        state = 0
-        est: Optional[MemoryEstimate] = None
-        names: list[str] = []
+        masters = state = 0
         storage = self._storage_dtypes(trainer)
+        optimizers = []
         for opt in trainer.optimizers:
-            raw = _unwrap(opt)
+            raw = unwrap_optimizer(opt)
             for p in _opt_params(raw):
                 if id(p) not in own:
                     masters += p.nbytes
-                    if p.grad is not None:
-                        grads += p.grad.nbytes
+                    grads += p.grad.nbytes if p.grad is not None else 0
             for slot in raw.state.values():
-                state += sum(v.nbytes for v in _tensors(slot))
-            name = optimizer_kind(type(raw).__name__,
-                                  max((float(g.get("momentum", 0) or 0) for g in raw.param_groups), default=0.0))
-            names.append(name)
-            try:
-                optimizer_slots(name)
-            except ValueError:
-                est = None
-                names[-1] = f"{name} (unknown to the core)"
-                break
-            part = estimate_memory(plugin.recipe.master, name,
-                                   [(p.numel(), storage[id(p)][0]) for p in _opt_params(raw)],
-                                   fp32_master_grads=True, weights_released=plugin.free_weights_during_step)
-            est = part if est is None else MemoryEstimate(*(a + b for a, b in zip(
-                (est.params, est.weights, est.grads, est.masters, est.optimizer_state),
-                (part.params, part.weights, part.grads, part.masters, part.optimizer_state))))
-        actual = MemoryEstimate(params=numel, weights=weights, grads=grads, masters=masters, optimizer_state=state)
-        return {"recipe": plugin.recipe.name, "optimizers": names, "actual": actual.to_dict(),
-                "estimate": est.to_dict() if est is not None and all("unknown" not in n for n in names) else None}
+                state += sum(v.nbytes for v in tensors_in(slot) if is_optimizer_state(v.shape))
+            momentum = max((float(g.get("momentum", 0) or 0) for g in raw.param_groups), default=0.0)
+            optimizers.append((type(raw).__name__, momentum, [(p.numel(), storage[id(p)][0]) for p in _opt_params(raw)]))
+        actual = MemoryEstimate(params=sum(p.numel() for p in params), weights=sum(p.nbytes for p in params),
+                                grads=grads, masters=masters, optimizer_state=state)
+        return memory_report(plugin.recipe.name, plugin.recipe.master, optimizers, actual,
+                             weights_released=plugin.free_weights_during_step)
 
     # ------------------------------------------------------------- lifecycle
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """Check that the trainer uses :class:`lightning_ext.MixedPrecision` (clear error otherwise)."""
         if stage == "fit":
             plugin = self._plugin(trainer)
-            plugin.monitored = True  # with scaling off, steps now check for (and count) overflows
+            plugin.loss_scaler.attach_monitor(self)  # with scaling off, steps now check for (and count) overflows
             self._attached = plugin
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Read the step counter (one sync), re-apply restored fallbacks, install hooks, log memory."""
         plugin = self._plugin(trainer)
-        self._step = plugin.scaler.steps
+        self._step = plugin.loss_scaler.steps
         self._pending = None
         if self.core.fallback is not None:
             for path in self.core.fallback.moved:
@@ -422,7 +255,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         self._pending = None
         plugin, self._attached = getattr(self, "_attached", None), None
         if plugin is not None:
-            plugin.monitored = False
+            plugin.loss_scaler.detach_monitor(self)
 
     # ------------------------------------------------------------ per step
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
@@ -440,7 +273,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         self._finalize(trainer)  # an earlier optimizer step of the same batch (manual optimization)
         plugin = self._plugin(trainer)
         logging = self.core.should_log(self._step + 1)
-        pending = _Pending(optimizer=optimizer, state=plugin.scaler.state, cut=len(self.tracer.records),
+        pending = _Pending(optimizer=optimizer, state=plugin.loss_scaler.state, cut=len(self.tracer.records),
                            logging=logging)
         if logging:
             params = _opt_params(optimizer)
@@ -448,7 +281,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
                     pending.grad_norm = grad_norm(grads)
-                    pending.underflow = underflow_counts(grads, plugin.policy.compute, plugin.scaler.grad_scale,
+                    pending.underflow = underflow_counts(grads, plugin.policy.compute, plugin.loss_scaler.grad_scale,
                                                          self.meter_samples)
             if self.measure_swamping:
                 with torch.no_grad():  # only the sampled elements are kept and compared
@@ -468,7 +301,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         if pending is None:
             return
         plugin = self._plugin(trainer)
-        if plugin.scaler.state is pending.state:  # training_step returned None: no transition
+        if plugin.loss_scaler.state is pending.state:  # training_step returned None: no transition
             self.tracer.take(pending.cut)
             return
         self._step += 1
@@ -479,78 +312,52 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
             self.core.observe_clean()
             return
         latest = plugin.latest_stats()
-        keys = ["scale", "overflow", "overflows_total", "skipped_total", "growths_total"]
-        values: list[Tensor] = [latest[k] for k in keys]
-        optional: dict[str, int] = {}
+        layout, values = PackedLayout(), []
 
         def add(name: str, value: Optional[Tensor]) -> None:
             if value is not None:
-                optional[name] = len(values)
+                layout.add(name)
                 values.append(value)
 
+        for key in ("scale", "overflow", "overflows_total", "skipped_total", "growths_total"):
+            add(key, latest[key])
         add("grad_norm", pending.grad_norm)
         if pending.underflow is not None:
             add("underflow_lost", pending.underflow[0])
             add("underflow_total", pending.underflow[1])
-        if pending.before and not overflow_host:
+        if pending.before and not overflow_host:  # swamping: measured on applied steps only
             with torch.no_grad():
                 storage = self._storage_dtypes(trainer)
-                weights = [b for _, b in pending.before]
                 updates = [sample(p, self.meter_samples) - b for p, b in pending.before]
-                lost, total = swamped_counts(weights, updates, [storage.get(id(p), ("float32", "float32"))[1]
-                                                                for p, _ in pending.before])
+                lost, total = swamped_counts([b for _, b in pending.before], updates,
+                                             [storage.get(id(p), ("float32", "float32"))[1] for p, _ in pending.before])
             add("swamp_lost", lost)
             add("swamp_total", total)
         if loss is not None and loss.numel() == 1:
             add("loss", loss.detach())
         device = values[0].device
-        read = torch.stack([v.detach().reshape(()).to(device=device, dtype=torch.float64) for v in values]).tolist()
-        overflow = bool(read[1])
-
-        def get(name: str) -> Optional[float]:
-            return read[optional[name]] if name in optional else None
+        got = layout.unpack(torch.stack([v.detach().reshape(()).to(device=device, dtype=torch.float64)
+                                         for v in values]).tolist())
+        overflow = bool(got["overflow"])
 
         def counts(prefix: str) -> Optional[tuple[float, float]]:
-            return (read[optional[f"{prefix}_lost"]], read[optional[f"{prefix}_total"]]) \
-                if f"{prefix}_total" in optional else None
+            return (got[f"{prefix}_lost"], got[f"{prefix}_total"]) if f"{prefix}_total" in got else None
 
         records = self.tracer.take(pending.cut)
-        module = self._blame(records) if (overflow and self.attribute_overflows) else None
+        module = blame(records) if (overflow and self.attribute_overflows) else None
         stats = StepStats.from_counts(
-            step, read[0], overflow, read[2], read[3], read[4], loss=get("loss"), grad_norm=get("grad_norm"),
-            underflow=counts("underflow"), swamped=counts("swamp"),  # swamping: measured on applied steps only
-            overflow_module=module,
-        )
+            step, got["scale"], overflow, got["overflows_total"], got["skipped_total"], got["growths_total"],
+            loss=got.get("loss"), grad_norm=got.get("grad_norm"), underflow=counts("underflow"),
+            swamped=counts("swamp"), overflow_module=module)
         try:
             moved = self.core.record(stats, plugin.recipe.scaler.min_scale)
         finally:
             self._log(trainer, stats)
         for path in moved:
             self._move_to_fp32(plugin, trainer.lightning_module, path)
-            blamed = self.core.fallback.blame.get(path) if self.core.fallback is not None else None
-            message = (f"MixedPrecisionMonitor: {blamed} overflows blamed on {path!r}; it now runs (and, under "
-                       f"*-master, is stored) in FP32 (policy: with_fp32_modules({path!r})). Training continues.")
+            message = self.core.fallback_message(path)
             rank_zero_info(message)
             self._log_text(trainer, "mp/fallback", message, step)
-
-    @staticmethod
-    def _blame(records: list[tuple[str, str, Tensor]]) -> Optional[str]:
-        """The first non-finite record; under DDP every rank takes the same answer.
-
-        Each rank finds its local culprit (its own forward outputs and local
-        gradients, before DDP's all-reduce spreads the NaN), then the ranks
-        exchange them (``all_gather_object``; every rank gets here on the same
-        steps, since the overflow flag is all-reduced by the plugin) and all
-        take the answer of the lowest rank that found one.  So every rank blames,
-        and moves to FP32, the same module.
-        """
-        local = OverflowTracer.first_bad(records)
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return local
-        gathered: list[Optional[str]] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        return next((g for g in gathered if g), None)
 
     def _move_to_fp32(self, plugin: MixedPrecision, pl_module: "pl.LightningModule", path: str) -> None:
         try:
@@ -583,10 +390,5 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         report["when"] = when
         self.memory_reports.append(report)
         self.history.add_event("memory", step=self._step, **report)
-        metrics = {MEMORY_BYTES_PER_PARAM: float(report["actual"]["bytes_per_param"])}
-        if report["estimate"] is not None:
-            metrics[MEMORY_ESTIMATE_BYTES_PER_PARAM] = float(report["estimate"]["bytes_per_param"])
         for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=self._step)
-
-
+            lg.log_metrics(memory_metrics(report), step=self._step)

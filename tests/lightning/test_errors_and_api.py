@@ -30,9 +30,10 @@ def test_aliases_and_scaler_sources():
     cfg = MixedPrecision("16-mixed", scaler=gs).recipe.scaler
     assert (cfg.init_scale, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval) == (128.0, 4.0, 0.25, 7)
     assert MixedPrecision("16-mixed", scaler="megatron").recipe.scaler == ScalerConfig.preset("megatron")
-    assert not MixedPrecision("bf16-mixed").scaler.is_enabled()
+    assert MixedPrecision("bf16-mixed").scaler is None  # as native: nothing is scaled
+    assert not MixedPrecision("bf16-mixed").loss_scaler.is_enabled()
     assert MixedPrecision("bf16-master", scaler="torch").scaler.is_enabled()  # opt-in scaling for bf16
-    assert not MixedPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", enabled=False)).scaler.is_enabled()
+    assert MixedPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", enabled=False)).scaler is None
 
 
 @pytest.mark.parametrize("recipe", ["16-mixed", "bf16-master"])

@@ -58,4 +58,4 @@ def test_32_true_matches_plain_trainer():
     trainer.fit(model, loader())
     for (name, a), b in zip(params_of(ref_model).items(), params_of(model).values()):
         assert torch.equal(a, b), name
-    assert trainer.scaler.steps == 8 and not trainer.scaler.is_enabled()
+    assert trainer.scaler is None and trainer.precision_plugin.loss_scaler.steps == 8

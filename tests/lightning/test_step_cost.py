@@ -31,7 +31,7 @@ def test_scaling_off_does_not_look_at_gradients_by_default(recipe, check_calls):
     model = TinyRegressor(inf_steps={2})
     pl.Trainer(plugins=[plugin], max_steps=5, **trainer_kwargs()).fit(model, loader())
     assert check_calls == []
-    view = plugin.scaler
+    view = plugin.loss_scaler
     assert (view.steps, view.overflows, view.skipped) == (5, 0, 0)  # the inf step was applied, not counted
 
 
@@ -43,7 +43,7 @@ def test_scaling_off_counts_overflows_on_request(recipe, check_calls):
     pl.Trainer(plugins=[plugin], max_steps=5, **trainer_kwargs()).fit(model, loader())
     assert len(check_calls) == 5
     # Step 2 applies inf/NaN gradients: the weights turn NaN and every later step overflows too.
-    assert (plugin.scaler.steps, plugin.scaler.overflows, plugin.scaler.skipped) == (5, 3, 0)
+    assert (plugin.loss_scaler.steps, plugin.loss_scaler.overflows, plugin.loss_scaler.skipped) == (5, 3, 0)
 
 
 def test_an_attached_monitor_turns_the_count_on_and_off(check_calls):
@@ -59,8 +59,8 @@ def test_an_attached_monitor_turns_the_count_on_and_off(check_calls):
     pl.Trainer(plugins=[plugin], callbacks=[monitor, Probe()], max_steps=4, **trainer_kwargs()).fit(
         model, loader())
     assert seen == [True] * 4 and len(check_calls) == 4
-    assert plugin.scaler.overflows == 1 and monitor.history[-1].overflows_total == 1
-    assert plugin.monitored is False and plugin.checks_overflow is False  # detached at teardown
+    assert plugin.loss_scaler.overflows == 1 and monitor.history[-1].overflows_total == 1
+    assert plugin.loss_scaler.monitored is False and plugin.checks_overflow is False  # detached at teardown
 
 
 def test_count_overflows_must_be_a_bool_or_none():
@@ -72,7 +72,7 @@ def test_scaling_on_always_checks(check_calls):
     plugin = MixedPrecision("16-mixed", count_overflows=False)
     assert plugin.checks_overflow is True
     pl.Trainer(plugins=[plugin], max_steps=3, **trainer_kwargs()).fit(TinyRegressor(inf_steps={1}), loader())
-    assert len(check_calls) == 3 and plugin.scaler.skipped == plugin.scaler.overflows >= 1
+    assert len(check_calls) == 3 and plugin.loss_scaler.skipped == plugin.loss_scaler.overflows >= 1
 
 
 class _Watch(pl.Callback):

@@ -1,0 +1,251 @@
+"""FP32 master weights inside torch optimizers (the ``*-master`` recipes).
+
+The core's rule (:mod:`mp_callbacks.master`): a parameter stored in fp16/bf16
+gets an FP32 master; the optimizer updates the master (its param group holds
+the master, so its states are FP32); after every *applied* step the master is
+rounded back into the low-precision parameter.  Parameters kept in FP32 are
+their own master.  :class:`MasterWeights` is that rule in torch:
+
+* :meth:`record_originals` keeps the FP32 values the model had before its
+  storage was cast (the masters start from them, not from rounded weights);
+* :meth:`install` swaps masters into the optimizers' param groups (moving any
+  existing optimizer state onto them; under DDP the masters follow rank 0);
+* :meth:`grads_to_masters` makes each low-precision gradient its master's FP32
+  gradient and releases the low one;
+* :meth:`updating` wraps ``optimizer.step()``: the low-precision weights'
+  storage is released while the step runs (nothing reads them), the spent FP32
+  gradients are dropped after it, and the weights are rebuilt from the masters,
+  also when the step raises;
+* :meth:`state_dict` / :meth:`load_state_dict`: ``{parameter name: master}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from mp_callbacks.scaler import StateDictError
+
+__all__ = ["MasterEntry", "MasterWeights"]
+
+
+class MasterEntry(NamedTuple):
+    """One low-precision parameter and its FP32 master."""
+
+    name: str
+    low: nn.Parameter
+    master: nn.Parameter
+
+
+class MasterWeights:
+    """The FP32 masters of one model's low-precision parameters, per optimizer.
+
+    Args:
+      free_weights_during_step: release the low-precision weights' storage
+        while the optimizer steps (see :meth:`updating`).
+    """
+
+    def __init__(self, free_weights_during_step: bool = True) -> None:
+        self.free_weights_during_step = bool(free_weights_during_step)
+        self._entries: dict[int, MasterEntry] = {}  # id(low-precision param) -> entry
+        self._by_optimizer: dict[int, tuple[Any, list[MasterEntry]]] = {}
+        self._originals: dict[str, Tensor] = {}
+        self._pending: Optional[dict[str, Tensor]] = None
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[MasterEntry]:
+        """Every entry, in installation order."""
+        return list(self._entries.values())
+
+    def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
+        """The FP32 master of low-precision ``param`` (None: it has none)."""
+        entry = self._entries.get(id(param))
+        return entry.master if entry is not None and entry.low is param else None
+
+    # -------------------------------------------------------------- install
+    def record_originals(self, module: nn.Module, originals: Mapping[str, Tensor]) -> None:
+        """Remember the FP32 values of parameters whose storage was just cast (``{name: fp32 value}``).
+
+        A parameter that already has a master whose rounding equals its current
+        value keeps the master's value (a later fit keeps the earlier fit's precision).
+        """
+        named = dict(module.named_parameters())
+        for name, fp32 in originals.items():
+            param = named.get(name)
+            master = self.master_of(param) if param is not None else None
+            if master is not None and torch.equal(master.detach().to(param.dtype), param.detach()):
+                fp32 = master.detach().clone()
+            self._originals[name] = fp32
+
+    def install(self, root: nn.Module, optimizers: Iterable[Optimizer]) -> None:
+        """Put an FP32 master in place of every low-precision parameter of the optimizers' param groups."""
+        names = {id(p): n for n, p in root.named_parameters()}
+        pending = self._pending or {}
+        for opt in optimizers:
+            for group in opt.param_groups:
+                params = group["params"]
+                for i, p in enumerate(params):
+                    if p.dtype == torch.float32:
+                        continue
+                    entry = self._entries.get(id(p))
+                    if entry is None or entry.low is not p:
+                        entry = self._new_entry(names.get(id(p), f"<unnamed {len(self._entries)}>"), p, pending)
+                        self._entries[id(p)] = entry
+                    else:  # a later fit: the recorded FP32 value (the master itself unless the user changed it)
+                        fresh = pending.get(entry.name, self._originals.pop(entry.name, None))
+                        if fresh is not None:
+                            with torch.no_grad():
+                                entry.master.copy_(fresh)
+                    params[i] = entry.master
+                    if p in opt.state:  # existing optimizer state moves onto the master, in FP32
+                        opt.state[entry.master] = {
+                            k: (v.float() if isinstance(v, Tensor) and v.is_floating_point() and v.dim() else v)
+                            for k, v in opt.state.pop(p).items()
+                        }
+        self._pending = None
+        self._by_optimizer.clear()
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            with torch.no_grad():  # DDP broadcast rank 0's weights: the masters follow rank 0 too
+                for entry in self._entries.values():
+                    dist.broadcast(entry.master.data, src=0)
+        self.copy_to_params(self._entries.values())
+
+    def _new_entry(self, name: str, p: nn.Parameter, pending: Mapping[str, Tensor]) -> MasterEntry:
+        original = self._originals.pop(name, None)
+        value = pending.get(name, original)
+        if value is None:
+            value = p.detach().float()
+        value = value.detach().to(device=p.device, dtype=torch.float32)
+        if value is not original:
+            value = value.clone()
+        return MasterEntry(name, p, nn.Parameter(value, requires_grad=p.requires_grad))
+
+    def for_optimizer(self, optimizer: Optimizer) -> list[MasterEntry]:
+        """The entries whose master ``optimizer`` updates (cached while its param groups keep their layout)."""
+        groups = optimizer.param_groups
+        key = (len(self._entries), len(groups), tuple(id(g["params"]) for g in groups),
+               sum(len(g["params"]) for g in groups))
+        cached = self._by_optimizer.get(id(optimizer))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        in_opt = {id(p) for g in groups for p in g["params"]}
+        entries = [e for e in self._entries.values() if id(e.master) in in_opt]
+        self._by_optimizer[id(optimizer)] = (key, entries)
+        return entries
+
+    # ------------------------------------------------------------ per step
+    @staticmethod
+    def grads_to_masters(entries: Iterable[MasterEntry]) -> None:
+        """Each low-precision gradient becomes its master's FP32 gradient; the low one is released."""
+        reuse_dst, reuse_src = [], []
+        for _, low, master in entries:
+            if low.grad is None:
+                continue
+            if master.grad is None or master.grad.shape != master.shape:
+                master.grad = low.grad.to(torch.float32)
+            else:
+                reuse_dst.append(master.grad)
+                reuse_src.append(low.grad)
+            low.grad = None
+        if reuse_dst:
+            torch._foreach_copy_(reuse_dst, reuse_src)
+
+    @staticmethod
+    def copy_to_params(entries: Iterable[MasterEntry]) -> None:
+        """Round every master into its low-precision parameter (one fused copy)."""
+        lows, masters = [], []
+        for _, low, master in entries:
+            lows.append(low)
+            masters.append(master)
+        if lows:
+            with torch.no_grad():
+                torch._foreach_copy_(lows, masters)
+
+    @contextlib.contextmanager
+    def updating(self, optimizer: Optimizer) -> Iterator[None]:
+        """Around ``optimizer.step()``: release the weights, then drop spent grads and rebuild the weights.
+
+        The weights come back from the masters also when the step raises.
+        """
+        entries = self.for_optimizer(optimizer)
+        released = _release(entries) if self.free_weights_during_step else []
+        try:
+            yield
+        finally:
+            if released:  # the step's end holds no more than its middle
+                for entry in entries:
+                    entry.master.grad = None
+                for storage, nbytes in released:
+                    storage.resize_(nbytes)
+            self.copy_to_params(entries)
+
+    def store_fp32(self, module: nn.Module) -> None:
+        """Re-store ``module``'s low-precision parameters and buffers in FP32 (parameters from their masters)."""
+        with torch.no_grad():
+            for param in module.parameters():
+                if param.is_floating_point() and param.dtype != torch.float32:
+                    master = self.master_of(param)
+                    param.data = (master if master is not None else param).detach().to(torch.float32, copy=True)
+            for sub in module.modules():
+                for name, buf in sub.named_buffers(recurse=False):
+                    if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                        sub._buffers[name] = buf.float()
+
+    # --------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Tensor]:
+        """``{parameter name: FP32 master}``."""
+        return {e.name: e.master.detach() for e in self._entries.values()}
+
+    def load_state_dict(self, masters: Any) -> None:
+        """Restore masters (and round them into the weights); before :meth:`install` they wait for it."""
+        if not isinstance(masters, Mapping):
+            raise StateDictError(f"the checkpoint's 'masters' must be a dict of tensors, not {type(masters).__name__}")
+        if not self._entries:
+            self._pending = dict(masters)
+            return
+        current = {e.name: e for e in self._entries.values()}
+        missing, unexpected = sorted(set(current) - set(masters)), sorted(set(masters) - set(current))
+        if missing or unexpected:
+            raise StateDictError(
+                f"the checkpoint's master weights do not match the model: missing {missing}, unexpected {unexpected}")
+        with torch.no_grad():
+            for name, entry in current.items():
+                value = masters[name]
+                if not isinstance(value, Tensor) or value.shape != entry.master.shape:
+                    raise StateDictError(f"master weight {name!r} has shape {getattr(value, 'shape', None)}, "
+                                         f"the model's is {tuple(entry.master.shape)}")
+                entry.master.copy_(value)
+                entry.low.copy_(entry.master)
+
+    def clear_cache(self) -> None:
+        """Forget the per-optimizer entry lists (after a fit)."""
+        self._by_optimizer.clear()
+
+
+def _release(entries: Iterable[MasterEntry]) -> list[tuple[Any, int]]:
+    """Free the storage of low-precision weights that own it whole; returns ``(storage, nbytes)`` to restore.
+
+    A weight that is a view of a larger buffer, or whose storage cannot be
+    resized, is kept.
+    """
+    released: list[tuple[Any, int]] = []
+    for _, low, master in entries:
+        if low is master or low.storage_offset() != 0 or not low.is_contiguous():
+            continue
+        storage = low.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes != low.numel() * low.element_size() or nbytes == 0 or not storage.resizable():
+            continue
+        storage.resize_(0)
+        released.append((storage, nbytes))
+    return released

@@ -1,0 +1,142 @@
+"""TorchLossScaler speaks torch GradScaler's protocol and matches it step for step."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ext import MasterWeights, MixedPrecision, OptState, TorchLossScaler
+from mp_callbacks.scaler import ScalerConfig, StateDictError
+
+INF_STEPS = {2, 3, 9}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _run(scaler, model, opt, steps=12, clip=False):
+    scales = []
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        if step in INF_STEPS:
+            loss = loss * float("inf")
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_grad_scaler_protocol_matches_torch_bit_for_bit(clip):
+    native_model, ours_model = _model(), _model()
+    native_opt = torch.optim.AdamW(native_model.parameters(), lr=1e-2)
+    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=1e-2)
+    native = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+    ours = TorchLossScaler(ScalerConfig.preset("torch", init_scale=2.0**8, growth_interval=3))
+    assert _run(ours, ours_model, ours_opt, clip=clip) == _run(native, native_model, native_opt, clip=clip)
+    for a, b in zip(ours_model.parameters(), native_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert (ours.steps, ours.skipped, ours.overflows) == (12, len(INF_STEPS), len(INF_STEPS))
+    for name in ("growth_factor", "backoff_factor", "growth_interval"):
+        assert getattr(ours, f"get_{name}")() == getattr(native, f"get_{name}")()
+
+
+def test_stage_errors_are_torchs():
+    model, scaler = _model(), TorchLossScaler(ScalerConfig.preset("torch"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batch(0)
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called on this optimizer"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="Closure"):
+        scaler.step(opt, closure=lambda: None)
+    scaler.update()
+    assert scaler._stages == {} and scaler.steps == 1  # the cycle starts again
+
+
+def test_update_with_new_scale_and_setters():
+    scaler = TorchLossScaler(ScalerConfig.preset("torch"))
+    scaler.update(new_scale=128.0)
+    assert scaler.get_scale() == 128.0 and scaler.steps == 0
+    scaler.set_growth_factor(4.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(7)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (4.0, 0.25, 7)
+    with pytest.raises(ValueError, match="growth_factor"):
+        scaler.set_growth_factor(0.5)
+
+
+def test_state_dict_round_trip_and_mismatch():
+    a = TorchLossScaler(ScalerConfig.preset("torch", init_scale=2.0**4))
+    model = _model()
+    _run(a, model, torch.optim.SGD(model.parameters(), lr=0.01), steps=5)
+    b = TorchLossScaler(ScalerConfig.preset("torch", init_scale=2.0**4))
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict() and b.skipped == a.skipped == 2
+    with pytest.raises(StateDictError, match="different config"):
+        TorchLossScaler(ScalerConfig.preset("megatron")).load_state_dict(a.state_dict())
+
+
+def test_disabled_scaler_never_skips_and_scale_is_identity():
+    scaler = TorchLossScaler(ScalerConfig.preset("torch", enabled=False))
+    loss = torch.tensor(3.0)
+    assert scaler.scale(loss) is loss and not scaler.is_enabled() and scaler.get_scale() == 1.0
+
+
+def test_scale_takes_iterables():
+    scaler = TorchLossScaler(ScalerConfig.preset("torch", init_scale=4.0))
+    out = scaler.scale([torch.tensor(1.0), (torch.tensor(2.0),)])
+    assert float(out[0]) == 4.0 and float(out[1][0]) == 8.0
+    with pytest.raises(TypeError, match="tensor or an iterable"):
+        scaler.scale(3.0)
+
+
+def test_masters_step_through_the_scaler():
+    """Under *-master the scaler moves grads to the FP32 masters, steps them, rounds them back."""
+    model = _model().to(torch.bfloat16)
+    fp32 = {n: p.detach().float() for n, p in model.named_parameters()}
+    masters = MasterWeights()
+    masters.record_originals(model, fp32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    masters.install(model, [opt])
+    scaler = TorchLossScaler(ScalerConfig.preset("torch", init_scale=2.0**4), masters)
+    ref = copy.deepcopy(fp32)
+    x, y = _batch(0)
+    scaler.scale(nn.functional.mse_loss(model(x.bfloat16()).float(), y)).backward()
+    grads = {e.name: e.low.grad.float() / 16 for e in masters.entries()}
+    scaler.step(opt)
+    scaler.update()
+    for entry in masters.entries():
+        expected = ref[entry.name] - 0.1 * grads[entry.name]
+        assert torch.equal(entry.master.detach(), expected), entry.name
+        assert torch.equal(entry.low.detach(), expected.to(torch.bfloat16)), entry.name
+        assert entry.master.grad is None  # spent FP32 grads are dropped after the step
+
+
+def test_plugin_scaler_is_none_without_loss_scaling():
+    for recipe in ("bf16-mixed", "bf16-master", "32-true"):
+        plugin = MixedPrecision(recipe)
+        assert plugin.scaler is None and plugin.loss_scaler is not None
+    scaled = MixedPrecision("16-mixed")
+    assert isinstance(scaled.scaler, TorchLossScaler) and scaled.scaler.is_enabled()
+    assert OptState.READY.value == 0
