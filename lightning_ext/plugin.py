@@ -1,25 +1,19 @@
 """``lightning_ext.MixedPrecision``: the core's recipes as a Lightning precision plugin.
 
-A drop-in for :class:`lightning.pytorch.plugins.precision.MixedPrecision`
-(``Trainer(plugins=[MixedPrecision("bf16-master")])``).  Like Lightning's
-``amp.py`` it holds the Lightning hooks and hands off:
+A drop-in for Lightning's ``MixedPrecision`` that, like Lightning's ``amp.py``,
+holds the Lightning hooks and hands off: the loss scaler to
+:class:`~lightning_ext.torch_scaler.TorchLossScaler` (``plugin.scaler`` /
+``trainer.scaler`` when the recipe scales the loss, else None; ``loss_scaler``
+always, it counts overflows for monitors), FP32 masters to
+:class:`~lightning_ext.masters.MasterWeights`, the LR-scheduler hold to
+:class:`~lightning_ext.scheduler_hold.SchedulerHold`, FP32 regions and storage
+to :mod:`~lightning_ext.module_policy`, the strategy check to :mod:`~lightning_ext.strategies`.
 
-* the loss scaler: :class:`~lightning_ext.torch_scaler.TorchLossScaler`
-  (torch ``GradScaler``'s API over the core transition); ``plugin.scaler`` /
-  ``trainer.scaler`` return it when the recipe scales the loss, None otherwise
-  (``plugin.loss_scaler`` is always there: it counts overflows for monitors);
-* FP32 master weights (``*-master``): :class:`~lightning_ext.masters.MasterWeights`;
-* the LR-scheduler hold on skipped steps: :class:`~lightning_ext.scheduler_hold.SchedulerHold`;
-* the op policy's FP32 regions and parameter storage: :mod:`lightning_ext.module_policy`;
-* the strategy check: :mod:`lightning_ext.strategies`.
-
-One optimizer step (:meth:`MixedPrecision.optimizer_step`): the closure runs
-the backward of the loss times the scale; the scaler unscales (grads move to
-the masters first) and checks; ``on_before_optimizer_step`` hooks and clipping
-see unscaled FP32 gradients; the scaler steps the optimizer unless the
-gradients are not finite, then runs one core transition.  A skipped step
-changes no parameter, master, optimizer state, optimizer step count or
-step-interval LR schedule.
+One optimizer step: the closure runs the backward of ``loss * scale``; the
+scaler unscales (grads move to the masters first) and checks; hooks and
+clipping see unscaled FP32 gradients; the scaler steps the optimizer unless the
+gradients are not finite (a skipped step changes no parameter, master,
+optimizer state, step count or step-interval schedule), then updates the scale.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from mp_callbacks.policy import PrecisionPolicy
+from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
 from mp_callbacks.recipes import RECIPE_NAMES, Recipe, RecipeError, canonical_recipe_name, get_recipe
 from mp_callbacks.scaler import ScalerConfig, StateDictError, check_state_dict
 
@@ -43,7 +37,7 @@ from .masters import MasterWeights
 from .module_policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
 from .scheduler_hold import SchedulerHold
 from .strategies import check_strategy
-from .torch_scaler import TorchLossScaler, unwrap_optimizer
+from .torch_scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
 
 __all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
 
@@ -51,19 +45,6 @@ PLUGIN_SCHEMA = "lightning_ext.MixedPrecision"
 """The ``schema`` tag of the plugin's checkpoint record."""
 PLUGIN_SCHEMA_VERSION = 1
 """The version of the plugin's checkpoint record."""
-
-
-def _scaler_config_from(value: Any) -> Optional[ScalerConfig]:
-    """A ScalerConfig from a torch GradScaler (its settings), a config, a preset name, a dict or None."""
-    if value is None:
-        return None
-    if isinstance(value, torch.amp.GradScaler):
-        if not value.is_enabled():
-            return ScalerConfig.preset("torch", enabled=False)
-        return ScalerConfig.preset(
-            "torch", init_scale=float(value.get_scale()), growth_factor=float(value.get_growth_factor()),
-            backoff_factor=float(value.get_backoff_factor()), growth_interval=int(value.get_growth_interval()))
-    return ScalerConfig.coerce(value)
 
 
 def _recipe_name(precision: Any) -> str:
@@ -112,7 +93,7 @@ class MixedPrecision(Precision):
         count_overflows: Optional[bool] = None,
         free_weights_during_step: bool = True,
     ) -> None:
-        self.recipe: Recipe = get_recipe(_recipe_name(precision), scaler=_scaler_config_from(scaler), policy=policy)
+        self.recipe: Recipe = get_recipe(_recipe_name(precision), scaler=scaler_config_from(scaler), policy=policy)
         self.precision = self.recipe.name  # type: ignore[assignment]
         self.device = str(device)
         self._device_type = torch.device(device).type
@@ -125,7 +106,6 @@ class MixedPrecision(Precision):
         self._lightning_module: Any = None
         self._pending_fp32_paths: list[str] = []
 
-    # ---------------------------------------------------------------- properties
     @property
     def scaler(self) -> Optional[TorchLossScaler]:
         """The loss scaler when the recipe scales the loss (``trainer.scaler``), else None (as native)."""
@@ -269,7 +249,6 @@ class MixedPrecision(Precision):
         """Device tensors of the latest step (no sync): :meth:`TorchLossScaler.latest`."""
         return self.loss_scaler.latest()
 
-    # --------------------------------------------------------------- contexts
     def autocast_context_manager(self) -> contextlib.AbstractContextManager:
         """``torch.autocast`` in the compute dtype (a null context for ``32-true``)."""
         if not self.recipe.low_precision:
@@ -305,20 +284,11 @@ class MixedPrecision(Precision):
         return self.policy
 
     def _restore_policy(self, saved: Any) -> None:
-        """Re-apply FP32 module rules a checkpointed policy added (e.g. by auto-fallback)."""
+        """Re-apply the FP32 module rules a checkpointed policy added (:func:`~mp_callbacks.policy.added_fp32_rules`)."""
         if saved is None:
             return
-        try:
-            saved_policy = PrecisionPolicy.from_dict(saved)
-        except (ValueError, TypeError) as exc:
-            raise StateDictError(f"the checkpoint holds an invalid policy: {exc}") from None
-        if (saved_policy.params, saved_policy.compute) != (self.policy.params, self.policy.compute):
-            raise StateDictError(f"the checkpoint was saved with policy {saved_policy.format()!r}; this trainer "
-                                 f"uses {self.policy.format()!r}")
         root = self._hooked_module if self._hooked_module is not None else self._lightning_module
-        for pattern, dtype in saved_policy.module_rules:
-            if dtype != "float32" or (pattern, dtype) in self.policy.module_rules:
-                continue
+        for pattern in added_fp32_rules(saved, self.policy):
             try:
                 module = root.get_submodule(pattern) if root is not None else None
             except AttributeError:

@@ -60,7 +60,20 @@ from mp_callbacks.scaler import (
 from .masters import MasterWeights
 from .torch_ops import TorchOps
 
-__all__ = ["OptState", "TorchLossScaler"]
+__all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unwrap_optimizer"]
+
+
+def scaler_config_from(value: Any) -> Optional[ScalerConfig]:
+    """A ScalerConfig from a torch ``GradScaler`` (its settings), a config, a preset name, a dict, or None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.amp.GradScaler):
+        if not value.is_enabled():
+            return ScalerConfig.preset("torch", enabled=False)
+        return ScalerConfig.preset(
+            "torch", init_scale=float(value.get_scale()), growth_factor=float(value.get_growth_factor()),
+            backoff_factor=float(value.get_backoff_factor()), growth_interval=int(value.get_growth_interval()))
+    return ScalerConfig.coerce(value)
 
 
 class OptState(enum.Enum):

@@ -213,3 +213,23 @@ class PrecisionPolicy:
         if "module_rules" in kwargs:
             kwargs["module_rules"] = tuple(tuple(r) for r in kwargs["module_rules"])
         return cls(**kwargs)
+
+
+def added_fp32_rules(saved: Any, current: PrecisionPolicy) -> list[str]:
+    """The FP32 module rules of checkpointed policy ``saved`` (a dict) that ``current`` lacks.
+
+    These are rules a run added while training (the auto-fallback's
+    ``with_fp32_modules``) and a resume must re-apply.  A saved policy that is
+    invalid or has other dtypes is a :class:`~mp_callbacks.scaler.StateDictError` naming both.
+    """
+    from .scaler import StateDictError
+
+    try:
+        policy = PrecisionPolicy.from_dict(saved)
+    except (ValueError, TypeError) as exc:
+        raise StateDictError(f"the checkpoint holds an invalid policy: {exc}") from None
+    if (policy.params, policy.compute) != (current.params, current.compute):
+        raise StateDictError(f"the checkpoint was saved with policy {policy.format()!r}; this run uses "
+                             f"{current.format()!r}")
+    return [pattern for pattern, dtype in policy.module_rules
+            if dtype == "float32" and (pattern, dtype) not in current.module_rules]
