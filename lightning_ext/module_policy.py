@@ -5,10 +5,9 @@ translates the decision into torch mechanics:
 
 * **FP32 modules** (norms, softmax, losses, embeddings, unknown custom leaves,
   and anything an explicit module rule maps to ``float32``) run with autocast
-  disabled and their floating inputs cast to float32, through a forward
-  pre-hook / forward hook pair (the hook that closes the autocast region is
-  registered with ``always_call=True``, so an exception inside ``forward``
-  still closes it).
+  disabled and their floating inputs cast to float32: their ``forward`` is
+  wrapped in a ``torch.autocast(enabled=False)`` block, which ``torch.compile``
+  traces (a hook pair that enters and leaves autocast cannot be compiled).
 * **Parameter storage** (``*-master`` recipes): the parameters and floating
   buffers a module owns directly are cast to the low-precision dtype unless the
   policy keeps that module in FP32.  The cast keeps the ``Parameter`` objects
@@ -26,15 +25,17 @@ stay FP32 under ``*-master``: declare such modules with a module rule
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from mp_callbacks.policy import PrecisionPolicy
+from mp_callbacks.policy import PrecisionPolicy, class_names
 
-__all__ = ["ModulePolicyHandle", "apply_module_policy", "cast_module_storage", "fp32_compute_modules", "torch_dtype"]
+__all__ = ["ModulePolicyHandle", "apply_module_policy", "cast_module_storage", "fp32_compute_modules", "policy_report",
+           "torch_dtype"]
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,7 +62,7 @@ def fp32_compute_modules(root: nn.Module, policy: PrecisionPolicy) -> Iterator[t
     if policy.compute == "float32":
         return
     for path, module in root.named_modules():
-        explicit = policy.match_module_rule(type(module).__name__, path)
+        explicit = policy.match_module_rule(class_names(module), path)
         if explicit is not None:
             if explicit == "float32":
                 yield path, module
@@ -73,48 +74,42 @@ def fp32_compute_modules(root: nn.Module, policy: PrecisionPolicy) -> Iterator[t
 
 @dataclass
 class ModulePolicyHandle:
-    """The hooks installed on a module tree; :meth:`remove` takes them all off."""
+    """The FP32 regions installed on a module tree; :meth:`remove` takes them all off."""
 
-    handles: list[Any] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    _wrapped: list[tuple[nn.Module, Any]] = field(default_factory=list)
 
     def add_region(self, module: nn.Module, path: str, device_type: str) -> None:
         """Make ``module`` (at ``path``) an FP32 region: autocast off, floating inputs cast to FP32.
 
-        A path that already is one is left alone.
+        The module's ``forward`` is wrapped (an instance attribute, removed by
+        :meth:`remove`) in a ``torch.autocast(enabled=False)`` block, which
+        ``torch.compile`` traces like any other code.  A path that already is
+        one is left alone.
         """
         if path in self.paths:
             return
-        region = _Fp32Region(device_type)
-        self.handles.append(module.register_forward_pre_hook(region.pre_hook, with_kwargs=True))
-        self.handles.append(module.register_forward_hook(region.post_hook, with_kwargs=True, always_call=True))
+        previous = module.__dict__.get("forward")
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type, enabled=False):
+                return inner(*_to_fp32(args), **_to_fp32(kwargs))
+
+        module.forward = forward  # type: ignore[method-assign]
+        self._wrapped.append((module, previous))
         self.paths.append(path)
 
     def remove(self) -> None:
-        """Remove every hook this handle installed."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        """Restore every wrapped module's own ``forward``."""
+        for module, previous in reversed(self._wrapped):
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous  # type: ignore[method-assign]
+        self._wrapped.clear()
         self.paths.clear()
-
-
-class _Fp32Region:
-    """Forward pre-hook + forward hook pair: autocast off and FP32 inputs inside one module."""
-
-    def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
-        self._stack: list[torch.autocast] = []
-
-    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        ctx = torch.autocast(self.device_type, enabled=False)
-        ctx.__enter__()
-        self._stack.append(ctx)
-        return _to_fp32(args), _to_fp32(kwargs)
-
-    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._stack:
-            self._stack.pop().__exit__(None, None, None)
-        return None
 
 
 def apply_module_policy(root: nn.Module, policy: PrecisionPolicy, device_type: str) -> ModulePolicyHandle:
@@ -152,3 +147,25 @@ def cast_module_storage(
             if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
                 module._buffers[name] = buf.to(dtype)
     return originals
+
+
+def policy_report(root: nn.Module, policy: PrecisionPolicy) -> list[dict[str, str]]:
+    """What the policy decided for every sub-module of ``root``: ``{"path", "class", "compute", "storage", "why"}``.
+
+    ``compute`` is the dtype the module computes in, ``storage`` the dtype of
+    the parameters it owns directly (``"-"`` when it owns none), ``why`` the
+    rule that decided (:meth:`~mp_callbacks.policy.PrecisionPolicy.explain`).
+    Format it with :func:`mp_callbacks.policy.format_report`.
+    """
+    rows = []
+    for path, module in root.named_modules():
+        if module is root:
+            continue
+        compute, why = policy.explain(module, path)
+        if policy.compute == "float32":
+            compute, why = "float32", "the recipe computes in float32"
+        own = [p.dtype for p in module.parameters(recurse=False)]
+        storage = str(own[0]).replace("torch.", "") if own else "-"
+        rows.append({"path": path, "class": type(module).__name__, "compute": compute, "storage": storage,
+                     "why": why})
+    return rows

@@ -58,6 +58,7 @@ from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade, PackedLa
 from mp_callbacks.monitor_helpers import swamp_storage_dtype
 
 from .attribution import OverflowTracer, blame, tensors_in
+from .module_policy import policy_report
 from .plugin import MixedPrecision
 from .torch_meters import grad_norm, sample, swamped_counts, underflow_counts
 from .torch_scaler import unwrap_optimizer
@@ -111,6 +112,8 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         ``mp/grad_norm`` always reads every element.
       log_memory: log :meth:`memory_report` at train start and end.
       history_maxlen: records kept in :attr:`history`.
+      report_policy: at train start, print (and keep as a ``"policy"`` history
+        event) what the policy decided per module (:func:`~lightning_ext.module_policy.policy_report`).
 
     While attached, the monitor turns on the plugin's per-step overflow check
     for recipes without loss scaling (``mp/overflow``, ``mp/overflows_total``
@@ -139,9 +142,10 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
     def __init__(self, log_every_n_steps: int = 50, divergence_patience: Optional[int] = None,
                  auto_fallback_after: Optional[int] = None, attribute_overflows: Optional[bool] = None,
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
-                 history_maxlen: int = 100_000, meter_samples: Optional[int] = METER_SAMPLES) -> None:
+                 history_maxlen: int = 100_000, meter_samples: Optional[int] = METER_SAMPLES,
+                 report_policy: bool = False) -> None:
         self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,
-                    measure_grads, measure_swamping, log_memory, history_maxlen, meter_samples)
+                    measure_grads, measure_swamping, log_memory, history_maxlen, meter_samples, report_policy)
         self.tracer = OverflowTracer()
         self._pending: Optional[_Pending] = None
         self._attached: Optional[MixedPrecision] = None
@@ -232,6 +236,8 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
             self.tracer.install(pl_module)
         if self.log_memory:
             self._log_memory(trainer, "train_start")
+        if self.report_policy:
+            rank_zero_info(self.core.record_policy(policy_report(pl_module, plugin.policy), self._step))
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Finish the last step, log memory, remove the hooks."""

@@ -90,6 +90,14 @@ class MonitorCore:
             self.guard.observe(stats.step, stats.scale, min_scale, stats.overflow, stats.overflow_module)
         return moved
 
+    def record_policy(self, rows: list[dict[str, str]], step: int) -> str:
+        """Keep a policy report (rows of :func:`~mp_callbacks.policy.format_report`) as a history event;
+        returns the text to print."""
+        from .policy import format_report
+
+        self.history.add_event("policy", step=step, modules=rows)
+        return "mixed-precision policy:\n" + format_report(rows)
+
     def fallback_message(self, path: str) -> str:
         """The announcement of a module moved to FP32 by the auto-fallback (both frameworks)."""
         blamed = self.fallback.blame.get(path) if self.fallback is not None else None
@@ -176,7 +184,7 @@ class MonitorFacade:
 
     def _setup(self, log_every_n_steps: int, divergence_patience: int | None, auto_fallback_after: int | None,
                attribute_overflows: bool | None, measure_grads: bool, measure_swamping: bool, log_memory: bool,
-               history_maxlen: int, meter_samples: int | None = METER_SAMPLES) -> None:
+               history_maxlen: int, meter_samples: int | None = METER_SAMPLES, report_policy: bool = False) -> None:
         """The constructor arguments both adapters take: the core, the switches, an empty run.
 
         ``attribute_overflows=None`` (the default) turns attribution on exactly when
@@ -193,6 +201,7 @@ class MonitorFacade:
         self.measure_swamping = bool(measure_swamping)
         self.meter_samples = check_samples(meter_samples)
         self.log_memory = bool(log_memory)
+        self.report_policy = bool(report_policy)
         self.memory_reports: list[dict[str, Any]] = []
         self._step = 0
 

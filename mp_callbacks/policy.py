@@ -3,10 +3,11 @@
 Rules, in order of precedence, for a module or layer:
 
 1. explicit module rules (``{"pattern": dtype}``), first match wins; a pattern
-   matches the class name exactly or the dotted path as a glob
-   (``"encoder.*.attn"``);
-2. the class name mapped to an op kind (``Linear`` -> ``linear``,
-   ``LayerNorm`` -> ``layer_norm``...), then the op rules below;
+   matches the class name of the module or of any of its base classes
+   exactly, or the dotted path as a glob (``"encoder.*.attn"``);
+2. the nearest class in the module's class hierarchy that maps to an op kind
+   (``Linear`` -> ``linear``, ``LayerNorm`` -> ``layer_norm``...; a
+   ``class MyDense(Dense)`` resolves as ``Dense``), then the op rules below;
 3. anything else is *unknown* and runs in FP32.
 
 For an op kind: in ``low_precision_ops`` -> the compute dtype; in
@@ -64,6 +65,19 @@ CLASS_TO_OP: dict[str, str] = {
 }
 
 _FIELDS = ("params", "compute", "output")
+
+
+_GENERIC_BASES = frozenset({"object", "Module", "Layer", "Operation", "KerasSaveable", "Tracker", "AutoTrackable",
+                            "Trackable", "LightningModule", "Model", "Generic", "Protocol"})
+
+
+def class_names(op_or_module: Any) -> list[str]:
+    """An op/class name as given, or an object's class names nearest first (its base classes up to,
+    not including, the frameworks' generic bases such as ``Module``/``Layer``)."""
+    if isinstance(op_or_module, str):
+        return [op_or_module]
+    names = [c.__name__ for c in type(op_or_module).__mro__ if c.__name__ not in _GENERIC_BASES]
+    return names or [type(op_or_module).__name__]
 
 
 class PolicyError(ValueError):
@@ -153,11 +167,9 @@ class PrecisionPolicy:
         return replace(self, module_rules=new + self.module_rules)
 
     def op_kind(self, op_or_module: Any) -> str:
-        """The op kind of a name, a class name or an object (by its class name)."""
-        if isinstance(op_or_module, str):
-            return CLASS_TO_OP.get(op_or_module, op_or_module.lower())
-        name = type(op_or_module).__name__
-        return CLASS_TO_OP.get(name, name.lower())
+        """The op kind of a name, a class name or an object (its nearest class in :data:`CLASS_TO_OP`)."""
+        names = class_names(op_or_module)
+        return next((CLASS_TO_OP[n] for n in names if n in CLASS_TO_OP), names[0].lower())
 
     def classify_op(self, op: str) -> str:
         """``"low"``, ``"fp32"``, ``"passthrough"`` or ``"unknown"`` for an op kind."""
@@ -170,23 +182,33 @@ class PrecisionPolicy:
             return "passthrough"
         return "unknown"
 
-    def match_module_rule(self, class_name: str, path: str = "") -> str | None:
-        """The dtype of the first module rule that matches, else None."""
+    def match_module_rule(self, class_name: str | Iterable[str], path: str = "") -> str | None:
+        """The dtype of the first module rule that matches (a class name in ``class_name``, or ``path``), else None."""
+        names = {class_name} if isinstance(class_name, str) else set(class_name)
         for pattern, dtype in self.module_rules:
-            if pattern == class_name or (path and fnmatch.fnmatchcase(path, pattern)):
+            if pattern in names or (path and fnmatch.fnmatchcase(path, pattern)):
                 return dtype
         return None
 
+    def explain(self, op_or_module: Any, path: str = "") -> tuple[str, str]:
+        """``(compute dtype, why)`` for an op name, a class name or a module/layer at ``path``."""
+        names = class_names(op_or_module)
+        for pattern, dtype in self.module_rules:
+            if pattern in names or (path and fnmatch.fnmatchcase(path, pattern)):
+                return dtype, f"module rule {pattern!r}"
+        via = next((n for n in names if n in CLASS_TO_OP), None)
+        kind = CLASS_TO_OP[via] if via is not None else names[0].lower()
+        klass = self.classify_op(kind)
+        origin = "" if via in (None, names[0]) else f" (a {via})"
+        if klass in ("low", "passthrough"):
+            return self.compute, f"{kind}{origin}: {'low-precision' if klass == 'low' else 'passthrough'} op"
+        if klass == "fp32":
+            return "float32", f"{kind}{origin}: FP32 op"
+        return "float32", f"unknown {names[0]}: FP32 unless declared"
+
     def resolve(self, op_or_module: Any, path: str = "") -> str:
         """The dtype ``op_or_module`` computes in (``path``: its dotted name in the model)."""
-        class_name = op_or_module if isinstance(op_or_module, str) else type(op_or_module).__name__
-        ruled = self.match_module_rule(class_name, path)
-        if ruled is not None:
-            return ruled
-        kind = self.classify_op(self.op_kind(op_or_module))
-        if kind in ("low", "passthrough"):
-            return self.compute
-        return "float32"
+        return self.explain(op_or_module, path)[0]
 
     def keeps_fp32(self, op_or_module: Any, path: str = "") -> bool:
         """True when the module must run (and, under master recipes, store params) in FP32."""
@@ -233,3 +255,12 @@ def added_fp32_rules(saved: Any, current: PrecisionPolicy) -> list[str]:
                              f"{current.format()!r}")
     return [pattern for pattern, dtype in policy.module_rules
             if dtype == "float32" and (pattern, dtype) not in current.module_rules]
+
+
+def format_report(rows: Iterable[Mapping[str, str]]) -> str:
+    """A policy report (rows of ``path``, ``class``, ``compute``, ``storage``, ``why``) as an aligned text table."""
+    header = ("path", "class", "compute", "storage", "why")
+    table = [header] + [tuple(str(r.get(k, "")) for k in header) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1]
+                     for row in table)
