@@ -22,14 +22,16 @@ import functools
 
 import numpy as np
 import pytest
-from keras_testutil import requires_tf_backend
 
-import keras
-from keras import ops
+keras = pytest.importorskip("keras")
+from keras import ops  # noqa: E402
 
-from keras_ext import KERAS_OPS, KerasOps
+from keras_ext import KERAS_OPS, KerasOps  # noqa: E402
 from mp_callbacks import NUMPY_OPS, DynamicLossScaler, ScalerConfig, initial_state, next_state
 from mp_callbacks.scaler import FLOAT32_MAX, STATE_FIELDS, ScalerState, state_to_dict
+
+requires_tf_backend = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                                         reason="tf.function / XLA: TensorFlow backend")
 
 STEPS = 300
 EAGER_STEPS = 120  # the first steps of each pattern (eager keras.ops: ~5 ms per transition)
