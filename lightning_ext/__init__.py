@@ -7,7 +7,7 @@ operator policy and FP32 master weights (:class:`MasterWeights`);
 ``callbacks=[lightning_ext.MixedPrecisionMonitor()]`` logs the shared diagnostics.
 
 Modules, one job each: ``plugin`` (Lightning hooks), ``torch_scaler``,
-``masters``, ``scheduler_hold``, ``strategies``, ``module_policy``,
+``masters``, ``scheduler_hold``, ``support``, ``module_policy``,
 ``attribution``, ``monitor``, ``torch_meters``, ``torch_ops``, ``compare``.
 """
 
@@ -16,7 +16,7 @@ from .masters import MasterWeights
 from .module_policy import apply_module_policy, cast_module_storage
 from .monitor import MixedPrecisionMonitor
 from .plugin import MixedPrecision
-from .strategies import check_strategy
+from .support import check_strategy
 from .torch_ops import TorchOps
 from .torch_scaler import OptState, TorchLossScaler
 

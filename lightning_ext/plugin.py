@@ -7,7 +7,7 @@ holds the Lightning hooks and hands off: the loss scaler to
 always, it counts overflows for monitors), FP32 masters to
 :class:`~lightning_ext.masters.MasterWeights`, the LR-scheduler hold to
 :class:`~lightning_ext.scheduler_hold.SchedulerHold`, FP32 regions and storage
-to :mod:`~lightning_ext.module_policy`, the strategy check to :mod:`~lightning_ext.strategies`.
+to :mod:`~lightning_ext.module_policy`, what it trains with to :mod:`~lightning_ext.support`.
 
 One optimizer step: the closure runs the backward of ``loss * scale``; the
 scaler unscales (grads move to the masters first) and checks; hooks and
@@ -30,13 +30,13 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
-from mp_callbacks.recipes import RECIPE_NAMES, Recipe, RecipeError, canonical_recipe_name, get_recipe
+from mp_callbacks.recipes import Recipe, RecipeError, canonical_recipe_name, get_recipe, plan_resume
 from mp_callbacks.scaler import ScalerConfig, StateDictError, check_state_dict
 
 from .masters import MasterWeights
 from .module_policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
 from .scheduler_hold import SchedulerHold
-from .strategies import check_strategy
+from .support import check_optimizer, check_strategy
 from .torch_scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
 
 __all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
@@ -53,10 +53,9 @@ def _recipe_name(precision: Any) -> str:
     except RecipeError as exc:
         hint = ""
         if isinstance(precision, str) and precision.endswith("-true") and precision != "32-true":
-            master = precision.replace("-true", "-master")
-            hint = f" For Lightning's pure {precision} use Trainer(precision={precision!r})" + (
-                f"; the recipe with FP32 master weights is {master!r}." if master in RECIPE_NAMES else ".")
-        raise RecipeError(f"lightning_ext.MixedPrecision: {exc}.{hint}") from None
+            hint = f" For Lightning's pure {precision} use Trainer(precision={precision!r})."
+        raise RecipeError(f"Passed `MixedPrecision(precision={precision!r})`. Precision must be '16-mixed' or "
+                          f"'bf16-mixed', or another lightning_ext recipe: {exc}.{hint}") from None
 
 
 class MixedPrecision(Precision):
@@ -79,6 +78,8 @@ class MixedPrecision(Precision):
       free_weights_during_step: ``*-master`` only: release the low-precision
         weights while ``optimizer.step()`` updates the masters (rebuilt right
         after).  Set False if an optimizer step hook of yours reads the weights.
+      allow_recipe_change: resume checkpoints saved under another recipe
+        (:func:`mp_callbacks.recipes.plan_resume`); refused by default.
 
     Raises:
       RecipeError: an unknown recipe name (the message lists the valid ones).
@@ -92,10 +93,12 @@ class MixedPrecision(Precision):
         policy: Union[PrecisionPolicy, str, Mapping[str, Any], None] = None,
         count_overflows: Optional[bool] = None,
         free_weights_during_step: bool = True,
+        allow_recipe_change: bool = False,
     ) -> None:
         self.recipe: Recipe = get_recipe(_recipe_name(precision), scaler=scaler_config_from(scaler), policy=policy)
         self.precision = self.recipe.name  # type: ignore[assignment]
         self.device = str(device)
+        self.allow_recipe_change = bool(allow_recipe_change)
         self._device_type = torch.device(device).type
         self.masters: Optional[MasterWeights] = (
             MasterWeights(free_weights_during_step) if self.recipe.master.master_weights else None)
@@ -179,7 +182,7 @@ class MixedPrecision(Precision):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         """Check the optimizers, swap FP32 masters into their param groups, hold LR schedulers on skips."""
         for opt in optimizers:
-            self._check_optimizer(unwrap_optimizer(opt))
+            check_optimizer(unwrap_optimizer(opt), self.recipe.name)
         if self.masters is not None:
             root = self._lightning_module if self._lightning_module is not None else model
             self.masters.install(root, [unwrap_optimizer(o) for o in optimizers])
@@ -189,14 +192,6 @@ class MixedPrecision(Precision):
         if self._lightning_module is not None and lr_schedulers:
             self._hold.install(self._lightning_module)
         return model, optimizers, lr_schedulers
-
-    def _check_optimizer(self, optimizer: Any) -> None:
-        if isinstance(optimizer, LBFGS) and self.recipe.name != "32-true":
-            raise MisconfigurationException(
-                f"lightning_ext.MixedPrecision({self.recipe.name!r}) does not support LBFGS: it re-evaluates "
-                "the closure inside step(), so loss scaling, overflow skipping and master weights cannot wrap "
-                "it. Use a first-order optimizer (SGD, Adam, AdamW) with this recipe, or "
-                "MixedPrecision('32-true') / Trainer(precision='32-true') for LBFGS.")
 
     # ----------------------------------------------------------------- steps
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
@@ -211,7 +206,7 @@ class MixedPrecision(Precision):
         raw = unwrap_optimizer(optimizer)
         if isinstance(raw, LBFGS) and self.recipe.name == "32-true":
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        self._check_optimizer(raw)
+        check_optimizer(raw, self.recipe.name)
         closure_result = closure()
         if closure_result is None and getattr(model, "automatic_optimization", True):
             self._after_closure(model, raw)  # training_step returned None: no backward, no update
@@ -224,11 +219,8 @@ class MixedPrecision(Precision):
         return step_output
 
     def unscale_gradients(self, optimizer: Any) -> Tensor:
-        """Unscale (and, under ``*-master``, move to the masters) ``optimizer``'s gradients; returns ``found_inf``.
-
-        Calling it yourself before inspecting gradients (manual optimization) is
-        allowed: a second call before the step returns the first result.
-        """
+        """Unscale (under ``*-master``: onto the masters) ``optimizer``'s gradients; returns ``found_inf``.
+        A second call before the step returns the first result (manual optimization may call it)."""
         return self.loss_scaler.unscale_once(optimizer)
 
     def clip_gradients(
@@ -325,17 +317,23 @@ class MixedPrecision(Precision):
         if version != PLUGIN_SCHEMA_VERSION:
             raise StateDictError(f"the checkpoint holds plugin schema v{version!r} (recipe {recipe!r}); "
                                  f"this trainer uses {here}")
-        if recipe != self.recipe.name:
-            raise StateDictError(f"the checkpoint was saved with recipe {recipe!r}; this trainer uses {here}. "
-                                 f"Resume with MixedPrecision({recipe!r}) or start a new run.")
-        check_state_dict(self.loss_scaler.config, state_dict["scaler"])  # a mismatch changes nothing
-        self._restore_policy(state_dict.get("policy"))
-        self.loss_scaler.load_state_dict(state_dict["scaler"])
-        masters = state_dict.get("masters") or {}
-        if self.masters is not None:
-            self.masters.load_state_dict(masters)
-        elif not isinstance(masters, Mapping):
-            raise StateDictError(f"the checkpoint's 'masters' must be a dict of tensors, not {type(masters).__name__}")
+        plan = plan_resume(recipe, self.recipe, self.allow_recipe_change, f"Resume with MixedPrecision({recipe!r}). ")
+        if plan.load_scaler:  # same recipe: a scaler mismatch is an error before anything changes
+            check_state_dict(self.loss_scaler.config, state_dict["scaler"])
+            self._restore_policy(state_dict.get("policy"))
+            self.loss_scaler.load_state_dict(state_dict["scaler"])
+        if self.masters is not None and plan.load_masters:
+            self.masters.load_state_dict(state_dict.get("masters") or {})
+        if plan.changes_recipe:
+            warnings.warn(f"lightning_ext.MixedPrecision: {plan.warning()}", stacklevel=2)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The checkpoint's model weights are the FP32 masters (``*-master``): what an FP32 model loads."""
+        weights = checkpoint.get("state_dict")
+        if self.masters is not None and isinstance(weights, dict):
+            for entry in self.masters.entries():
+                if entry.name in weights:
+                    weights[entry.name] = entry.master.detach().clone()
 
     # --------------------------------------------------------------- teardown
     def teardown(self) -> None:

@@ -1,8 +1,10 @@
-"""Which Lightning strategies the plugin trains with.
+"""What the plugin trains with: strategies and optimizers.
 
-Supported: single-device strategies and DDP (``ddp``, ``ddp_spawn``...).
-Strategies that shard parameters or optimizer state, or bring their own
-precision handling, are refused with the setting to use instead.
+Supported: single-device strategies and DDP (``ddp``, ``ddp_spawn``...), and
+first-order optimizers.  Strategies that shard parameters or optimizer state,
+or bring their own precision handling, are refused with the setting to use
+instead; so is LBFGS under any recipe but ``32-true`` (it re-evaluates the
+closure inside ``step()``, which loss scaling, skipping and masters cannot wrap).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-__all__ = ["check_strategy"]
+__all__ = ["check_optimizer", "check_strategy"]
 
 _UNSUPPORTED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed's own fp16/bf16 config: Trainer(strategy='deepspeed', precision='16-mixed')",
@@ -40,3 +42,15 @@ def check_strategy(strategy: Any) -> None:
             f"lightning_ext.MixedPrecision supports single-device and DDP strategies, not "
             f"{type(strategy).__name__}. Use strategy='ddp' (or 'ddp_spawn'), or the strategy's own precision."
         )
+
+
+def check_optimizer(optimizer: Any, recipe: str) -> None:
+    """Raise ``MisconfigurationException`` for LBFGS under a recipe other than ``32-true``."""
+    from torch.optim import LBFGS
+
+    if isinstance(optimizer, LBFGS) and recipe != "32-true":
+        raise MisconfigurationException(
+            f"lightning_ext.MixedPrecision({recipe!r}) does not support LBFGS: it re-evaluates "
+            "the closure inside step(), so loss scaling, overflow skipping and master weights cannot wrap "
+            "it. Use a first-order optimizer (SGD, Adam, AdamW) with this recipe, or "
+            "MixedPrecision('32-true') / Trainer(precision='32-true') for LBFGS.")

@@ -167,6 +167,15 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         """Replace ``growth_interval`` (validated by :class:`ScalerConfig`)."""
         self.config = self.config.replace(growth_interval=int(new_interval))
 
+    @property
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+        """torch ``GradScaler``'s per-optimizer record (``{id: {"stage", "found_inf_per_device"}}``), for
+        code that reads it; an optimizer not in the cycle is ``READY``."""
+        out: dict[int, dict[str, Any]] = defaultdict(lambda: {"stage": OptState.READY, "found_inf_per_device": {}})
+        for key, (stage, found) in self._stages.items():
+            out[key] = {"stage": stage, "found_inf_per_device": {} if found is None else {found.device: found}}
+        return out
+
     def latest(self) -> dict[str, Tensor]:
         """Device tensors of the latest transition (no sync): ``scale`` (the one its gradients were
         produced with), ``next_scale``, ``overflow``, ``applied``, ``steps``, ``overflows_total``,

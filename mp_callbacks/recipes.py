@@ -9,28 +9,40 @@
 | ``bf16-master`` | bf16   | bf16          | fp32 in optim. | off (opt-in)  |
 
 Optimizer states are FP32 in every recipe.  Keras policy names
-(``mixed_float16``, ``mixed_bfloat16``, ``float32``) and Lightning's short
-names (``32``, ``16``, ``bf16``) are accepted as aliases.
+(``mixed_float16``, ``mixed_bfloat16``, ``float32``) are accepted as aliases;
+any other name is refused with the recipe it most likely meant (Lightning's
+own plugin refuses ``"16"`` too).
+
+Resuming under another recipe (:func:`plan_resume`) is opt-in: weights come
+from the checkpoint's FP32 values (the masters under ``*-master``), masters
+carry over between ``*-master`` recipes, optimizer state and schedules carry
+over, and the scaler restarts from its config.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .master import MasterPlan
 from .policy import PrecisionPolicy
-from .scaler import ScalerConfig
+from .scaler import ScalerConfig, StateDictError
 
 RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")
 """The recipe names, baseline first."""
 
 RECIPE_ALIASES = {
-    "32": "32-true", "fp32": "32-true", "float32": "32-true",
-    "16": "16-mixed", "mixed_float16": "16-mixed", "mixed-float16": "16-mixed",
-    "bf16": "bf16-mixed", "mixed_bfloat16": "bf16-mixed", "mixed-bfloat16": "bf16-mixed",
+    "float32": "32-true", "mixed_float16": "16-mixed", "mixed-float16": "16-mixed",
+    "mixed_bfloat16": "bf16-mixed", "mixed-bfloat16": "bf16-mixed",
 }
-"""Keras policy names and Lightning short names accepted for the recipes."""
+"""Keras policy names accepted for the recipes."""
+
+_DID_YOU_MEAN = {
+    "16": "16-mixed", "fp16": "16-mixed", "float16": "16-master", "half": "16-mixed", "16-true": "16-master",
+    "bf16": "bf16-mixed", "bfloat16": "bf16-master", "bf16-true": "bf16-master", "32": "32-true",
+    "fp32": "32-true", "64": "32-true", "64-true": "32-true", "fp8": None, "8": None,
+}
 
 
 class RecipeError(ValueError):
@@ -99,16 +111,20 @@ class Recipe:
 
 
 def canonical_recipe_name(name: Any) -> str:
-    """``"mixed_float16"`` -> ``"16-mixed"``; unknown names list the valid ones."""
-    if isinstance(name, str):
-        key = name.strip().lower()
-        if key in RECIPE_NAMES:
-            return key
-        if key in RECIPE_ALIASES:
-            return RECIPE_ALIASES[key]
+    """``"mixed_float16"`` -> ``"16-mixed"``; unknown names say the recipe they likely meant and list the valid ones."""
+    key = name.strip().lower() if isinstance(name, str) else None
+    if key in RECIPE_NAMES:
+        return key
+    if key in RECIPE_ALIASES:
+        return RECIPE_ALIASES[key]
+    guess = _DID_YOU_MEAN.get(key) if key is not None else None
+    if guess is None and key is not None and key not in _DID_YOU_MEAN:
+        close = difflib.get_close_matches(key, [*RECIPE_NAMES, *RECIPE_ALIASES], n=1, cutoff=0.6)
+        guess = canonical_recipe_name(close[0]) if close else None
+    hint = f" (did you mean {guess!r}?)" if guess else ""
     raise RecipeError(
-        f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPE_NAMES)} "
-        f"(aliases: {', '.join(sorted(RECIPE_ALIASES))})"
+        f"unknown recipe {name!r}{hint}; valid recipes: {', '.join(RECIPE_NAMES)} "
+        f"(Keras policy names: {', '.join(sorted(RECIPE_ALIASES))})"
     )
 
 
@@ -130,3 +146,55 @@ def get_recipe(name: str, *, scaler: Any = None, policy: Any = None) -> Recipe:
 def _default_scaler(compute: str) -> ScalerConfig:
     # fp16 needs dynamic scaling; bf16 has fp32's range, so scaling is opt-in.
     return ScalerConfig.preset("torch") if compute == "float16" else ScalerConfig(enabled=False)
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a resume under recipe ``current`` takes from a checkpoint saved under ``saved``.
+
+    Same recipe: everything.  Another recipe (opt-in): the model weights (FP32
+    values: the masters of a ``*-master`` checkpoint), the masters when both
+    recipes keep them, optimizer state and schedules; the scaler restarts from
+    its config and checkpointed policy rules are not re-applied.
+    """
+
+    saved: str
+    current: str
+    load_scaler: bool
+    restore_policy: bool
+    load_masters: bool
+
+    @property
+    def changes_recipe(self) -> bool:
+        """True when the recipes differ."""
+        return self.saved != self.current
+
+    def warning(self) -> str | None:
+        """The message a recipe change warns with (None for the same recipe)."""
+        if not self.changes_recipe:
+            return None
+        masters = "FP32 masters carried over" if self.load_masters else (
+            "weights from the checkpoint's FP32 values")
+        return (f"resuming a {self.saved!r} checkpoint under {self.current!r}: {masters}, optimizer state and "
+                f"schedules carried over; the loss scaler restarts from its config.")
+
+
+def plan_resume(saved: Any, current: Recipe, allow_recipe_change: bool = False, hint: str = "") -> ResumePlan:
+    """The :class:`ResumePlan` for a checkpoint of recipe ``saved``.
+
+    Another recipe without ``allow_recipe_change`` is a :class:`~mp_callbacks.scaler.StateDictError`
+    naming both (``hint``: how to resume in the adapter's words); an unknown saved recipe always is.
+    """
+    try:
+        saved_name = canonical_recipe_name(saved)
+    except RecipeError:
+        raise StateDictError(f"the checkpoint names an unknown recipe {saved!r}; this run uses {current.name!r}") \
+            from None
+    if saved_name == current.name:
+        return ResumePlan(saved_name, current.name, True, True, current.master.master_weights)
+    if not allow_recipe_change:
+        raise StateDictError(
+            f"the checkpoint was saved with recipe {saved_name!r}; this run uses {current.name!r}. {hint}"
+            f"Pass allow_recipe_change=True to continue under {current.name!r}, or start a new run.")
+    keeps = get_recipe(saved_name).master.master_weights and current.master.master_weights
+    return ResumePlan(saved_name, current.name, False, False, keeps)

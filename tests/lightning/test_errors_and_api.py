@@ -17,14 +17,18 @@ from mp_callbacks.scaler import state_to_dict
 def test_bad_recipe_names_list_the_valid_ones():
     with pytest.raises(RecipeError, match="valid recipes: 32-true, 16-mixed, bf16-mixed, 16-master, bf16-master"):
         MixedPrecision("fp8-mixed")
-    with pytest.raises(RecipeError, match="Trainer\\(precision='bf16-true'\\).*'bf16-master'"):
+    with pytest.raises(RecipeError, match="did you mean 'bf16-master'.*Trainer\\(precision='bf16-true'\\)"):
         MixedPrecision("bf16-true")
+    # Lightning's own plugin refuses "16"; so do we, naming the recipe meant. No suggestion is a fake recipe.
+    for name, meant in [("16", "16-mixed"), ("fp16", "16-mixed"), ("bf16", "bf16-mixed"), ("64-true", "32-true")]:
+        with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
+            MixedPrecision(name)
     with pytest.raises(ValueError, match="unknown scaler preset"):
         MixedPrecision("16-mixed", scaler="nope")
 
 
 def test_aliases_and_scaler_sources():
-    assert MixedPrecision("16").precision == "16-mixed"
+    assert MixedPrecision("mixed_float16").precision == "16-mixed"
     assert MixedPrecision("mixed_bfloat16").precision == "bf16-mixed"
     gs = torch.amp.GradScaler("cpu", init_scale=128.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
     cfg = MixedPrecision("16-mixed", scaler=gs).recipe.scaler
