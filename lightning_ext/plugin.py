@@ -71,15 +71,16 @@ class MixedPrecision(Precision):
         (dynamic ``torch`` preset for fp16, off for bf16/fp32).
       policy: the operator policy (a :class:`~mp_callbacks.policy.PrecisionPolicy`,
         a policy string or dict), or None for the recipe's.
-      count_overflows: with scaling off, whether every step looks for inf/NaN
-        gradients to count them; None (default): only while a
-        :class:`~lightning_ext.MixedPrecisionMonitor` is attached.  With
-        scaling on the check always runs (it decides the skip).
+      count_overflows: with ``scaler={"enabled": False, "skip_nonfinite": False}``
+        only (otherwise every step checks and skips non-finite gradients): whether
+        steps still count them (None: while a monitor is attached).
       free_weights_during_step: ``*-master`` only: release the low-precision
         weights while ``optimizer.step()`` updates the masters (rebuilt right
         after).  Set False if an optimizer step hook of yours reads the weights.
       allow_recipe_change: resume checkpoints saved under another recipe
         (:func:`mp_callbacks.recipes.plan_resume`); refused by default.
+      divergence: when to stop a run that cannot recover
+        (:class:`~mp_callbacks.divergence.DivergenceRule`; None: the default rule, False: never).
 
     Raises:
       RecipeError: an unknown recipe name (the message lists the valid ones).
@@ -94,6 +95,7 @@ class MixedPrecision(Precision):
         count_overflows: Optional[bool] = None,
         free_weights_during_step: bool = True,
         allow_recipe_change: bool = False,
+        divergence: Any = None,
     ) -> None:
         self.recipe: Recipe = get_recipe(_recipe_name(precision), scaler=scaler_config_from(scaler), policy=policy)
         self.precision = self.recipe.name  # type: ignore[assignment]
@@ -102,7 +104,7 @@ class MixedPrecision(Precision):
         self._device_type = torch.device(device).type
         self.masters: Optional[MasterWeights] = (
             MasterWeights(free_weights_during_step) if self.recipe.master.master_weights else None)
-        self.loss_scaler = TorchLossScaler(self.recipe.scaler, self.masters, count_overflows)
+        self.loss_scaler = TorchLossScaler(self.recipe.scaler, self.masters, count_overflows, divergence)
         self._hold = SchedulerHold(self.loss_scaler.last_step_skipped)
         self._policy_handle: Optional[ModulePolicyHandle] = None
         self._hooked_module: Optional[nn.Module] = None
@@ -131,8 +133,8 @@ class MixedPrecision(Precision):
 
     @property
     def can_skip(self) -> bool:
-        """True when a step can be skipped (scaling enabled): the decision costs one host read."""
-        return self.loss_scaler.config.enabled
+        """True when a step can be skipped (:attr:`~mp_callbacks.scaler.ScalerConfig.can_skip`): one host read."""
+        return self.loss_scaler.config.can_skip
 
     @property
     def free_weights_during_step(self) -> bool:

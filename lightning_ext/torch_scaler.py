@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mp_callbacks.divergence import DivergenceRule
 from mp_callbacks.monitor import MonitorPort
 from mp_callbacks.scaler import (
     ScalerConfig,
@@ -95,13 +96,17 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
     Args:
       config: the :class:`~mp_callbacks.scaler.ScalerConfig`.
       masters: the plugin's :class:`~lightning_ext.masters.MasterWeights` (``*-master``), or None.
-      count_overflows: with scaling off, whether steps count inf/NaN gradients
-        (None: while a monitor is attached).
+      count_overflows: with scaling off and ``skip_nonfinite=False``, whether
+        steps count inf/NaN gradients (None: while a monitor is attached).
+      divergence: the :class:`~mp_callbacks.divergence.DivergenceRule` applied
+        on skipped steps (None: the default rule; False: off).
     """
 
     def __init__(self, config: ScalerConfig, masters: Optional[MasterWeights] = None,
-                 count_overflows: Optional[bool] = None) -> None:
+                 count_overflows: Optional[bool] = None, divergence: Any = None) -> None:
         self.config = config
+        self.divergence = DivergenceRule.coerce(divergence)
+        self._loss_finite: Optional[Tensor] = None
         self.masters = masters
         self.count_overflows = count_overflows
         self._ops = TorchOps("cpu")
@@ -201,7 +206,12 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         return self
 
     def scale(self, outputs: Any) -> Any:
-        """``outputs * scale`` for a tensor or a (nested) list/tuple of tensors; unchanged when disabled."""
+        """``outputs * scale`` for a tensor or a (nested) list/tuple of tensors; unchanged when disabled.
+
+        A scalar loss is also remembered as finite or not (a device flag) for the divergence rule.
+        """
+        if isinstance(outputs, Tensor) and outputs.numel() == 1:
+            self._loss_finite = torch.isfinite(outputs.detach()).reshape(())
         if not self.config.enabled:
             return outputs
         if isinstance(outputs, Tensor):
@@ -254,15 +264,28 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
             raise RuntimeError("step() has already been called since the last update().")
         if stage is OptState.READY or found is None:
             found = self.unscale_once(raw)
-        skip = self.config.enabled and bool(found.item())  # the one host read of the step
+        skip = self.config.can_skip and bool(found.item())  # the one host read of the step
         self._stages[id(raw)] = (OptState.STEPPED, found)
         self._last_applied[id(raw)] = self._latest_applied = not skip
+        if self.divergence.active:
+            self._observe_divergence(skip)
         if skip:
             return None
         if self.masters:
             with self.masters.updating(raw):
                 return raw.step(*args, **kwargs)
         return raw.step(*args, **kwargs)
+
+    def _observe_divergence(self, skipped: bool) -> None:
+        """Feed the divergence rule; a skipped step costs one more host read (loss flag, scale, step)."""
+        if not skipped:
+            self.divergence.observe(0, False)
+            return
+        finite = self._loss_finite if self._loss_finite is not None else torch.ones((), dtype=torch.bool)
+        device = self._state.scale.device
+        read = torch.stack([finite.to(device=device, dtype=torch.float64), self.grad_scale.double(),
+                            self._state.steps.double() + 1]).tolist()
+        self.divergence.observe(int(read[2]), True, bool(read[0]), read[1])
 
     def update(self, new_scale: Union[float, Tensor, None] = None) -> None:
         """One scaler transition with the flags of the optimizers stepped since the last update.
@@ -321,7 +344,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
             torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(dev))
             if local is not found_inf:
                 found_inf = found_inf + local.to(device)
-        if self.config.enabled:  # every rank must take the same skip decision (nothing is decided otherwise)
+        if self.config.can_skip:  # every rank must take the same skip decision (nothing is decided otherwise)
             dist = torch.distributed
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)

@@ -6,8 +6,11 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
 from lx_models import TinyRegressor, loader, params_of, trainer_kwargs
 
+import itertools
+
 from lightning_ext import MixedPrecision
 from mp_callbacks import StateDictError
+from mp_callbacks.recipes import RECIPE_NAMES
 
 SCALER = {"init_scale": 2.0**8, "growth_interval": 4}
 INF = {3, 12, 21}
@@ -29,7 +32,7 @@ def _opt_state(trainer) -> list[dict]:
             for s in trainer.optimizers[0].state_dict()["state"].values()]
 
 
-@pytest.mark.parametrize("recipe", ["16-master", "16-mixed"])
+@pytest.mark.parametrize("recipe", ["16-master", "16-mixed", "bf16-master"])
 def test_resume_is_bit_for_bit(tmp_path, recipe):
     full_model, full_trainer = _fit(recipe, 4)
 
@@ -88,3 +91,56 @@ def test_native_checkpoint_is_rejected_by_name(tmp_path):
     ours = pl.Trainer(plugins=[MixedPrecision("16-mixed")], max_steps=2, **trainer_kwargs())
     with pytest.raises(StateDictError, match="native MixedPrecision"):
         ours.fit(TinyRegressor(), loader(), ckpt_path=path)
+
+
+def test_exported_weights_are_the_masters(tmp_path):
+    """A *-master checkpoint's model weights are the FP32 masters: what an FP32 model loads."""
+    _, trainer = _fit("bf16-master", 1)
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    masters = trainer.precision_plugin.master_state_dict()
+    assert masters and all(ckpt["state_dict"][k].dtype == torch.float32 for k in masters)
+    fp32 = TinyRegressor(norm=True)
+    fp32.load_state_dict(ckpt["state_dict"])
+    for name, p in fp32.named_parameters():
+        if name in masters:
+            assert torch.equal(p.detach(), masters[name]), name
+    # the masters really carry more than the bf16 weights do
+    low = dict(trainer.lightning_module.named_parameters())
+    assert any(not torch.equal(low[k].float(), masters[k]) for k in masters)
+
+
+class ResumeStart(pl.Callback):
+    """At train start of a resumed fit: the FP32 values the optimizer updates and the Adam step counts."""
+
+    def on_train_start(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        self.updated = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+        self.steps = [int(opt.state[p]["step"]) for g in opt.param_groups for p in g["params"] if p in opt.state]
+
+
+@pytest.mark.parametrize("saved,resumed", [p for p in itertools.product(RECIPE_NAMES, RECIPE_NAMES) if p[0] != p[1]])
+def test_recipe_change_on_resume(tmp_path, saved, resumed):
+    _, first = _fit(saved, 1)
+    path = tmp_path / "a.ckpt"
+    first.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    opt_steps = [int(s["step"]) for s in ckpt["optimizer_states"][0]["state"].values()]
+    start = ResumeStart()
+    model = TinyRegressor(inf_steps=INF, scheduler=True, norm=True)
+    trainer = pl.Trainer(plugins=[MixedPrecision(resumed, scaler=None, allow_recipe_change=True)],
+                         max_epochs=2, callbacks=[start], **trainer_kwargs())
+    with pytest.warns(UserWarning, match=f"resuming a '{saved}' checkpoint under '{resumed}'.*restarts"):
+        trainer.fit(model, loader(), ckpt_path=path)
+    names = [n for n, _ in model.named_parameters()]
+    # the optimizer continues from the checkpoint's FP32 values (masters or params) and Adam state
+    for name, value in zip(names, start.updated, strict=True):
+        assert torch.equal(value.float(), ckpt["state_dict"][name].float()), name
+    assert start.steps == opt_steps
+    assert trainer.global_step == 16 and all(torch.isfinite(p).all() for p in model.parameters())
+    # the scaler restarted from its config: it counts this fit's 8 steps; global step 12 (inf) was skipped
+    # (fp16 targets also skip while their default 2**16 scale backs off to fit this model)
+    scaler = trainer.precision_plugin.loss_scaler
+    assert scaler.steps == 8 and scaler.skipped >= 1
+    assert scaler.skipped == 1 or (resumed.startswith("16") and scaler.get_scale() < 2.0**16)

@@ -263,7 +263,7 @@ def test_keep_in_fp32_under_master_weights_restores_fp32_storage():
 # ---------------------------------------------------------------- divergence
 def test_divergence_guard_stops_with_scale_module_step_and_checklist():
     monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50, divergence_patience=3)
-    plugin = MixedPrecision("16-mixed", policy=AMPLIFY_FP16,
+    plugin = MixedPrecision("16-mixed", policy=AMPLIFY_FP16, divergence=False,  # the floor guard alone
                             scaler={"init_scale": 4.0, "min_scale": 1.0, "growth_interval": 100})
     with pytest.raises(DivergenceError) as info:
         _fit(AmplifiedRegressor(), plugin, monitor, 20)
@@ -357,12 +357,21 @@ def test_accumulation_and_manual_optimization_count_optimizer_steps():
     assert monitor.history[2].update_swamped_frac is None and monitor.history[3].update_swamped_frac is not None
 
 
-def test_without_loss_scaling_overflows_are_seen_on_logging_steps():
-    """bf16 (no scaling, nothing skipped): no per-step read, so overflows show up at the next logging step."""
+def test_without_loss_scaling_overflows_are_skipped_and_recorded():
+    """bf16 (no scaling): the non-finite step is skipped like under fp16, and recorded at once."""
     monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=2)
     _fit(TinyRegressor(inf_steps={1}), MixedPrecision("bf16-mixed"), monitor, 4)
     rows = [(s.step, s.overflow, s.overflows_total, s.skipped_total, s.overflow_module) for s in monitor.history]
-    # step 2 applied a non-finite update (bf16 has no skip), so step 4's forward is already NaN in net.0
+    assert rows == [(2, True, 1, 1, LOSS_SOURCE), (4, False, 1, 1, None)]
+
+
+def test_opted_out_overflows_are_seen_on_logging_steps():
+    """skip_nonfinite=False: no per-step read, so overflows show up at the next logging step."""
+    monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=2)
+    plugin = MixedPrecision("bf16-mixed", scaler={"enabled": False, "skip_nonfinite": False}, divergence=False)
+    _fit(TinyRegressor(inf_steps={1}), plugin, monitor, 4)
+    rows = [(s.step, s.overflow, s.overflows_total, s.skipped_total, s.overflow_module) for s in monitor.history]
+    # step 2 applied a non-finite update, so step 4's forward is already NaN in net.0
     assert rows == [(2, True, 1, 0, LOSS_SOURCE), (4, True, 3, 0, "net.0")]
 
 

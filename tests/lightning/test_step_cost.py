@@ -24,10 +24,25 @@ def check_calls(monkeypatch):
     return calls
 
 
+NO_SKIP = {"enabled": False, "skip_nonfinite": False}  # the opt-out: apply every step, look at nothing
+
+
 @pytest.mark.parametrize("recipe", ["bf16-mixed", "bf16-master", "32-true"])
-def test_scaling_off_does_not_look_at_gradients_by_default(recipe, check_calls):
+def test_scaling_off_still_skips_nonfinite_steps_by_default(recipe, check_calls):
     plugin = MixedPrecision(recipe)
-    assert plugin.checks_overflow is False
+    assert plugin.scaler is None and plugin.checks_overflow is True and plugin.can_skip
+    model = TinyRegressor(inf_steps={2})
+    pl.Trainer(plugins=[plugin], max_steps=5, **trainer_kwargs()).fit(model, loader())
+    assert len(check_calls) == 5  # one fused check per step
+    view = plugin.loss_scaler
+    assert (view.steps, view.overflows, view.skipped) == (5, 1, 1)  # the inf step was skipped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["bf16-mixed", "bf16-master", "32-true"])
+def test_opting_out_does_not_look_at_gradients(recipe, check_calls):
+    plugin = MixedPrecision(recipe, scaler=NO_SKIP)
+    assert plugin.checks_overflow is False and not plugin.can_skip
     model = TinyRegressor(inf_steps={2})
     pl.Trainer(plugins=[plugin], max_steps=5, **trainer_kwargs()).fit(model, loader())
     assert check_calls == []
@@ -36,8 +51,8 @@ def test_scaling_off_does_not_look_at_gradients_by_default(recipe, check_calls):
 
 
 @pytest.mark.parametrize("recipe", ["bf16-mixed", "bf16-master"])
-def test_scaling_off_counts_overflows_on_request(recipe, check_calls):
-    plugin = MixedPrecision(recipe, count_overflows=True)
+def test_opted_out_counts_overflows_on_request(recipe, check_calls):
+    plugin = MixedPrecision(recipe, scaler=NO_SKIP, count_overflows=True, divergence=False)
     assert plugin.checks_overflow is True
     model = TinyRegressor(inf_steps={2})
     pl.Trainer(plugins=[plugin], max_steps=5, **trainer_kwargs()).fit(model, loader())
@@ -47,7 +62,7 @@ def test_scaling_off_counts_overflows_on_request(recipe, check_calls):
 
 
 def test_an_attached_monitor_turns_the_count_on_and_off(check_calls):
-    plugin = MixedPrecision("bf16-mixed")
+    plugin = MixedPrecision("bf16-mixed", scaler=NO_SKIP)
     monitor = MixedPrecisionMonitor(log_every_n_steps=1, measure_swamping=False, log_memory=False)
     model = TinyRegressor(inf_steps={3})
     seen = []
