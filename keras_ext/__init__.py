@@ -7,11 +7,19 @@
   weights (``master_weights=True`` or :func:`master_optimizer`).
 * :func:`set_global_policy` / :func:`apply_policy`: the core's recipes and op
   policy as Keras dtype policies (softmax, norms, output and custom layers in FP32).
+* :class:`MixedPrecisionMonitor`: the shared diagnostics as a Keras callback.
 * :class:`KerasOps`: the core's array-ops protocol over ``keras.ops``.
+
+Modules (the same files as ``lightning_ext`` for the same jobs): ``optimizer``
+(the Keras-facing :class:`LossScaleOptimizer`), ``scaler`` (the scaler state in
+Keras variables), ``masters`` (FP32 master weights), ``policy``,
+``attribution`` (which layer overflowed), ``monitor``, ``keras_ops``,
+``keras_meters``, ``compare`` (the ``mpx compare`` runner).  No module keeps
+global state: the active policy rides on Keras' own global dtype policy.
 
 Typical use::
 
-    keras_ext.set_global_policy("bf16-master")          # Keras global policy + core rules
+    keras_ext.set_global_policy("bf16-master")          # Keras' global policy, carrying the core's
     model = keras_ext.apply_policy(build_model())       # softmax/norm/output/custom -> FP32
     model.compile(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-3), "bf16-master"), loss)
 
@@ -33,6 +41,7 @@ from .optimizer import LossScaleOptimizer, master_optimizer
 from .policy import (
     apply_policy,
     get_global_policy,
+    get_global_recipe,
     keras_dtype_policy,
     layer_dtype_policies,
     resolve_policy,
@@ -46,6 +55,7 @@ __all__ = [
     "MixedPrecisionMonitor",
     "apply_policy",
     "get_global_policy",
+    "get_global_recipe",
     "keras_dtype_policy",
     "layer_dtype_policies",
     "master_optimizer",

@@ -29,7 +29,7 @@ What is measured:
   overflows and skipped steps from the optimizer's counters, and a
   :class:`~mp_callbacks.diagnostics.History` of one :class:`StepStats` per step.
 
-The global dtype policy (Keras' and keras_ext's) is restored afterwards.
+The global dtype policy (Keras' object, with keras_ext's policy on it) is restored afterwards.
 Works on the TensorFlow backend (default) and with ``KERAS_BACKEND=torch``.
 """
 
@@ -225,15 +225,13 @@ def fit_once(
     """
     set_threads(spec.threads)
     name = get_recipe(recipe).name
-    keras_before, active_before = keras.config.dtype_policy(), dict(_policy._ACTIVE)
+    keras_before = keras.config.dtype_policy()  # carries keras_ext's policy, if one was set
     try:
         keras.utils.set_random_seed(spec.seed)
         _policy.set_global_policy(name)
         model = _policy.apply_policy(mlp(spec.hidden, spec.depth))
     finally:
         keras.config.set_dtype_policy(keras_before)
-        _policy._ACTIVE.clear()
-        _policy._ACTIVE.update(active_before)
     inner = keras.optimizers.AdamW(learning_rate=spec.lr)
     opt = (master_optimizer(inner, name, scaler=scaler_for(name, spec), count_overflows=True) if optimizer is None
            else optimizer(inner))

@@ -28,7 +28,7 @@ from mp_callbacks.dtypes import FORMATS, canonical_dtype
 from mp_callbacks.meters import fraction, sample_stride
 
 __all__ = [
-    "grad_norm", "sample", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "update_swamped_fraction",
+    "SwampMeter", "grad_norm", "sample", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "update_swamped_fraction",
 ]
 
 
@@ -138,3 +138,53 @@ def update_swamped_fraction(weights: Sequence[Any], updates: Sequence[Any], stor
     lost, total = (float(v) for v in ops.convert_to_numpy(ops.stack(swamped_counts(weights, updates, storages,
                                                                                    samples))))
     return fraction(lost, total)
+
+
+class SwampMeter:
+    """The swamping meter around a step: :meth:`snapshot` before it, :meth:`counts` after it.
+
+    ``targets`` are ``(variable the optimizer updates, storage dtype its update is
+    measured against)``; the snapshot copies only the sampled elements, and the
+    counts run in one function (a ``tf.function`` on TensorFlow, compiled again
+    only when the targets change).
+
+    Args:
+      samples: elements read per tensor (:func:`sample`).
+    """
+
+    def __init__(self, samples: int | None) -> None:
+        self.samples = samples
+        self._key: list[tuple[int, str]] | None = None
+        self._fn: Any = None
+        self._before: list[Any] = []
+
+    def snapshot(self, targets: Sequence[tuple[Any, str]]) -> None:
+        """Copy the sampled elements of the targets (before the step)."""
+        key = [(id(t), storage) for t, storage in targets]
+        if key != self._key:
+            self._key, self._fn = key, self._compile(list(targets))
+        self._before = [ops.copy(sample(t, self.samples)) for t, _ in targets]
+
+    def counts(self) -> Any:
+        """``[lost, nonzero]`` (a float64 device vector) of the updates since :meth:`snapshot`, or
+        None without one; the snapshot is used up."""
+        before, self._before = self._before, []
+        return self._fn(before) if before else None
+
+    def clear(self) -> None:
+        """Drop the snapshot."""
+        self._before = []
+
+    def _compile(self, targets: list[tuple[Any, str]]) -> Any:
+        storages = [storage for _, storage in targets]
+
+        def counts(befores: list[Any]) -> Any:
+            updates = [ops.subtract(ops.cast(sample(t, self.samples), "float32"), ops.cast(b, "float32"))
+                       for (t, _), b in zip(targets, befores)]
+            return ops.stack(list(swamped_counts(befores, updates, storages)))
+
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            counts = tf.function(tf.autograph.experimental.do_not_convert(counts), reduce_retracing=True)
+        return counts

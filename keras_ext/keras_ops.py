@@ -4,15 +4,28 @@ Every method is a plain ``keras.ops`` call, so the core transition
 (:func:`mp_callbacks.scaler.next_state`) traces inside ``tf.function``, under
 XLA (``jit_compile=True``), inside ``tf.distribute`` merge calls, and runs
 eagerly on the torch backend.  No method converts to a Python value.
+:func:`is_tf` and :func:`dtype_name` are the backend questions the other
+modules ask.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import keras
 from keras import ops
 
-__all__ = ["KerasOps", "KERAS_OPS"]
+__all__ = ["KerasOps", "KERAS_OPS", "dtype_name", "is_tf"]
+
+
+def is_tf() -> bool:
+    """True on Keras' TensorFlow backend."""
+    return keras.backend.backend() == "tensorflow"
+
+
+def dtype_name(x: Any) -> str:
+    """The standardized dtype name of a tensor or variable."""
+    return keras.backend.standardize_dtype(getattr(x, "dtype", None) or ops.dtype(x))
 
 
 def _tensor(value: Any, dtype: str) -> Any:

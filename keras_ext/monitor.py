@@ -1,88 +1,40 @@
 """``keras_ext.MixedPrecisionMonitor``: the core's diagnostics as a Keras callback.
 
-The Keras twin of :class:`lightning_ext.MixedPrecisionMonitor`.
+The Keras twin of :class:`lightning_ext.MixedPrecisionMonitor`:
 :class:`~mp_callbacks.monitor.MonitorCore` decides the cadence, keeps the
-:class:`~mp_callbacks.diagnostics.History`, records overflow attributions and
-runs the divergence guard and the auto-fallback tracker; this callback
-gathers the numbers from :class:`keras_ext.LossScaleOptimizer` and writes the
-shared metric names into Keras ``logs``:
+:class:`~mp_callbacks.diagnostics.History`, runs the divergence guard and the
+auto-fallback tracker; this callback gathers the numbers from
+:class:`keras_ext.LossScaleOptimizer` (and its ``recipe``) and writes the
+shared metric names into Keras ``logs``: on logging steps into the batch
+``logs`` (TensorBoard with ``update_freq``, later batch callbacks), at every
+epoch end into the epoch ``logs`` (``History``, ``CSVLogger``): the scaler
+values of the epoch's last step and each meter's last logged value (a meter
+never logged is left out, never a NaN placeholder).  ``mp/overflow_module`` is
+text: history, events and state only.  Steps are numbered as in Lightning
+(one per scaler transition, 1-based, continuing across resumes); ``mp/scale``
+is the scale the step's gradients were produced with, the counters are the
+totals after the step.
 
-* on logging steps into the batch ``logs`` (so ``keras.callbacks.TensorBoard``
-  with ``update_freq="batch"``/N and any batch-level callback listed *after*
-  the monitor see them);
-* at every epoch end into the epoch ``logs`` (so ``model.fit(...).history``,
-  ``CSVLogger`` and TensorBoard's epoch scalars get them): the values of the
-  epoch's last step (meters NaN when that step was not a logging step).
+Host syncs: none between logging steps.  The monitor attaches to the
+optimizer (:class:`~mp_callbacks.monitor.MonitorPort`), which calls
+:meth:`MixedPrecisionMonitor.on_optimizer_step` inside the traced step; it only
+writes the :class:`~keras_ext.device_record.DeviceRecord` (the step's scale and
+flag, the meters when a device flag asks for them, one row per overflow step).
+Logging steps and epoch / train end read it in one host read; the swamping
+meter (:class:`~keras_ext.keras_meters.SwampMeter`) snapshots the sampled
+elements of the updated variables (FP32 masters under ``*-master``) before a
+logging step.  Overflow steps between two reads are recorded (exact step,
+scale, counters, culprit) at the next read, where the guard and the fallback
+act; beyond ``overflow_buffer`` rows the oldest are dropped (a ``"dropped"``
+event; counters stay exact).  Attribution: :mod:`keras_ext.attribution`.
+Under a multi-replica ``tf.distribute`` strategy the optimizer does not call
+the monitor: meters, attribution and overflow rows are off, and a record takes
+the optimizer's variables at the read (``mp/scale`` after the step,
+``mp/overflow``: an overflow since the previous record).
 
-``mp/overflow_module`` is text: it goes to the history, its events and the
-monitor state, never into ``logs``.
-
-Step numbering and values are the Lightning monitor's: one step per scaler
-transition, 1-based, continuing across resumes (the optimizer's ``steps``
-counter, read once at train start); ``mp/scale`` is the scale the step's
-gradients were produced with; the counters are the totals after the step.
-
-Host syncs (TensorFlow backend, where the train step is a ``tf.function``):
-
-* per step, between logging steps: **none**.  The optimizer calls the
-  monitor's hook (:meth:`keras_ext.LossScaleOptimizer.set_stats_hook`) inside
-  the traced step; it only writes device variables: the step's scale and
-  overflow flag, and, on an overflow step, one row
-  ``(step, scale, overflows, skipped, growths, culprit)`` into a device ring
-  buffer (``overflow_buffer`` rows, default 256).  With attribution on, every
-  layer also queues one float32 sum of its output and one of its input
-  gradient (the probes; their finite test runs on overflow steps only) --
-  the per-step device work the Lightning monitor's hooks do too.
-* logging steps (every ``log_every_n_steps``) and epoch / train end: one read
-  of one stacked vector (step values, meters, counters, ring buffer).  The
-  monitor asks for the gradient meters by setting a device flag before the
-  step (a host-to-device write, no sync); the swamping meter snapshots the
-  updated variables (FP32 masters under ``*-master``) before the step and
-  diffs them after with one compiled function (an extra parameter copy on
-  logging steps only).
-* train start / end: the optimizer's step counter, the memory report
-  (variable sizes: metadata) and a retrace of the train function (the hooks
-  are installed by tracing a new one and removed the same way).
-
-Consequences of reading only on logging steps: overflow steps between two
-logging steps are recorded (exact step, scale, counters and culprit, from the
-ring buffer) at the next logging step or epoch end, and appear in
-:attr:`history` and its events but not in that past batch's ``logs``; the
-divergence guard and the auto-fallback act at that read (with
-``log_every_n_steps=1`` they act after the very step, as in Lightning).  If
-more than ``overflow_buffer`` overflows happen between two reads, the oldest
-rows are dropped (a ``"dropped"`` event says how many; counters stay exact).
-
-Overflow attribution (TensorFlow backend, single replica) is computed on the
-device in the same step, with no eager re-run (so it names exactly what
-happened in that step: same batch, weights, dropout masks): every layer's
-``call`` is wrapped while training (restored at train end, and before a
-:class:`~mp_callbacks.meters.DivergenceError` propagates) to probe its output
-and, through an identity with a custom gradient on its floating inputs, the
-gradient its backward produced; the loss is probed too, and on an overflow
-step the optimizer's gradients give per-layer parameter flags.
-The culprit is the first non-finite record in this order: forward outputs in
-call order, then the loss (:data:`~mp_callbacks.monitor_helpers.LOSS_SOURCE`),
-then layers in reverse call order (input gradient or own parameter
-gradients) -- the core's :func:`~mp_callbacks.monitor_helpers.first_culprit`, as in
-Lightning.  Layers called inside control
-flow (``tf.cond``/``while`` bodies, e.g. RNN cells) are checked as a whole by
-their enclosing layer.  Names are dotted layer paths as in
-:func:`keras_ext.layer_dtype_policies` (``"encoder.dense_1"``).  On the torch
-backend (eager steps) the same code runs eagerly, without the input-gradient
-identities (a backward-only overflow is then blamed through parameter
-gradients).  Under a multi-replica ``tf.distribute`` strategy the optimizer
-does not call the hook: meters, attribution and the per-overflow rows are off,
-and each record takes the optimizer's variables at the read (``mp/scale`` is
-then the scale *after* the step, ``mp/overflow`` means "an overflow since the
-previous record").
-
-Persistence: :meth:`state_dict` is plain data (schema tag, version, step and
-the core's history/guard/fallback state); :meth:`save_state` /
-:meth:`load_state` write and read it as JSON, and ``state_path=`` does that
-automatically (loaded at train start when the file exists, written at every
-epoch end and at train end).  A restored fallback is applied again at train
-start.
+Persistence: :meth:`state_dict` is the core's plain-data envelope;
+:meth:`save_state` / :meth:`load_state` (and ``state_path=``: loaded at train
+start, written at every epoch end and train end) keep it as JSON.
 """
 
 from __future__ import annotations
@@ -91,158 +43,39 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Optional
 
 import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.diagnostics import METRICS, OVERFLOW_MODULE, StepStats, json_safe
-from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.master import MasterPlan, MemoryEstimate, estimate_memory, optimizer_kind, optimizer_slots
+from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats, json_safe, memory_metrics
+from mp_callbacks.dtypes import canonical_dtype, dtype_bytes
+from mp_callbacks.master import MemoryEstimate, is_optimizer_state, memory_report
 from mp_callbacks.meters import METER_SAMPLES, DivergenceError
 from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
-from mp_callbacks.monitor_helpers import attribution_order, swamp_storage_dtype
-from mp_callbacks.recipes import Recipe, get_recipe
+from mp_callbacks.monitor_helpers import swamp_storage_dtype
 
-from . import policy as _policy
-from .policy import _own_variables, _walk
-from .keras_meters import grad_norm, sample, swamped_counts, underflow_counts
+from .attribution import LayerAttribution
+from .device_record import COUNTERS, DeviceRecord
+from .keras_meters import SwampMeter, grad_norm, underflow_counts
+from .keras_ops import is_tf
 from .optimizer import LossScaleOptimizer
+from .policy import _own_variables, _walk, keep_layer_in_fp32
 
-__all__ = ["MEMORY_BYTES_PER_PARAM", "MEMORY_ESTIMATE_BYTES_PER_PARAM", "MONITOR_SCHEMA",
-           "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
+__all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
 
 logger = logging.getLogger(__name__)
 
 MONITOR_SCHEMA = "keras_ext.MixedPrecisionMonitor"
 """The ``schema`` tag of the monitor's state record."""
 
-MEMORY_BYTES_PER_PARAM = "mp/memory_bytes_per_param"
-"""Put into the logs at train start: bytes of model state actually held per parameter."""
-MEMORY_ESTIMATE_BYTES_PER_PARAM = "mp/memory_bytes_per_param_estimate"
-"""Next to it: the core's :func:`~mp_callbacks.master.estimate_memory` for the same parameters."""
-
-NUMERIC_METRICS = tuple(m for m in METRICS if m != OVERFLOW_MODULE)
-
-# layout of the device stats vector
-_S_SCALE, _S_FOUND, _S_NORM, _S_LOST, _S_TOTAL, _S_VALID = range(6)
-_N_STATS = 6
-# layout of a ring-buffer row
-_R_STEP, _R_SCALE, _R_OVERFLOWS, _R_SKIPPED, _R_GROWTHS, _R_CULPRIT, _R_GEN = range(7)
-_N_RING = 7
-_COUNTERS = ("overflows", "skipped", "growths")
-
-
-def _is_tf() -> bool:
-    return keras.backend.backend() == "tensorflow"
-
-
-def _flatten(value: Any) -> Iterator[Any]:
-    if isinstance(value, Mapping):
-        for v in value.values():
-            yield from _flatten(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flatten(v)
-    elif value is not None:
-        yield value
-
-
-def _is_float_tensor(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or isinstance(x, keras.Variable):
-        return False
-    try:
-        return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16", "float32", "float64")
-    except Exception:
-        return False
-
-
-def _bad(tensors: Iterator[Any]) -> Any:
-    """A 0-d bool: any floating tensor in ``tensors`` holds an inf/NaN (None if there is none)."""
-    flag = None
-    for t in tensors:
-        if _is_float_tensor(t):
-            b = ops.logical_not(ops.all(ops.isfinite(t)))
-            flag = b if flag is None else ops.logical_or(flag, b)
-    return flag
-
-
-def _probe(tensors: Iterator[Any]) -> Any:
-    """One float32 scalar per call, non-finite iff some floating tensor in ``tensors`` is (None if none).
-
-    The sum (accumulated in float32) carries any inf/NaN; it is the cheapest
-    per-step probe (one reduction, no boolean temporaries).  It can also turn
-    inf without a non-finite element only when the values sum past 3.4e38,
-    itself an overflow in the making.  The finite test of the probes runs on
-    overflow steps only.
-    """
-    total = None
-    for t in tensors:
-        if _is_float_tensor(t):
-            if keras.backend.standardize_dtype(t.dtype) != "float32":
-                t = ops.cast(t, "float32")
-            s = ops.sum(t)
-            total = s if total is None else total + s
-    return total
-
-
-def _nonfinite(probe: Any) -> Any:
-    return ops.logical_not(ops.isfinite(probe))
-
-
-def _nbytes(v: Any) -> int:
-    shape = tuple(int(d) for d in v.shape)
-    size = int(np.prod(shape)) if shape else 1
-    return size * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-
-
-def _numel(v: Any) -> int:
-    shape = tuple(int(d) for d in v.shape)
-    return int(np.prod(shape)) if shape else 1
-
-
-def _current_graph() -> Any:
-    if not _is_tf():
-        return None
-    import tensorflow as tf
-
-    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-
-
-@dataclass
-class _Trace:
-    """Attribution records of one traced (or eager) train step."""
-
-    graph: Any
-    forward: list[tuple[str, Any]] = field(default_factory=list)
-    backward: list[tuple[str, Any]] = field(default_factory=list)
-    loss: Any = None
-
-
-class _DeviceState:
-    """The monitor's device variables (a plain object: never saved with the optimizer)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.request = keras.Variable(0, dtype="int32", trainable=False, name="mp_monitor_request")
-        self.stats = keras.Variable(np.zeros(_N_STATS), dtype="float64", trainable=False, autocast=False,
-                                    name="mp_monitor_stats")
-        self.ring = keras.Variable(np.zeros((capacity, _N_RING)), dtype="float64", trainable=False,
-                                   autocast=False, name="mp_monitor_overflows")
-        self.count = keras.Variable(0.0, dtype="float64", trainable=False, autocast=False,
-                                    name="mp_monitor_overflow_count")
-
-
 class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     """Mixed-precision diagnostics for :class:`keras_ext.LossScaleOptimizer`, with the shared metric names.
 
     Args:
       log_every_n_steps: write a full record (all shared metrics) every N
-        steps; overflow steps are always recorded (at the next read, see the
-        module docstring).  Between logging steps no host sync is added.
+        steps; overflow steps are always recorded (at the next read).
       divergence_patience: raise :class:`~mp_callbacks.meters.DivergenceError`
         after this many consecutive overflows with the scale at its floor
         (None: never); the message names the scale, the step, the first
@@ -250,37 +83,32 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
       auto_fallback_after: after this many overflows blamed on the same layer,
         give it (and its sub-layers) the ``float32`` dtype policy (None: never).
         Keras cannot change the dtype of built variables, so this needs the
-        layer's variables in float32 (``*-mixed`` recipes, where only the
-        compute dtype changes); under ``*-master`` it logs that the layer must
-        be rebuilt with ``apply_policy(model, policy.with_fp32_modules(path))``.
+        layer's variables in float32 (``*-mixed`` recipes); under ``*-master``
+        it warns that the layer must be rebuilt with
+        ``apply_policy(model, policy.with_fp32_modules(path))``.
       attribute_overflows: name the first non-finite layer of overflow steps
-        (one in-graph reduction per layer output and input gradient every step).
+        (:class:`~keras_ext.attribution.LayerAttribution`: one in-graph
+        reduction per layer output and input gradient every step).
         Default None: on exactly when ``auto_fallback_after`` is set.
       measure_grads: ``mp/grad_norm`` and ``mp/grad_underflow_frac`` on logging steps.
       measure_swamping: ``mp/update_swamped_frac`` on logging steps.
       meter_samples: elements per tensor that the underflow and swamping
-        meters read (a strided sample, :func:`mp_callbacks.meters.sample_stride`),
-        which bounds a logging step's cost per tensor; ``None`` reads every element.
-        ``mp/grad_norm`` always reads every element.
+        meters read (:func:`mp_callbacks.meters.sample_stride`); ``None`` reads
+        every element.  ``mp/grad_norm`` always reads every element.
       log_memory: compute :meth:`memory_report` at train start and end.
       compute_dtype: the low-precision compute dtype of the underflow rule
-        (default: the compute dtype of keras_ext's / Keras' global policy at train start).
+        (default: the compute dtype of the optimizer's recipe).
       state_path: a JSON file holding :meth:`state_dict` (loaded at train start
         when present, written at each epoch end and at train end).
       overflow_buffer: device rows for overflow steps between two reads.
       history_maxlen: records kept in :attr:`history`.
 
-    While attached, the monitor turns on the optimizer's per-step overflow check
-    for recipes without loss scaling (``mp/overflow``, ``mp/overflows_total``
-    count inf/NaN gradients there too; see
-    :func:`mp_callbacks.scaler.checks_overflow`): one pass over the gradients
-    per step, the monitor's main per-step cost under bf16 recipes.
-
+    While attached, the optimizer's per-step overflow check runs for recipes
+    without loss scaling too (:func:`mp_callbacks.scaler.checks_overflow`).
     Put the monitor *before* ``TensorBoard``/``CSVLogger`` in ``callbacks`` so
     that they see the names it adds to ``logs``.  With ``steps_per_execution=k``
-    Keras calls back once per k steps: a logging record is then the last
-    step of an execution that contains a logging step (overflow rows stay
-    per step).
+    a logging record is the last step of an execution that contains a logging
+    step (overflow rows stay per step).
 
     Example::
 
@@ -306,25 +134,19 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         self.compute_dtype = canonical_dtype(compute_dtype) if compute_dtype else None
         self.state_path = os.fspath(state_path) if state_path is not None else None
         self.overflow_buffer = overflow_buffer
+        self.attribution = LayerAttribution()
         self._last_seen = 0
-        self._ring_seen = 0
-        self._dev: Optional[_DeviceState] = None
+        self._dev: Optional[DeviceRecord] = None
         self._opt: Optional[LossScaleOptimizer] = None
         self._compute = "float32"
-        self._trace: Optional[_Trace] = None
-        self._generation = 0
-        self._tables: dict[int, list[str]] = {}
-        self._owners: dict[int, str] = {}
-        self._patched: list[tuple[Any, str]] = []
         self._logging_now = False
         self._begin_step = 0
-        self._before: list[Any] = []
-        self._swamp: Optional[tuple[list[tuple[int, str]], Any]] = None
-        self._fallback_messages: list[str] = []
+        self._swamp = SwampMeter(self.meter_samples)
+        self.fallback_messages: list[str] = []  # the layers moved to FP32 by the auto-fallback in this process
+        self._last_logged: dict[str, float] = {}
         self._hooked = True
         self._overflows_seen = 0
 
-    # ------------------------------------------------------------------ API
     # history, log_every_n_steps, step, state_dict, load_state_dict, repr: MonitorFacade
     def _optimizer(self) -> LossScaleOptimizer:
         opt = getattr(self.model, "optimizer", None)
@@ -338,13 +160,9 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
 
     # ------------------------------------------------------------- lifecycle
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        """Load state, read the step counter, install the hooks (retrace), log memory.
-
-        Hooks left behind by a run that failed are removed first (:meth:`uninstall`).
-        """
-        self._uninstall()
-        opt = self._optimizer()
-        self._opt = opt
+        """Remove what a failed run left, load state, read the step counter, attach (retrace), log memory."""
+        self.uninstall()
+        opt = self._opt = self._optimizer()
         if not opt.built:
             opt.build(self.model.trainable_variables)
         if self.state_path and os.path.exists(self.state_path):
@@ -355,47 +173,42 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         if not self._hooked:
             warnings.warn("keras_ext.MixedPrecisionMonitor: meters and overflow attribution need a single replica; "
                           "with several replicas only the scaler values are recorded", stacklevel=2)
-        if _is_tf() and strategy is not None:
-            with strategy.scope():
-                self._dev = _DeviceState(self.overflow_buffer)
-        else:
-            self._dev = _DeviceState(self.overflow_buffer)
-        self._compute = self.compute_dtype or canonical_dtype(_policy.get_global_policy().compute)
+        self._dev = DeviceRecord(self.overflow_buffer, strategy if is_tf() else None)
+        self._compute = self.compute_dtype or opt.recipe.policy.compute
         self._step = self._last_seen = opt.steps
-        self._ring_seen = 0
         if self.core.fallback is not None:
             for path in self.core.fallback.moved:
                 self._move_to_fp32(path, announce=False)
-        self._install()
+        if self.attribute_overflows:
+            self.attribution.install(self.model)
+        opt.attach_monitor(self)
+        self._retrace()
         if self.log_memory:
             self._log_memory("train_start", logs)
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
-        """Record what is left, log memory, remove the hooks, save the state file."""
+        """Record what is left, log memory, detach and uninstall, save the state file."""
         try:
             self._drain()
             if self.log_memory:
                 self._log_memory("train_end", logs)
         finally:
-            self._uninstall()
+            self.uninstall()
         if self.state_path:
             self.save_state(self.state_path)
 
     def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
         """On a logging step: ask for the gradient meters, snapshot the weights to update."""
         self._begin_step = batch
-        n = self._steps_per_execution()
+        spe = getattr(self.model, "steps_per_execution", 1)
+        n = spe if isinstance(spe, int) and spe > 0 else 1
         self._logging_now = any(self.core.should_log(k) for k in range(self._step + 1, self._step + n + 1))
         if not self._logging_now:
             return
         if self.measure_grads:
             self._dev.request.assign(1)
         if self.measure_swamping:
-            targets = self._swamp_targets()
-            key = [(id(t), st) for t, st in targets]
-            if self._swamp is None or self._swamp[0] != key:  # compiled once, again after a fallback
-                self._swamp = (key, self._swamp_function(targets))
-            self._before = [ops.copy(sample(t, self.meter_samples)) for t, _ in targets]  # the sampled elements
+            self._swamp.snapshot(self._swamp_targets())
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         """Count the steps; on a logging step read the device values once and write ``logs``."""
@@ -408,244 +221,76 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             logs.update({k: v for k, v in stats.metrics().items() if k != OVERFLOW_MODULE})
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
-        """Record pending overflow rows; the epoch's last step goes into the epoch ``logs``."""
+        """Record pending overflow rows; the epoch ``logs`` get the last step's scaler values and
+        each meter's last logged value."""
         snapshot = self._drain()
         if logs is not None and snapshot is not None:
-            values = {name: float("nan") for name in NUMERIC_METRICS}
-            values.update({k: v for k, v in snapshot.metrics().items() if k != OVERFLOW_MODULE})
-            logs.update(values)
+            logs.update(self._last_logged)
+            logs.update({k: v for k, v in snapshot.metrics().items() if k != OVERFLOW_MODULE})
             if self.memory_reports:
-                logs[MEMORY_BYTES_PER_PARAM] = float(self.memory_reports[-1]["actual"]["bytes_per_param"])
-                est = self.memory_reports[-1]["estimate"]
-                logs[MEMORY_ESTIMATE_BYTES_PER_PARAM] = float(est["bytes_per_param"]) if est else float("nan")
+                logs.update(memory_metrics(self.memory_reports[-1]))
         if self.state_path:
             self.save_state(self.state_path)
 
-    def _steps_per_execution(self) -> int:
-        spe = getattr(self.model, "steps_per_execution", 1)
-        return spe if isinstance(spe, int) and spe > 0 else 1
-
     # ---------------------------------------------------------- installing
-    def _install(self) -> None:
-        model, opt = self.model, self._opt
-        self._owners = {}
-        if self.attribute_overflows:
-            for path, layer in _walk(model):
-                for v in _own_variables(layer):
-                    self._owners[id(v)] = path  # children come later: the innermost layer owns
-                if "call" not in layer.__dict__:
-                    layer.__dict__["call"] = self._wrap_call(layer.call, path)
-                    self._patched.append((layer, "call"))
-            if "_compute_loss" not in model.__dict__ and hasattr(model, "_compute_loss"):
-                model.__dict__["_compute_loss"] = self._wrap_loss(model._compute_loss)
-                self._patched.append((model, "_compute_loss"))
-            if "train_step" not in model.__dict__:
-                model.__dict__["train_step"] = self._wrap_train_step(model.train_step)
-                self._patched.append((model, "train_step"))
-        opt.set_stats_hook(self._hook)
-        self._retrace()
-
     def uninstall(self) -> None:
-        """Remove the monitor's wrappers and the optimizer's stats hook (idempotent).
+        """Detach from the optimizer and remove the attribution wrappers (idempotent).
 
         Runs at train end, before a :class:`~mp_callbacks.meters.DivergenceError`
         propagates and at the next train start; call it after a ``fit`` that
         raised to restore the model's layers and train step at once.
         """
-        self._uninstall()
-
-    def _uninstall(self) -> None:
         self._logging_now = False
-        for obj, name in self._patched:
-            obj.__dict__.pop(name, None)
-        self._patched = []
-        self._trace = None
-        if self._opt is not None and self._opt.stats_hook == self._hook:
-            self._opt.set_stats_hook(None)
+        self.attribution.uninstall()
+        if self._opt is not None and self._opt.monitor is self:
+            self._opt.detach_monitor(self)
             self._retrace()
-        self._before = []
+        self._swamp.clear()
 
     def _retrace(self) -> None:
         if hasattr(self.model, "make_train_function"):
             self.model.make_train_function(force=True)
 
-    def _wrap_train_step(self, original: Any) -> Any:
-        monitor = self
-
-        def train_step(data: Any) -> Any:
-            graph = _current_graph()
-            if graph is not None:
-                monitor._generation += 1
-            monitor._trace = _Trace(graph=graph)
-            try:
-                return original(data)
-            finally:
-                monitor._trace = None
-
-        return train_step
-
-    def _active(self) -> Optional[_Trace]:
-        trace = self._trace
-        if trace is None or _current_graph() is not trace.graph:
-            return None
-        return trace
-
-    def _wrap_loss(self, original: Any) -> Any:
-        monitor = self
-
-        def _compute_loss(*args: Any, **kwargs: Any) -> Any:
-            loss = original(*args, **kwargs)
-            trace = monitor._active()
-            if trace is not None and kwargs.get("training", True):
-                trace.loss = _probe(iter((loss,)))
-            return loss
-
-        return _compute_loss
-
-    def _wrap_call(self, original: Any, path: str) -> Any:
-        monitor = self
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            trace = monitor._active()
-            if trace is None:
-                return original(*args, **kwargs)
-            if _is_tf():
-                args, kwargs = monitor._watch_inputs((args, kwargs), path, trace)
-            out = original(*args, **kwargs)
-            probe = _probe(_flatten(out))
-            if probe is not None:
-                trace.forward.append((path, probe))
-            return out
-
-        return call
-
-    def _watch_inputs(self, structure: Any, path: str, trace: _Trace) -> Any:
-        """Identity on every floating input tensor whose gradient records "non-finite" for ``path``."""
-        import tensorflow as tf
-
-        def watch(x: Any) -> Any:
-            if not (isinstance(x, tf.Tensor) and x.dtype.is_floating):
-                return x
-
-            @tf.custom_gradient
-            def identity(t: Any) -> Any:
-                def grad(dy: Any) -> Any:
-                    probe = _probe(iter((dy,)))
-                    if probe is not None:
-                        trace.backward.append((path, probe))
-                    return dy
-
-                return tf.identity(t), grad
-
-            return identity(x)
-
-        return tf.nest.map_structure(watch, structure)
-
     # -------------------------------------------------------- the device hook
-    def _hook(self, found_inf: Any, grads: list[Any], tvs: list[Any], scale_used: Any) -> None:
-        """Called by the optimizer inside the (traced) step: device writes only."""
+    def on_optimizer_step(self, found_inf: Any, grads: list[Any], tvs: list[Any], scale_used: Any) -> None:
+        """Called by the optimizer inside the (traced) step, after its scaler transition: device writes only."""
         dev, opt = self._dev, self._opt
         if dev is None or opt is None:
             return
         found = ops.convert_to_tensor(found_inf)
-        scale64 = ops.cast(scale_used, "float64")
-        found64 = ops.cast(found, "float64")
         dense = [g for g in grads if g is not None]
-        compute = self._compute
         nan = ops.convert_to_tensor(float("nan"), dtype="float64")
 
         def basic() -> None:
-            dev.stats.assign(ops.stack([scale64, found64, nan, nan, nan, ops.cast(0.0, "float64")]))
+            dev.write_stats(scale=scale_used, found=found, grad_norm=nan, underflow_lost=nan, underflow_total=nan,
+                            measured=0.0)
 
         def meters() -> None:
-            lost, total = underflow_counts(dense, compute, scale64, self.meter_samples)
-            dev.stats.assign(ops.stack([scale64, found64, grad_norm(dense), lost, total,
-                                        ops.cast(1.0, "float64")]))
+            lost, total = underflow_counts(dense, self._compute, ops.cast(scale_used, "float64"), self.meter_samples)
+            dev.write_stats(scale=scale_used, found=found, grad_norm=grad_norm(dense), underflow_lost=lost,
+                            underflow_total=total, measured=1.0)
 
         if self.measure_grads and dense:
             ops.cond(ops.greater(ops.convert_to_tensor(dev.request), 0), meters, basic)
         else:
             basic()
-
-        trace = self._active() if self.attribute_overflows else None
-        generation = self._generation
+        trace = self.attribution.current() if self.attribute_overflows else None
+        generation = self.attribution.generation
 
         def write() -> None:
-            culprit = self._culprit(trace, grads, tvs, generation) if trace is not None else None
-            culprit = ops.cast(-1.0 if culprit is None else culprit, "float64")
-            sv = opt._state_vars
-            row = ops.stack([ops.cast(ops.convert_to_tensor(sv["steps"]), "float64"), scale64]
-                            + [ops.cast(ops.convert_to_tensor(sv[c]), "float64") for c in _COUNTERS]
-                            + [culprit, ops.cast(float(generation), "float64")])
-            count = ops.convert_to_tensor(dev.count)
-            index = ops.mod(count, float(dev.capacity))
-            hit = ops.expand_dims(ops.equal(ops.cast(ops.arange(dev.capacity), "float64"), index), 1)
-            dev.ring.assign(ops.where(hit, ops.expand_dims(row, 0), ops.convert_to_tensor(dev.ring)))
-            dev.count.assign(count + 1.0)
+            culprit = self.attribution.culprit(trace, grads, tvs) if trace is not None else -1.0
+            counters = {c: ops.convert_to_tensor(opt.loss_scaler.variable(c)) for c in COUNTERS}
+            dev.push_row(step=ops.convert_to_tensor(opt.loss_scaler.variable("steps")), scale=scale_used,
+                         culprit=culprit, generation=float(generation), **counters)
 
         ops.cond(found, write, lambda: None)
 
-    def _culprit(self, trace: _Trace, grads: list[Any], tvs: list[Any], generation: int) -> Any:
-        """Index (into this trace's name table) of the first non-finite record, -1 if none (device).
-
-        The table is the core's :func:`~mp_callbacks.monitor_helpers.attribution_order` (forward
-        records in call order, the loss, layers with gradient flags in reverse call order: the
-        backward order), so the first flagged entry is :func:`~mp_callbacks.monitor_helpers.first_culprit`.
-        """
-        forward_flags = [_nonfinite(probe) for _, probe in trace.forward]
-        loss_flag = _nonfinite(trace.loss) if trace.loss is not None else ops.convert_to_tensor(False)
-        order: list[str] = []
-        for path, _ in trace.forward:
-            if path not in order:
-                order.append(path)
-        backward: dict[str, list[Any]] = {}
-        for g, v in zip(grads, tvs):
-            path = self._owners.get(id(v))
-            if g is None or path is None:
-                continue
-            flag = _bad(iter((getattr(g, "values", g),)))
-            if flag is not None:
-                backward.setdefault(path, []).append(flag)
-        for path, probe in trace.backward:
-            backward.setdefault(path, []).append(_nonfinite(probe))
-        for path in list(backward):
-            if path not in order:
-                order.append(path)
-        backward_names = [path for path in reversed(order) if path in backward]  # backward order
-        backward_flags = []
-        for path in backward_names:
-            bad = backward[path][0]
-            for f in backward[path][1:]:
-                bad = ops.logical_or(bad, f)
-            backward_flags.append(bad)
-        names = attribution_order([path for path, _ in trace.forward], backward_names)
-        flags = [*forward_flags, loss_flag, *backward_flags]
-        self._tables[generation] = names
-        stacked = ops.stack([ops.cast(f, "int32") for f in flags])
-        n = len(flags)
-        first = ops.min(ops.where(ops.greater(stacked, 0), ops.arange(n, dtype="int32"), n))
-        return ops.where(ops.less(first, n), first, -1)
-
     # -------------------------------------------------------------- reading
-    def _recipe(self) -> Recipe:
-        """The recipe in force: keras_ext's active one, else the one matching the compute dtype and optimizer."""
-        recipe = _policy._ACTIVE.get("recipe")
-        if recipe is not None:
-            return recipe
-        if self._compute == "float32":
-            return get_recipe("32-true")
-        prefix = "bf16" if self._compute == "bfloat16" else "16"
-        return get_recipe(f"{prefix}-{'master' if self._opt.master_weights else 'mixed'}")
-
     def _swamp_targets(self) -> list[tuple[Any, str]]:
-        """(the variable the optimizer updates, the dtype its update is measured against).
-
-        The dtype is the core's :func:`~mp_callbacks.monitor_helpers.swamp_storage_dtype`; a
-        variable counts as kept in FP32 when its layer computes in float32 (policy or fallback).
-        """
+        """(the variable the optimizer updates, the dtype its update is measured against:
+        :func:`~mp_callbacks.monitor_helpers.swamp_storage_dtype`; a variable counts as kept in FP32
+        when its layer computes in float32, by policy or fallback)."""
         opt = self._opt
-        recipe = self._recipe()
-        masters = opt.master_variables if opt.master_weights else []
         kept: dict[int, bool] = {}
         for _, layer in _walk(self.model):
             fp32 = canonical_dtype(layer.dtype_policy.compute_dtype) == "float32"
@@ -654,25 +299,10 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         out = []
         for v in self.model.trainable_variables:
             stored = canonical_dtype(keras.backend.standardize_dtype(v.dtype))
-            master = masters[opt._get_variable_index(v)] if masters else None
+            master = opt.master_variables[opt._get_variable_index(v)] if opt.master_weights else None
             target = master if master is not None else v  # the FP32 master under *-master
-            out.append((target, swamp_storage_dtype(recipe, stored, kept.get(id(v), stored == "float32"))))
+            out.append((target, swamp_storage_dtype(opt.recipe, stored, kept.get(id(v), stored == "float32"))))
         return out
-
-    def _swamp_function(self, targets: list[tuple[Any, str]]) -> Any:
-        """One compiled function ``befores -> (lost, total)`` (float64) for these targets."""
-        storages = [s for _, s in targets]
-
-        def counts(befores: list[Any]) -> Any:
-            updates = [ops.subtract(ops.cast(sample(t, self.meter_samples), "float32"), ops.cast(b, "float32"))
-                       for (t, _), b in zip(targets, befores)]
-            return ops.stack(list(swamped_counts(befores, updates, storages)))
-
-        if _is_tf():
-            import tensorflow as tf
-
-            counts = tf.function(tf.autograph.experimental.do_not_convert(counts), reduce_retracing=True)
-        return counts
 
     def _drain(self, logging: bool = False) -> Optional[StepStats]:
         """One read: record the overflow rows since the last read, then (``logging``) this step's record.
@@ -682,64 +312,39 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         dev, opt = self._dev, self._opt
         if dev is None or opt is None:
             return None
-        parts = [ops.cast(ops.convert_to_tensor(dev.stats), "float64")]
-        parts.append(ops.stack([ops.cast(ops.convert_to_tensor(opt._state_vars[c]), "float64") for c in _COUNTERS]))
-        parts.append(ops.reshape(ops.convert_to_tensor(dev.count), (1,)))
-        parts.append(ops.reshape(ops.cast(ops.convert_to_tensor(opt._state_vars["scale"]), "float64"), (1,)))
-        swamp = False
-        if logging and self._before and self._swamp is not None:
-            if self.measure_grads:
-                dev.request.assign(0)
-            parts.append(self._swamp[1](self._before))
-            swamp = True
-        elif logging and self.measure_grads:
+        swamp = self._swamp.counts() if logging else None
+        self._swamp.clear()
+        if logging and self.measure_grads:
             dev.request.assign(0)
-        self._before = []
-        parts.append(ops.reshape(ops.convert_to_tensor(dev.ring), (-1,)))
-        read = np.asarray(ops.convert_to_numpy(ops.concatenate(parts)), dtype=np.float64)
-        stats, counters = read[:_N_STATS], read[_N_STATS:_N_STATS + 3]
-        at = _N_STATS + 3
-        count = int(read[at])
-        scale_now = float(read[at + 1])
-        at += 2
-        swamp_counts = read[at:at + 2] if swamp else None
-        at += 2 if swamp else 0
-        ring = read[at:].reshape(dev.capacity, _N_RING)
-
-        rows = []
-        new = count - self._ring_seen
-        if new > 0:
-            if new > dev.capacity:
-                self.history.add_event("dropped", step=self._step, rows=new - dev.capacity)
-            for k in range(max(self._ring_seen, count - dev.capacity), count):
-                rows.append(ring[k % dev.capacity])
-        self._ring_seen = count
-        current: Optional[StepStats] = None
+        got = dev.read([opt.loss_scaler.variable(c) for c in COUNTERS], opt.loss_scaler.variable("scale"), swamp)
+        if got["dropped"]:
+            self.history.add_event("dropped", step=self._step, rows=got["dropped"])
         current_module: Optional[str] = None
-        for row in rows:  # the device hook writes one row per overflow step
-            step = int(row[_R_STEP])
+        for row in got["rows"]:  # one per overflow step
+            step = int(row["step"])
             if not self.core.should_record(step, overflow=True):
                 continue
-            module = self._culprit_name(row)
+            module = self.attribution.name(int(row["culprit"]), int(row["generation"])) \
+                if self.attribute_overflows else None
             if logging and step == self._step:
                 current_module = module
                 continue
-            stats_row = StepStats.from_counts(step, row[_R_SCALE], True, row[_R_OVERFLOWS], row[_R_SKIPPED],
-                                              row[_R_GROWTHS], overflow_module=module)
-            self._observe(stats_row)
+            self._observe(StepStats.from_counts(step, row["scale"], True, row["overflows"], row["skipped"],
+                                                row["growths"], overflow_module=module))
         if self._step == 0:
             return None
+        stats, counters = got["stats"], got["counters"]
         if not self._hooked:  # multi-replica: no device hook, read the optimizer's variables
-            stats = stats.copy()
-            stats[_S_SCALE], stats[_S_FOUND] = scale_now, float(counters[0] > self._overflows_seen)
+            stats.update(scale=got["scale"], found=float(counters[0] > self._overflows_seen))
         self._overflows_seen = int(counters[0])
-        overflow = bool(stats[_S_FOUND])
-        measured = logging and stats[_S_VALID] == 1.0
+        overflow = bool(stats["found"])
+        measured = logging and stats["measured"] == 1.0
+        swamped = got.get("extra")  # measured on applied steps only
         current = StepStats.from_counts(
-            self._step, stats[_S_SCALE], overflow, counters[0], counters[1], counters[2],
-            grad_norm=stats[_S_NORM] if measured else None,
-            underflow=(stats[_S_LOST], stats[_S_TOTAL]) if measured else None,
-            swamped=(swamp_counts[0], swamp_counts[1]) if swamp_counts is not None and not overflow else None,
+            self._step, stats["scale"], overflow, *counters,
+            grad_norm=stats["grad_norm"] if measured else None,
+            underflow=(stats["underflow_lost"], stats["underflow_total"]) if measured else None,
+            swamped=(swamped[0], swamped[1]) if swamped is not None and not overflow else None,
             overflow_module=(current_module if overflow and self.attribute_overflows else None),
         )
         if logging:
@@ -751,36 +356,24 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             return self.history[-1]
         return current
 
-    def _culprit_name(self, row: np.ndarray) -> Optional[str]:
-        index = int(row[_R_CULPRIT])
-        if not self.attribute_overflows or index < 0:
-            return None
-        table = self._tables.get(int(row[_R_GEN])) or []
-        return table[index] if index < len(table) else None
-
     def _observe(self, stats: StepStats) -> None:
         """Guard bookkeeping for the steps skipped over, then record ``stats`` (maybe moving a layer)."""
         if stats.step > self._last_seen + 1:
             self.core.observe_clean()  # a clean, unrecorded step came in between
         self._last_seen = max(self._last_seen, stats.step)
+        self._last_logged.update({k: v for k, v in stats.metrics().items() if k != OVERFLOW_MODULE})
         try:
             moved = self.core.record(stats, float(self._opt.scaler_config.min_scale))
         except DivergenceError:
-            self._uninstall()
+            self.uninstall()
             raise
         for path in moved:
             self._move_to_fp32(path, announce=True, step=stats.step)
 
     # ------------------------------------------------------------ fallback
-    def _find_layer(self, path: str) -> Any:
-        for p, layer in _walk(self.model):
-            if p == path:
-                return layer
-        return None
-
     def _move_to_fp32(self, path: str, announce: bool = True, step: Optional[int] = None) -> bool:
         """Give layer ``path`` and its sub-layers the float32 policy (compute only: variables must be float32)."""
-        layer = self._find_layer(path)
+        layer = next((l for p, l in _walk(self.model) if p == path), None)
         if layer is None:
             logger.info("MixedPrecisionMonitor: no layer %r to keep in FP32 in this model; skipped.", path)
             return False
@@ -796,65 +389,37 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             return False
         for l in layers:
             l.dtype_policy = keras.DTypePolicy("float32")
-        active = _policy._ACTIVE.get("policy")
-        if active is not None:
-            _policy._ACTIVE["policy"] = active.with_fp32_modules(path)
+        keep_layer_in_fp32(path)
         self._retrace()
         if announce:
-            blamed = self.core.fallback.blame.get(path) if self.core.fallback is not None else None
-            message = (f"MixedPrecisionMonitor: {blamed} overflows blamed on {path!r}; it now computes in FP32 "
-                       f"(dtype policy float32, policy: with_fp32_modules({path!r})). Training continues.")
+            message = self.core.fallback_message(path)
             logger.warning(message)
             self.fallback_messages.append(message)
         return True
 
-    @property
-    def fallback_messages(self) -> list[str]:
-        """The messages of the layers moved to FP32 by the auto-fallback in this process."""
-        return self._fallback_messages
-
     # --------------------------------------------------------------- memory
     def memory_report(self) -> dict[str, Any]:
-        """Bytes of model state actually held, next to the core's estimate (plain data).
+        """The core's :func:`mp_callbacks.master.memory_report` for the optimizer's recipe (plain data).
 
-        ``actual``: ``weights`` (the model's trainable variables), ``masters``
-        (the optimizer's FP32 master copies), ``optimizer_state`` (every
-        variable of the inner optimizer: slots, iteration count, learning
-        rate), and ``grads``: *estimated*, since Keras keeps no gradients
-        between steps: the FP32 unscaled gradient the optimizer applies for
-        a variable with a master, the variable's dtype otherwise.
-        ``estimate`` is :func:`mp_callbacks.master.estimate_memory` for the
-        same variables and storage dtypes (None for an optimizer unknown to the
-        core) with ``fp32_master_grads=True``, like the Lightning monitor's: it
-        counts the FP32 gradient a variable with a master receives at the step
-        (18 B/param for ``bf16-master`` + AdamW).
+        ``actual``: the trainable variables, the FP32 masters, the inner optimizer's
+        variables that :func:`~mp_callbacks.master.is_optimizer_state` counts, and
+        the gradients, counted since Keras keeps none between steps: FP32 for a
+        variable with a master, the variable's dtype otherwise.
         """
         opt = self._opt or self._optimizer()
         tvs = list(self.model.trainable_variables)
         masters = opt.master_variables if opt.master_weights and opt.built else [None] * len(tvs)
-        numel = sum(_numel(v) for v in tvs)
-        weights = sum(_nbytes(v) for v in tvs)
-        master_bytes = sum(_nbytes(m) for m in masters if m is not None)
-        mastered = {id(v) for v, m in zip(tvs, masters) if m is not None} if masters else set()
-        grads = sum(_numel(v) * 4 if id(v) in mastered else _nbytes(v) for v in tvs)
-        state = sum(_nbytes(v) for v in opt.inner_optimizer.variables)
+        numel = [int(np.prod(v.shape, dtype=np.int64)) for v in tvs]
+        nbytes = [_nbytes(v) for v in tvs]
         inner = opt.inner_optimizer
-        name = optimizer_kind(type(inner).__name__, float(getattr(inner, "momentum", 0.0) or 0.0))
-        estimate = None
-        try:
-            optimizer_slots(name)
-            recipe = _policy._ACTIVE.get("recipe")
-            plan = recipe.master if recipe is not None else MasterPlan(
-                param_dtype=_low_dtype(tvs), master_weights=opt.master_weights)
-            est = estimate_memory(plan, name, [(_numel(v), canonical_dtype(keras.backend.standardize_dtype(v.dtype)))
-                                               for v in tvs], fp32_master_grads=True)
-            estimate = est.to_dict()
-        except (ValueError, TypeError):
-            name = f"{name} (unknown to the core)"
-        actual = MemoryEstimate(params=numel, weights=weights, grads=grads, masters=master_bytes,
-                                optimizer_state=state)
-        return {"optimizer": name, "master_weights": opt.master_weights, "actual": actual.to_dict(),
-                "estimate": estimate}
+        actual = MemoryEstimate(
+            params=sum(numel), weights=sum(nbytes),
+            grads=sum(n * 4 if m is not None else b for n, b, m in zip(numel, nbytes, masters)),
+            masters=sum(_nbytes(m) for m in masters if m is not None),
+            optimizer_state=sum(_nbytes(v) for v in inner.variables if is_optimizer_state(v.shape)))
+        storage = [(n, canonical_dtype(keras.backend.standardize_dtype(v.dtype))) for n, v in zip(numel, tvs)]
+        momentum = float(getattr(inner, "momentum", 0.0) or 0.0)
+        return memory_report(opt.recipe.name, opt.recipe.master, [(type(inner).__name__, momentum, storage)], actual)
 
     def _log_memory(self, when: str, logs: Optional[dict]) -> None:
         report = self.memory_report()
@@ -862,12 +427,9 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         self.memory_reports.append(report)
         self.history.add_event("memory", step=self._step, **report)
         if logs is not None:
-            logs[MEMORY_BYTES_PER_PARAM] = float(report["actual"]["bytes_per_param"])
-            if report["estimate"] is not None:
-                logs[MEMORY_ESTIMATE_BYTES_PER_PARAM] = float(report["estimate"]["bytes_per_param"])
+            logs.update(memory_metrics(report))
 
     # ---------------------------------------------------------- persistence
-    # state_dict / load_state_dict: MonitorFacade
     def save_state(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state_dict` as JSON (non-finite numbers as strings, as the history's JSONL does)."""
         tmp = f"{os.fspath(path)}.tmp"
@@ -881,10 +443,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             self.load_state_dict(json.load(fh))
 
 
-def _low_dtype(tvs: list[Any]) -> str:
-    for v in tvs:
-        d = keras.backend.standardize_dtype(v.dtype)
-        if d in ("float16", "bfloat16"):
-            return d
-    return "float32"
-
+def _nbytes(v: Any) -> int:
+    name = keras.backend.standardize_dtype(v.dtype)
+    size = dtype_bytes(name) if name in ("float16", "bfloat16", "float32") else np.dtype(name).itemsize
+    return int(np.prod(v.shape, dtype=np.int64)) * size

@@ -12,9 +12,16 @@ per layer (by class name, op kind and dotted path); this module translates:
   unknown or custom layer) gets the ``float32`` policy: FP32 variables and FP32
   compute.  Stock Keras runs e.g. ``Softmax`` in the global compute dtype.
 
-:func:`set_global_policy` sets Keras' global policy (what new layers get) and
-remembers the core policy; :func:`apply_policy` applies the per-layer rules to
-a model.
+:func:`set_global_policy` sets Keras' global policy (what new layers get);
+:func:`apply_policy` applies the per-layer rules to a model.
+
+The global state is Keras' own: the core policy and recipe ride on the
+``keras.DTypePolicy`` object that ``keras.config.set_dtype_policy`` stores
+(attributes :data:`POLICY_ATTR` / :data:`RECIPE_ATTR`; the object stays a plain
+``DTypePolicy``, so saved models keep loading with ``safe_mode=True``).
+:func:`get_global_policy` / :func:`get_global_recipe` read them back from
+``keras.config.dtype_policy()``, or derive them from its dtypes when another
+policy was set since.  This module keeps no state of its own.
 """
 
 from __future__ import annotations
@@ -27,17 +34,30 @@ from keras import ops
 
 from mp_callbacks.policy import PolicyError, PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
+from mp_callbacks.scaler import ScalerConfig
 
 __all__ = [
+    "POLICY_ATTR",
+    "RECIPE_ATTR",
     "apply_policy",
     "get_global_policy",
+    "get_global_recipe",
     "keras_dtype_policy",
     "layer_dtype_policies",
     "resolve_policy",
     "set_global_policy",
 ]
 
-_ACTIVE: dict[str, Any] = {"policy": None, "recipe": None}
+POLICY_ATTR = "mp_policy"
+"""Attribute of Keras' global ``DTypePolicy`` holding the core :class:`PrecisionPolicy` it was set from."""
+RECIPE_ATTR = "mp_recipe"
+"""Attribute of Keras' global ``DTypePolicy`` holding the :class:`~mp_callbacks.Recipe` it was set from (or None)."""
+
+# Keras' (variable dtype, compute dtype) -> the recipe that stores and computes so.
+_RECIPE_OF_DTYPES = {
+    ("float32", "float32"): "32-true", ("float32", "float16"): "16-mixed", ("float32", "bfloat16"): "bf16-mixed",
+    ("float16", "float16"): "16-master", ("bfloat16", "bfloat16"): "bf16-master",
+}
 
 # Activation names that the core treats as FP32 ops when used as a layer.
 _ACTIVATION_OPS = {"softmax": "softmax", "log_softmax": "log_softmax", "exponential": "exp", "softplus": "softplus"}
@@ -90,17 +110,85 @@ def set_global_policy(recipe_or_policy: Any) -> PrecisionPolicy:
     :func:`apply_policy`, which uses this policy when given none.
     """
     policy, recipe = resolve_policy(recipe_or_policy)
-    keras.config.set_dtype_policy(keras_dtype_policy(policy.params, policy.compute))
-    _ACTIVE["policy"], _ACTIVE["recipe"] = policy, recipe
+    _install(policy, recipe)
     return policy
 
 
+def _install(policy: PrecisionPolicy, recipe: Recipe | None) -> None:
+    """Make a Keras policy for ``policy`` carrying it (and ``recipe``) Keras' global policy."""
+    kp = keras_dtype_policy(policy.params, policy.compute)
+    setattr(kp, POLICY_ATTR, policy)
+    setattr(kp, RECIPE_ATTR, recipe)
+    keras.config.set_dtype_policy(kp)
+
+
 def get_global_policy() -> PrecisionPolicy:
-    """The core policy set by :func:`set_global_policy` (else one matching Keras' global policy)."""
-    if _ACTIVE["policy"] is not None:
-        return _ACTIVE["policy"]
+    """The core policy of Keras' global dtype policy: the one :func:`set_global_policy` set,
+    else one with its dtypes (and FP32 outputs)."""
     kp = keras.config.dtype_policy()
+    policy = getattr(kp, POLICY_ATTR, None)
+    if policy is not None:
+        return policy
     return PrecisionPolicy(params=kp.variable_dtype, compute=kp.compute_dtype, output="float32")
+
+
+def get_global_recipe() -> Recipe:
+    """The recipe of Keras' global dtype policy: the one :func:`set_global_policy` named, else the
+    recipe with its storage and compute dtypes (``mixed_bfloat16`` -> ``bf16-mixed``, ``bfloat16``
+    -> ``bf16-master``, ``float32`` -> ``32-true``) carrying :func:`get_global_policy`."""
+    recipe = getattr(keras.config.dtype_policy(), RECIPE_ATTR, None)
+    if recipe is not None:
+        return recipe
+    policy = get_global_policy()
+    name = _RECIPE_OF_DTYPES.get((policy.params, policy.compute))
+    if name is None:
+        raise PolicyError(f"no recipe stores variables in {policy.params} and computes in {policy.compute}")
+    return get_recipe(name, policy=policy)
+
+
+def coerce_recipe(recipe: Recipe | str | Mapping[str, Any] | None) -> Recipe | None:
+    """A :class:`~mp_callbacks.Recipe` from a recipe, a name or its dict (None stays None)."""
+    if recipe is None or isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        return get_recipe(recipe)
+    if isinstance(recipe, Mapping):
+        return Recipe.from_dict(recipe)
+    raise TypeError(f"recipe must be a mp_callbacks.Recipe, a recipe name or its dict, not {type(recipe).__name__}")
+
+
+def optimizer_recipe(given: Recipe | None, scaler: ScalerConfig, master_weights: bool) -> Recipe:
+    """The recipe an optimizer implements: ``given`` (else :func:`get_global_recipe`) with the
+    optimizer's scaler and master choice.
+
+    A master choice the base recipe does not make picks the recipe of the same compute dtype that
+    does (``bf16-mixed`` + masters -> ``bf16-master``, ``16-master`` without -> ``16-mixed``);
+    float32 compute + masters -> ``bf16-master`` (the variables' own storage dtypes decide which
+    get a master), float32 compute without -> ``32-true``.
+    """
+    base = given if given is not None else get_global_recipe()
+    if base.master.master_weights != master_weights:
+        if not master_weights and base.policy.compute == "float32":
+            base = get_recipe("32-true")
+        else:
+            prefix = "16" if base.policy.compute == "float16" else "bf16"
+            base = get_recipe(f"{prefix}-{'master' if master_weights else 'mixed'}")
+    return base.with_scaler(scaler)
+
+
+def keep_layer_in_fp32(path: str) -> None:
+    """Add an FP32 rule for layer ``path`` to the global policy (what :func:`apply_policy` uses next).
+
+    Only when the global policy was set by :func:`set_global_policy`; a plain
+    Keras policy has no rules to extend.
+    """
+    kp = keras.config.dtype_policy()
+    policy = getattr(kp, POLICY_ATTR, None)
+    if policy is None:
+        return
+    policy = policy.with_fp32_modules(path)
+    recipe = getattr(kp, RECIPE_ATTR, None)
+    _install(policy, recipe.with_policy(policy) if recipe is not None else None)
 
 
 def _op_subject(layer: Any) -> Any:

@@ -1,0 +1,238 @@
+"""``KerasLossScaler``: the core's loss-scaler state in Keras variables.
+
+The twin of :class:`lightning_ext.torch_scaler.TorchLossScaler`.  The state
+(:class:`~mp_callbacks.scaler.ScalerState`: scale, growth tracker,
+hysteresis, counters) lives in non-trainable scalar variables created on the
+optimizer that owns this object (so they are saved, restored and mirrored
+with it) and moves only by :func:`mp_callbacks.scaler.next_state` evaluated
+with :class:`~keras_ext.keras_ops.KerasOps` (no host read inside a traced
+step).  Rules:
+
+* :meth:`transition` computes the next state; :meth:`write` assigns it, after
+  the floor reaction;
+* a floor hit (an overflow that asks for a backoff at ``min_scale``) reacts per
+  ``on_min_scale``: eagerly through the core's
+  :func:`~mp_callbacks.scaler.react_to_floor_hit`; inside a traced
+  ``tf.function`` as a ``tf.debugging.Assert`` (``"raise"``) or a ``tf.print``
+  (``"warn"``); under XLA, which has neither, only the ``floor_hits`` counter
+  records it (a warning says so when the step is compiled);
+* before :meth:`build` the counters read as the initial state.
+
+:func:`scaler_config` turns ``LossScaleOptimizer``'s arguments into a config;
+:func:`found_inf` and :func:`unscale` are the step's gradient checks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, Sequence
+
+import keras
+import numpy as np
+from keras import ops
+
+from mp_callbacks.recipes import Recipe
+from mp_callbacks.scaler import (
+    STATE_FIELDS,
+    ScaleFloorWarning,
+    ScalerConfig,
+    ScalerCounters,
+    ScalerState,
+    check_state_dict,
+    initial_state,
+    make_state_dict,
+    next_state,
+    react_to_floor_hit,
+)
+
+from .keras_ops import KERAS_OPS, dtype_name, is_tf
+
+__all__ = ["KerasLossScaler", "VARIABLE_NAMES", "found_inf", "scaler_config", "unscale"]
+
+VARIABLE_NAMES = {field: "dynamic_scale" if field == "scale" else f"scaler_{field}" for field in STATE_FIELDS}
+"""State field -> the optimizer variable's name (``dynamic_scale`` is Keras' own name for the scale)."""
+
+
+def scaler_config(scaler: ScalerConfig | str | Mapping[str, Any] | None, recipe: Recipe | None = None,
+                  initial_scale: float | None = None, dynamic_growth_steps: int | None = None) -> ScalerConfig:
+    """The scaler a ``LossScaleOptimizer``'s arguments ask for: ``scaler`` (a config, preset name or
+    dict; default: the recipe's, else the ``"keras"`` preset) with Keras' two arguments on top."""
+    if scaler is None and recipe is not None:
+        config = recipe.scaler
+    else:
+        config = ScalerConfig.coerce(scaler, default="keras")
+    overrides: dict[str, Any] = {}
+    if initial_scale is not None:
+        overrides["init_scale"] = float(initial_scale)
+    if dynamic_growth_steps is not None:
+        overrides["growth_interval"] = int(dynamic_growth_steps)
+    return config.replace(**overrides) if overrides else config
+
+
+def found_inf(grads: Sequence[Any]) -> Any:
+    """A 0-d bool: some gradient holds an inf or NaN (no host read; False for no gradients)."""
+    flags = [ops.all(ops.isfinite(_dense(g))) for g in grads if g is not None]
+    if not flags:
+        return ops.convert_to_tensor(False)
+    return ops.logical_not(ops.all(ops.stack(flags)))
+
+
+def unscale(g: Any, scale: Any) -> Any:
+    """``g / scale`` in float32 (low-precision gradients are widened first; IndexedSlices stay sparse)."""
+    if _is_sparse(g):
+        import tensorflow as tf
+
+        return tf.IndexedSlices(unscale(g.values, scale), g.indices, g.dense_shape)
+    if dtype_name(g) != "float32":
+        g = ops.cast(g, "float32")
+    return ops.divide(g, scale)
+
+
+def _is_sparse(g: Any) -> bool:
+    if not is_tf():
+        return False
+    import tensorflow as tf
+
+    return isinstance(g, tf.IndexedSlices)
+
+
+def _dense(g: Any) -> Any:
+    return g.values if _is_sparse(g) else g
+
+
+class KerasLossScaler(ScalerCounters):
+    """The scaler state of one optimizer as Keras variables, advanced by the core transition.
+
+    Args:
+      config: the :class:`~mp_callbacks.scaler.ScalerConfig`.
+    """
+
+    def __init__(self, config: ScalerConfig) -> None:
+        self.config = config
+        self._vars: dict[str, Any] = {}
+
+    # ------------------------------------------------------------ building
+    @property
+    def built(self) -> bool:
+        """True once :meth:`build` created the variables."""
+        return bool(self._vars)
+
+    def build(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """Create the state variables on ``optimizer`` (in :data:`~mp_callbacks.scaler.STATE_FIELDS` order)."""
+        init = initial_state(self.config)
+        self._vars = {
+            field: optimizer.add_variable(
+                shape=(),
+                dtype="float32" if field == "scale" else "int32",
+                initializer=keras.initializers.Constant(float(getattr(init, field))),
+                aggregation="none",
+                name=VARIABLE_NAMES[field],
+            )
+            for field in STATE_FIELDS
+        }
+
+    # ------------------------------------------------------------- reading
+    def variable(self, field: str) -> Any:
+        """The variable of a state field (None before :meth:`build`)."""
+        return self._vars.get(field)
+
+    @property
+    def state(self) -> ScalerState:
+        """The state as backend scalars (variable values; the initial state before build)."""
+        if not self._vars:
+            return initial_state(self.config, KERAS_OPS)
+        return ScalerState(*(ops.convert_to_tensor(self._vars[f]) for f in STATE_FIELDS))
+
+    def plain_state(self) -> ScalerState:
+        """The state as NumPy scalars (one host read per field)."""
+        if not self._vars:
+            return initial_state(self.config)
+        return ScalerState(*(np.asarray(ops.convert_to_numpy(self._vars[f])) for f in STATE_FIELDS))
+
+    def _counter(self, name: str) -> int:
+        if not self._vars:
+            return int(getattr(initial_state(self.config), name))
+        return int(ops.convert_to_numpy(self._vars[name]))
+
+    @property
+    def current_scale(self) -> float:
+        """The current loss scale as a Python float (one host read)."""
+        if not self._vars:
+            return float(initial_state(self.config).scale)
+        return float(ops.convert_to_numpy(self._vars["scale"]))
+
+    def scale_copy(self) -> Any:
+        """The current scale as a new tensor (eager backends may update the variable's buffer in place)."""
+        return ops.copy(self._vars["scale"].value)
+
+    # ------------------------------------------------------------ stepping
+    def transition(self, found_inf: Any) -> tuple[ScalerState, Any]:
+        """``(next state, applied)`` for this step's overflow flag (backend tensors, no host read)."""
+        old = ScalerState(*(self._vars[f].value for f in STATE_FIELDS))
+        return next_state(self.config, old, found_inf, KERAS_OPS)
+
+    def write(self, new: ScalerState) -> None:
+        """React to a floor hit of ``new`` (per ``on_min_scale``), then assign it to the variables."""
+        if self.config.on_min_scale != "clamp":
+            self._react_to_floor(ops.greater(new.floor_hits, self._vars["floor_hits"].value), new)
+        for field in STATE_FIELDS:
+            self._vars[field].assign(getattr(new, field))
+
+    def _react_to_floor(self, hit: Any, new: ScalerState) -> None:
+        if not is_tf():
+            self._react_on_host(bool(ops.convert_to_numpy(hit)), new)
+            return
+        import tensorflow as tf
+
+        if tf.executing_eagerly():
+            self._react_on_host(bool(hit), new)
+        elif _in_xla_context():
+            warnings.warn(
+                f"keras_ext.LossScaleOptimizer: on_min_scale={self.config.on_min_scale!r} cannot act inside "
+                "an XLA-compiled step (jit_compile=True); floor hits are only counted (optimizer.floor_hits)",
+                ScaleFloorWarning,
+                stacklevel=4,
+            )
+        elif self.config.on_min_scale == "raise":
+            tf.debugging.Assert(
+                tf.logical_not(hit),
+                ["keras_ext: gradients overflowed while the loss scale sits at its floor; scale =", new.scale,
+                 "min_scale =", self.config.min_scale, "step =", new.steps],
+            )
+        else:
+            tf.cond(hit, lambda: tf.print("keras_ext warning: gradients overflowed at the scale floor; scale =",
+                                          new.scale, "step =", new.steps), lambda: tf.no_op())
+
+    def _react_on_host(self, hit: bool, new: ScalerState) -> None:
+        if hit:
+            steps, scale = int(ops.convert_to_numpy(new.steps)), float(ops.convert_to_numpy(new.scale))
+            react_to_floor_hit(self.config, steps, scale, stacklevel=7)  # the caller of apply()
+
+    # --------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The versioned plain-data record of the scaler (core schema)."""
+        return make_state_dict(self.config, self.plain_state())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a mismatch raises ``StateDictError``, before build a ``ValueError``."""
+        clean = check_state_dict(self.config, state_dict)
+        if not self._vars:
+            raise ValueError(
+                "build the optimizer (optimizer.build(model.trainable_variables)) before loading its state"
+            )
+        for field in STATE_FIELDS:
+            self._vars[field].assign(clean[field])
+
+    def __repr__(self) -> str:
+        return f"KerasLossScaler(scale={self.current_scale:g}, steps={self.steps}, overflows={self.overflows})"
+
+
+def _in_xla_context() -> bool:
+    """True while tracing a function that TF compiles with XLA."""
+    try:
+        import tensorflow as tf
+        from tensorflow.python.ops import control_flow_util
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except Exception:  # pragma: no cover - TF internals moved
+        return False
