@@ -1,7 +1,8 @@
 """examples/keras_digits.py trains on scikit-learn's digits with the adapter."""
 
 import pytest
-from keras_testutil import ROOT
+
+from tests.keras.helpers.util import ROOT
 
 
 def test_keras_digits_example_runs():

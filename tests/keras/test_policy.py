@@ -1,4 +1,8 @@
-"""The core's recipes and op policy as Keras dtype policies."""
+"""keras_ext/policy.py: the core's recipes and op policy as Keras dtype policies, kept on Keras' own
+global dtype policy (no state in keras_ext)."""
+
+import importlib
+import pkgutil
 
 import numpy as np
 import pytest
@@ -7,7 +11,8 @@ import keras
 from keras import ops
 
 import keras_ext
-from mp_callbacks import PolicyError, PrecisionPolicy
+from keras_ext.policy import POLICY_ATTR, RECIPE_ATTR
+from mp_callbacks import PolicyError, PrecisionPolicy, get_recipe
 
 
 class Scale(keras.layers.Layer):
@@ -98,3 +103,41 @@ def test_policy_errors():
     with pytest.raises(PolicyError, match="expected a recipe name"):
         keras_ext.set_global_policy(3.5)
     assert keras.config.dtype_policy().name == "float32"  # failed calls change nothing
+
+
+def test_the_global_policy_rides_on_keras_own_policy_object():
+    policy = keras_ext.set_global_policy("bf16-master")
+    kp = keras.config.dtype_policy()
+    assert type(kp) is keras.DTypePolicy and kp.name == "bfloat16"
+    assert getattr(kp, POLICY_ATTR) is policy and getattr(kp, RECIPE_ATTR) == get_recipe("bf16-master")
+    assert keras_ext.get_global_policy() is policy and keras_ext.get_global_recipe().name == "bf16-master"
+    keras.config.set_dtype_policy("mixed_float16")  # Keras' own call replaces ours: derived from its dtypes
+    assert (keras_ext.get_global_policy().params, keras_ext.get_global_policy().compute) == ("float32", "float16")
+    assert keras_ext.get_global_recipe().name == "16-mixed"
+    keras_ext.set_global_policy("params=float32,compute=bfloat16,output=float32")  # a policy, no recipe named
+    assert keras_ext.get_global_recipe().name == "bf16-mixed"
+    assert keras_ext.get_global_recipe().policy is keras_ext.get_global_policy()
+
+
+def test_keras_ext_modules_keep_no_mutable_state():
+    """Module globals hold functions, classes and constants only (constants are UPPER_CASE)."""
+    for info in pkgutil.iter_modules(keras_ext.__path__):
+        module = importlib.import_module(f"keras_ext.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, (dict, list, set)) and not name.startswith("__"):
+                assert name.lstrip("_").isupper(), f"keras_ext.{info.name}.{name}"
+
+
+def test_a_model_built_under_the_global_policy_saves_and_loads_in_safe_mode(tmp_path):
+    keras_ext.set_global_policy("16-mixed")
+    model = keras_ext.apply_policy(keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="d"),
+                                                     keras.layers.Dense(2, name="head")]))
+    model.compile(keras_ext.LossScaleOptimizer(keras.optimizers.SGD()), "mse")
+    model.optimizer.build(model.trainable_variables)
+    assert model.get_layer("d").dtype_policy.name == "mixed_float16"
+    path = tmp_path / "m.keras"
+    model.save(path)
+    keras.config.set_dtype_policy("float32")
+    loaded = keras.models.load_model(path, safe_mode=True)
+    assert [l.dtype_policy.name for l in loaded.layers] == ["mixed_float16", "float32"]
+    assert isinstance(loaded.optimizer, keras_ext.LossScaleOptimizer)

@@ -1,4 +1,5 @@
-"""model.save / keras.models.load_model(safe_mode=True) mid-training, then continue."""
+"""model.save / keras.models.load_model(safe_mode=True) mid-training, then continue (optimizer,
+scaler state and master weights together)."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import keras
 from keras import ops
 
 import keras_ext
-from parity_script import make_data
+from tests.keras.helpers.stock_parity import make_data
 
 
 def _make(master):

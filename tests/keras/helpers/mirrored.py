@@ -1,4 +1,5 @@
-"""Run by tests/keras/test_keras_distributed.py in a fresh process (TF must not be initialized).
+"""Run by tests/keras/test_optimizer.py in a fresh process (TF must not be initialized):
+``python -m tests.keras.helpers.mirrored ours fit fit_master``.
 
 Splits the CPU into 2 logical devices, trains a tiny model under
 MirroredStrategy with a custom loop where only replica 1's batch overflows at
@@ -20,7 +21,6 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import keras  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import keras_ext  # noqa: E402
 
 BAD_STEPS = {1, 4}

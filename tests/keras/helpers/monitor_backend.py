@@ -1,19 +1,17 @@
-"""Run by test_keras_monitor.py in a fresh process (KERAS_BACKEND chosen by the caller): the monitor's
-scaler series, attribution and auto-fallback on that backend; prints one JSON line."""
+"""Run by tests/keras/test_monitor.py in a fresh process (KERAS_BACKEND chosen by the caller): the
+monitor's scaler series, attribution and auto-fallback on that backend; prints one JSON line.
+``python -m tests.keras.helpers.monitor_backend``."""
 
 import json
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import keras  # noqa: E402
 
 import keras_ext  # noqa: E402
-from keras_monitor_models import Amplify, RecordLogs, compile_scaled, fit, tiny_regressor  # noqa: E402
 from mp_callbacks.monitor_helpers import expected_series, series_from_rows  # noqa: E402
+from tests.keras.helpers.models import Amplify, RecordLogs, compile_scaled, fit, tiny_regressor  # noqa: E402
 
 
 def main() -> None:

@@ -1,25 +1,20 @@
-"""Shared by the parity tests: the same fit run with stock Keras' LossScaleOptimizer
-and with keras_ext's, with overflows injected at chosen batches.
+"""The same fit run with stock Keras' LossScaleOptimizer and with keras_ext's, with overflows
+injected at chosen batches (tests/keras/test_optimizer.py compares them).
 
-Importable (the TensorFlow test calls :func:`compare` in-process) and runnable
-(``python parity_script.py`` prints one JSON line; the torch test runs it with
-``KERAS_BACKEND=torch`` in a fresh process, since the backend is fixed at import).
+Importable (:func:`compare`) and runnable (``python -m tests.keras.helpers.stock_parity``
+prints one JSON line).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import keras
+from keras import ops
 
-import keras  # noqa: E402
-from keras import ops  # noqa: E402
-
-import keras_ext  # noqa: E402
+import keras_ext
 
 BATCH = 4
 BAD_BATCHES = (2, 3, 9, 13)  # a sample of 1e20 makes the scaled loss and gradients inf
