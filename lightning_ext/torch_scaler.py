@@ -210,7 +210,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
 
         A scalar loss is also remembered as finite or not (a device flag) for the divergence rule.
         """
-        if isinstance(outputs, Tensor) and outputs.numel() == 1:
+        if self.divergence.active and isinstance(outputs, Tensor) and outputs.numel() == 1:
             self._loss_finite = torch.isfinite(outputs.detach()).reshape(())
         if not self.config.enabled:
             return outputs

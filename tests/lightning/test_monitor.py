@@ -281,10 +281,15 @@ def test_update_swamping_fraction(recipe, expected):
     monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     model = OnesLinear(lr=1e-5)
     scaler = {"init_scale": 2.0**8} if recipe == "16-mixed" else None  # 2**16 * grad 1 overflows fp16
-    _fit(model, MixedPrecision(recipe, scaler=scaler), monitor, 3, data=ones_loader())
+    plugin = MixedPrecision(recipe, scaler=scaler)
+    _fit(model, plugin, monitor, 3, data=ones_loader())
     assert monitor.history.series("update_swamped_frac") == [expected] * 3
     if recipe == "bf16-master":  # the masters kept what the bf16 weights lost
         assert torch.all(model.lin.weight == 1.0)
+        master = plugin.master_state_dict()["lin.weight"]
+        assert master.dtype == torch.float32 and torch.all(master < 1.0)
+        # three SGD updates of lr * grad = 1e-5 each, accumulated in FP32
+        assert torch.allclose(1.0 - master, torch.full_like(master, 3e-5), rtol=0.05)
 
 
 def test_underflow_fraction_rises_as_the_scale_drops():

@@ -8,6 +8,26 @@ from lx_models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 from lightning_ext.compare import state_bytes
+from mp_callbacks.master import bytes_per_param
+
+
+@pytest.fixture
+def every_finite_check(monkeypatch):
+    """Counts every way torch looks for inf/NaN: the fused kernel, isfinite/isinf/isnan (functions and methods)."""
+    calls = []
+
+    def counting(original):
+        def wrapper(*args, **kwargs):
+            calls.append(original.__name__)
+            return original(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
+                        counting(torch._amp_foreach_non_finite_check_and_unscale_))
+    for name in ("isfinite", "isinf", "isnan"):
+        monkeypatch.setattr(torch, name, counting(getattr(torch, name)))
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+    return calls
 
 
 @pytest.fixture
@@ -40,12 +60,12 @@ def test_scaling_off_still_skips_nonfinite_steps_by_default(recipe, check_calls)
 
 
 @pytest.mark.parametrize("recipe", ["bf16-mixed", "bf16-master", "32-true"])
-def test_opting_out_does_not_look_at_gradients(recipe, check_calls):
-    plugin = MixedPrecision(recipe, scaler=NO_SKIP)
+def test_opting_out_does_not_look_at_gradients(recipe, every_finite_check):
+    plugin = MixedPrecision(recipe, scaler=NO_SKIP, divergence=False)
     assert plugin.checks_overflow is False and not plugin.can_skip
     model = TinyRegressor(inf_steps={2})
     pl.Trainer(plugins=[plugin], max_steps=5, **trainer_kwargs()).fit(model, loader())
-    assert check_calls == []
+    assert every_finite_check == []
     view = plugin.loss_scaler
     assert (view.steps, view.overflows, view.skipped) == (5, 0, 0)  # the inf step was applied, not counted
 
@@ -164,3 +184,31 @@ def test_runner_takes_an_optimizer_factory():
     module, recorder = fit_once(MixedPrecision("bf16-master"), spec, optimizer=sgd)
     assert made == [spec.lr] and len(recorder.times) == 3
     assert isinstance(module.configure_optimizers(), torch.optim.SGD)
+
+
+def test_bytes_at_the_end_of_backward_and_after_the_grad_copy():
+    """bf16-master + AdamW: 16 B/param at the end of the backward (bf16 weights and grads, FP32 masters and
+    m, v), 18 right after the grads move onto the masters (FP32 grads while the bf16 weights are still held:
+    the estimator's figure with the weights kept), 16 inside the step (weights released)."""
+    plugin = MixedPrecision("bf16-master")
+    model = _adamw_model()
+    after_backward, after_copy = [], []
+    original = plugin.masters.grads_to_masters
+
+    def copying(entries):
+        original(entries)
+        after_copy.append(state_bytes(model, trainer.optimizers[0]))
+
+    plugin.masters.grads_to_masters = copying
+
+    class Backward(pl.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            after_backward.append(state_bytes(pl_module, trainer.optimizers[0]))
+
+    watch = _Watch()
+    trainer = pl.Trainer(plugins=[plugin], callbacks=[Backward(), watch], max_steps=3, **trainer_kwargs())
+    trainer.fit(model, loader(dim=32))
+    n = sum(p.numel() for p in model.parameters())
+    assert after_backward[1:] == [16 * n, 16 * n]  # from the second step on the Adam slots exist
+    assert after_copy[1:] == [18 * n, 18 * n] and watch.state[1:] == [16 * n, 16 * n]
+    assert bytes_per_param(plugin.recipe.master, "adamw", fp32_master_grads=True) == 18.0
