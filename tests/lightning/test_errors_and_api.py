@@ -54,19 +54,29 @@ def test_lbfgs_runs_under_32_true():
     assert trainer.global_step == 2
 
 
-def test_unsupported_strategies_name_the_alternative():
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+class ShardedRegressor(TinyRegressor):
+    def configure_model(self):  # what ModelParallelStrategy asks for (the user would fully_shard here)
+        pass
 
-    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*precision='bf16-mixed'"):
-        check_strategy(FSDPStrategy())
+
+def test_unsupported_strategies_are_refused_through_the_trainer():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    trainer = pl.Trainer(plugins=[MixedPrecision("bf16-mixed")], strategy=ModelParallelStrategy(), max_steps=1,
+                         **trainer_kwargs())
+    with pytest.raises(MisconfigurationException, match="ModelParallelStrategy.*FSDP2 MixedPrecisionPolicy"):
+        trainer.fit(ShardedRegressor(), loader())
 
     class DeepSpeedStrategy(DDPStrategy):  # stands in for lightning's (deepspeed is not installed)
         pass
 
+    trainer = pl.Trainer(plugins=[MixedPrecision("16-mixed")], strategy=DeepSpeedStrategy(), max_steps=1,
+                         **trainer_kwargs())
     with pytest.raises(MisconfigurationException, match="DeepSpeedStrategy.*DeepSpeed's own fp16/bf16"):
-        check_strategy(DeepSpeedStrategy())
-    check_strategy(SingleDeviceStrategy("cpu"))
-    check_strategy(DDPStrategy())
+        trainer.fit(TinyRegressor(), loader())
+    # FSDP (FSDP1) refuses the CPU itself; the plugin's message is checked on the object
+    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*precision='bf16-mixed'"):
+        check_strategy(FSDPStrategy())
 
 
 def test_scale_floor_raise_names_step_and_scale():
