@@ -1,12 +1,12 @@
 """Plugin state in Lightning checkpoints: plain data, safe to load, resumes bit-for-bit."""
 
+import itertools
+
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
-from lx_models import TinyRegressor, loader, params_of, trainer_kwargs
-
-import itertools
+from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 from lightning_ext import MixedPrecision
 from mp_callbacks import StateDictError
@@ -144,3 +144,17 @@ def test_recipe_change_on_resume(tmp_path, saved, resumed):
     scaler = trainer.precision_plugin.loss_scaler
     assert scaler.steps == 8 and scaler.skipped >= 1
     assert scaler.skipped == 1 or (resumed.startswith("16") and scaler.get_scale() < 2.0**16)
+
+
+def test_checkpointed_fp32_rule_is_restored(tmp_path):
+    model = TinyRegressor(norm=True)
+    plugin = MixedPrecision("16-mixed")
+    trainer = pl.Trainer(plugins=[plugin], max_steps=2, **trainer_kwargs())
+    trainer.fit(model, loader())
+    plugin.keep_in_fp32("net.0")
+    path = tmp_path / "k.ckpt"
+    trainer.save_checkpoint(path)
+    fresh = MixedPrecision("16-mixed")
+    model2 = TinyRegressor(norm=True)
+    pl.Trainer(plugins=[fresh], max_steps=3, **trainer_kwargs()).fit(model2, loader(), ckpt_path=path)
+    assert ("net.0", "float32") in fresh.policy.module_rules

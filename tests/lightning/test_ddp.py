@@ -2,7 +2,7 @@
 
 import lightning.pytorch as pl
 import torch
-from lx_models import SaveRankState, TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.models import SaveRankState, TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
 

@@ -3,7 +3,7 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-from lx_models import TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
 from mp_callbacks.meters import DivergenceError

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
-from lx_models import TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
 

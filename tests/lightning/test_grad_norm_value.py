@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from lx_models import TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lx_models import TinyRegressor, loader, trainer_kwargs
-from monitor_models import (
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.monitor_models import (
     AMPLIFY_FP16,
     AmplifiedRegressor,
     OnesLinear,
@@ -351,7 +351,7 @@ def test_accumulation_and_manual_optimization_count_optimizer_steps():
     _fit(TinyRegressor(inf_steps={1}), plugin, monitor, 4, accumulate_grad_batches=2)
     assert [(s.step, s.overflow) for s in monitor.history] == [(1, False), (2, True), (3, False), (4, False)]
 
-    from test_skip_semantics import TwoOptimizers
+    from tests.lightning.test_skip_semantics import TwoOptimizers
 
     monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=1)
     plugin = MixedPrecision("16-mixed", scaler={"init_scale": 2.0**8})
@@ -385,7 +385,7 @@ def test_ddp_ranks_blame_and_move_the_same_module(tmp_path):
 
     Rank 0 finds no local culprit (its grads turn NaN only in DDP's all-reduce) and takes rank 1's.
     """
-    from monitor_models import SaveMonitorState
+    from tests.lightning.helpers.monitor_models import SaveMonitorState
 
     monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50, auto_fallback_after=2)
     trainer = pl.Trainer(

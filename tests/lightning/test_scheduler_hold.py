@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
-from lx_models import TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
 

@@ -4,7 +4,7 @@ and ``*-master`` weights released while the optimizer updates the masters."""
 import lightning.pytorch as pl
 import pytest
 import torch
-from lx_models import TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 from lightning_ext.compare import state_bytes

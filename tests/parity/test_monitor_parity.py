@@ -12,18 +12,11 @@ frameworks) is blamed on that layer by both monitors, on every step.
 """
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = Path(__file__).resolve().parent
-for sub in ("lightning", "keras"):
-    if str(HERE.parent / sub) not in sys.path:
-        sys.path.insert(0, str(HERE.parent / sub))
-
 pl = pytest.importorskip("lightning.pytorch")
 keras = pytest.importorskip("keras")
 
@@ -39,7 +32,7 @@ def _lightning_run():
 
     import torch
     from lightning.pytorch.loggers import CSVLogger  # noqa: F401  (same import path as the Lightning tests)
-    from lx_models import TinyRegressor, loader, trainer_kwargs
+    from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
     from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 
@@ -53,7 +46,7 @@ def _lightning_run():
 
 
 def _keras_run(config):
-    from keras_monitor_models import RecordLogs, compile_scaled, fit, tiny_regressor
+    from tests.keras.helpers.models import RecordLogs, compile_scaled, fit, tiny_regressor
 
     from keras_ext import MixedPrecisionMonitor
 
@@ -90,8 +83,8 @@ def _lightning_blame(steps):
     from collections import OrderedDict
 
     import torch
-    from lx_models import loader, trainer_kwargs
-    from monitor_models import AMPLIFY_FP16, Amplify, AmplifiedRegressor
+    from tests.lightning.helpers.models import loader, trainer_kwargs
+    from tests.lightning.helpers.monitor_models import AMPLIFY_FP16, Amplify, AmplifiedRegressor
     from torch import nn
 
     from lightning_ext import MixedPrecision, MixedPrecisionMonitor
@@ -108,7 +101,7 @@ def _lightning_blame(steps):
 
 
 def _keras_blame(steps):
-    from keras_monitor_models import Amplify, compile_scaled, fit
+    from tests.keras.helpers.models import Amplify, compile_scaled, fit
 
     from keras_ext import MixedPrecisionMonitor
 

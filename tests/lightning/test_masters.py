@@ -1,9 +1,10 @@
-"""``bf16-master`` keeps learning where pure bf16 stalls (swamping), and the op policy holds."""
+"""Master weights: ``bf16-master`` keeps learning where pure bf16 stalls (swamping), the op policy holds,
+and a later fit starts from the weights the user set."""
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lx_models import trainer_kwargs
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -137,3 +138,19 @@ def test_policy_module_rule_overrides():
     pl.Trainer(plugins=[plugin], max_steps=1, **trainer_kwargs()).fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
     assert model.head.weight.dtype == torch.float32 and model.lin.weight.dtype == torch.bfloat16
     assert set(plugin.master_state_dict()) == {"lin.weight", "lin.bias"}
+
+
+def test_refit_uses_the_weights_the_user_set_not_stale_masters():
+    model = TinyRegressor()
+    plugin = MixedPrecision("bf16-master")
+    pl.Trainer(plugins=[plugin], max_steps=2, **trainer_kwargs()).fit(model, loader())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.5)
+    plugin_masters_before = {k: v.clone() for k, v in plugin.master_state_dict().items()}
+    trainer = pl.Trainer(plugins=[plugin], max_steps=1, **trainer_kwargs())
+    model.lr = 0.0  # no movement: the weights must stay the user's 0.5
+    trainer.fit(model, loader())
+    for name, p in model.named_parameters():
+        assert torch.all(p.float() == 0.5), name
+    assert any(not torch.equal(v, plugin.master_state_dict()[k]) for k, v in plugin_masters_before.items())
