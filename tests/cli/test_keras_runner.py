@@ -1,38 +1,65 @@
-"""keras_ext.compare: the Keras runner of ``mpx compare`` (in-process, and on the torch backend)."""
+"""keras_ext/compare.py: the Keras runner of ``mpx compare`` (in-process, and on the torch backend)."""
 
+import functools
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from keras_testutil import ROOT
 
-import keras
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+keras = pytest.importorskip("keras")
 
-import keras_ext
-from keras_ext import compare as kc
-from mp_callbacks.compare import RunSpec
+import keras_ext  # noqa: E402
+from keras_ext import compare as kc  # noqa: E402
+from mp_callbacks.compare import RunSpec  # noqa: E402
 
-SPEC = RunSpec(steps=10, batch_size=16, hidden=24, depth=2, inject=(3,))
+from .baseline import check_against_baseline  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+# Long enough to learn (lr 1e-2), so that each recipe can be compared with the 32-true run.
+SPEC = RunSpec(steps=30, batch_size=16, hidden=24, depth=2, inject=(3,), lr=1e-2)
 PARAMS = 64 * 24 + 24 + 24 * 24 + 24 + 24 * 10 + 10
+
+
+@pytest.fixture(autouse=True)
+def _float32_global_policy():
+    """Every test starts and ends with Keras' float32 global policy."""
+    keras.config.set_dtype_policy("float32")
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+@functools.lru_cache(maxsize=None)
+def _run(recipe: str):
+    keras.config.set_dtype_policy("float32")
+    return kc.run(recipe, SPEC)
 
 
 @pytest.mark.parametrize("recipe", ["16-mixed", "bf16-master"])
 def test_run_measures_and_skips(recipe):
-    result = kc.run(recipe, SPEC)
+    result = _run(recipe)
     assert result.framework == "keras" and result.recipe == recipe and result.params == PARAMS
     assert result.overflows == 1 and result.skipped == 1
     assert len(result.history) == SPEC.steps
     assert [s.step for s in result.history if s.overflow] == [3]
     assert result.history[3].skipped_total == 1 and not np.isfinite(result.history[3].loss)
-    assert np.isfinite(result.final_loss) and 0.0 <= result.accuracy <= 1.0
     assert result.step_time_ms > 0 and result.samples_per_s > 0
     # Measured = estimate: weights + one grad per trainable (FP32 on masters) + FP32 masters + Adam m, v.
     assert result.state_bytes_per_param == pytest.approx(result.estimate_bytes_per_param)
     if recipe == "16-mixed":  # torch preset: the overflow step ran at 2**16, then backed off
         assert result.history[3].scale == 2.0**16 and result.history[4].scale == 2.0**15
+
+
+@pytest.mark.parametrize("recipe", ["16-mixed", pytest.param("bf16-master", marks=pytest.mark.xfail(
+    strict=True, reason="keras_ext.compare starts *-master runs from other initial weights than 32-true "
+                        "(tests/cli/test_runners_same_start.py); here that moves accuracy by ~0.28"))])
+def test_run_trains_like_32_true(recipe):
+    check_against_baseline(_run(recipe).row(), _run("32-true").row())
 
 
 def test_state_bytes_counts_masters_and_slots():
@@ -72,7 +99,7 @@ def test_runner_on_torch_backend():
         "import json, keras\n"
         "from keras_ext.compare import run\n"
         "from mp_callbacks.compare import RunSpec\n"
-        "spec = RunSpec(steps=8, batch_size=16, hidden=16, depth=1, inject=(2,))\n"
+        "spec = RunSpec(steps=30, batch_size=16, hidden=16, depth=1, inject=(2,), lr=1e-2)\n"
         "rows = [run(r, spec).row() for r in ('32-true', '16-mixed', 'bf16-master')]\n"
         "print(json.dumps({'backend': keras.backend.backend(), 'rows': rows}))\n"
     )
@@ -82,7 +109,8 @@ def test_runner_on_torch_backend():
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     assert data["backend"] == "torch"
+    rows = {row["recipe"]: row for row in data["rows"]}
     for row in data["rows"]:
         assert row["overflows"] == 1 and row["skipped"] == 1, row
-        assert np.isfinite(row["final_loss"])
+        check_against_baseline(row, rows["32-true"])
         assert row["state_bytes_per_param"] == pytest.approx(row["estimate_bytes_per_param"])

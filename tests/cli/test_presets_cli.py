@@ -1,18 +1,75 @@
-"""The core demo runs and bad flags get a clear message."""
+"""``python -m mp_callbacks presets``: the preset trajectories and the recipes table obey the rules they
+print, and bad flags get a clear message."""
 
+import math
+import re
 import subprocess
 import sys
+
+import pytest
+
+from mp_callbacks import ScalerConfig
+from mp_callbacks.recipes import RECIPE_NAMES
+from mp_callbacks.scaler import PRESETS
+
+STEPS, INTERVAL = 400, 20
 
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "mp_callbacks", *args], capture_output=True, text=True)
 
 
-def test_demo_prints_every_preset_and_recipe():
-    out = _run("presets", "--steps", "400", "--growth-interval", "20")
+@pytest.fixture(scope="module")
+def output():
+    out = _run("presets", "--steps", str(STEPS), "--growth-interval", str(INTERVAL))
     assert out.returncode == 0, out.stderr
-    for name in ("torch", "keras", "tf-keras", "megatron", "deepspeed", "apex", "jmp", "bf16-master"):
-        assert name in out.stdout
+    return out.stdout
+
+
+def _rows(text: str, names) -> dict:
+    rows = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] in names and parts[0] not in rows:
+            rows[parts[0]] = parts
+    return rows
+
+
+def test_every_preset_skips_every_overflow_within_its_bounds(output):
+    injected = int(re.search(r"over %d steps, (\d+) injected overflows" % STEPS, output).group(1))
+    assert injected >= 8  # the pattern holds a burst of 8 overflows in the middle
+    rows = _rows(output, PRESETS)
+    assert list(rows) == list(PRESETS)
+    log2 = {}
+    for name, parts in rows.items():
+        config = ScalerConfig.preset(name)
+        init, final, low, high = (int(p.removeprefix("2^")) for p in parts[1:5])
+        skipped, growths = int(parts[5]), int(parts[6])
+        assert skipped == injected, name  # every overflow is skipped, by every preset
+        assert init == math.log2(config.init_scale), name
+        assert low <= min(init, final) and max(init, final) <= high, name
+        assert math.log2(config.min_scale) <= low and high <= math.log2(config.max_scale), name
+        assert 0 < growths <= STEPS // INTERVAL, name  # at most one growth per interval of clean steps
+        log2[name] = (init, final, high)
+    # apex caps at 2**24 and reaches it; the others have no binding cap here
+    assert log2["apex"][2] == 24
+    # presets sharing a rule (factor 2, backoff 1/2, no binding floor or cap) move alike from their init
+    same_rule = [log2[n][1] - log2[n][0] for n in ("torch", "keras", "tf-keras", "jmp")]
+    assert len(set(same_rule)) == 1
+    assert log2["megatron"][1] - log2["megatron"][0] == log2["deepspeed"][1] - log2["deepspeed"][0]
+    # hysteresis 2 (megatron, deepspeed) backs off less on the same pattern than hysteresis 1 (torch)
+    assert log2["megatron"][1] - log2["megatron"][0] > same_rule[0]
+
+
+def test_recipes_table(output):
+    rows = _rows(output.split("Recipes")[1], RECIPE_NAMES)
+    assert list(rows) == list(RECIPE_NAMES)
+    for name, (_, params, compute, masters, scaling, per_param) in rows.items():
+        assert masters == str(name.endswith("-master")), name
+        assert scaling == ("dynamic" if name.startswith("16-") else "off"), name
+        assert params == ("float32" if not name.endswith("-master") else compute), name
+        # AdamW: 4 weight + 4 grad + 8 (m, v) for FP32 params; 2 + 2 + 4 master + 8 with masters
+        assert int(per_param) == (4 + 4 + 8 if params == "float32" else 2 + 2 + 4 + 8), name
 
 
 def test_bad_flags_are_named():
