@@ -138,8 +138,14 @@ def test_state_dict_round_trip_continues_identically(config, prefix, suffix):
         assert a.state_dict() == b.state_dict()
 
 
-def test_disabled_scaler_never_skips_and_counts_overflows():
+def test_disabled_scaler_skips_nonfinite_steps_by_default_and_counts_overflows():
     s = DynamicLossScaler(ScalerConfig(enabled=False))
+    assert [s.update(f) for f in (True, False, True)] == [False, True, False]
+    assert (s.scale, s.overflows, s.skipped, s.growths, s.floor_hits) == (1.0, 2, 2, 0, 0)
+
+
+def test_disabled_scaler_without_skip_nonfinite_never_skips_and_counts_overflows():
+    s = DynamicLossScaler(ScalerConfig(enabled=False, skip_nonfinite=False))
     assert [s.update(f) for f in (True, False, True)] == [True, True, True]
     assert (s.scale, s.overflows, s.skipped) == (1.0, 2, 0)
 

@@ -1,11 +1,12 @@
 """The core transition evaluated with ``keras.ops`` (:data:`keras_ext.KERAS_OPS`) equals the NumPy reference.
 
-The Keras twin of ``test_torch_ops_match_the_numpy_reference`` (tests/lightning/test_errors_and_api.py):
-every configuration branch of :func:`mp_callbacks.scaler.next_state` (hysteresis > 1,
-consecutive hysteresis, the ``max_scale`` cap, a growth candidate that overflows float32,
-the ``min_scale`` floor under every ``on_min_scale`` value, ``dynamic=False``,
-``enabled=False``) is stepped over 300-step random overflow patterns eagerly, inside
-``tf.function`` and inside ``tf.function(jit_compile=True)``, and the state is compared with the
+The Keras twin of the Lightning test that checks ``TorchOps`` against the reference
+(``test_torch_ops_match_the_numpy_reference``): every configuration branch of
+:func:`mp_callbacks.scaler.next_state` (hysteresis > 1, consecutive hysteresis, the ``max_scale``
+cap, a growth candidate that overflows float32, the ``min_scale`` floor under every
+``on_min_scale`` value, ``dynamic=False``, ``enabled=False`` with and without ``skip_nonfinite``)
+is stepped over 300-step random overflow patterns eagerly, inside ``tf.function`` and inside
+``tf.function(jit_compile=True)``, and the state is compared with the
 NumPy reference (``NUMPY_OPS``, what :class:`DynamicLossScaler` steps) field by field, bit for
 bit, after every step.
 
@@ -53,7 +54,8 @@ CONFIGS = {
     "inf_candidate": (ScalerConfig(init_scale=2.0**124, growth_factor=4.0, growth_interval=1), (0.5, 0.1)),
     "tiny_floor": (ScalerConfig(init_scale=2.0**-124, growth_interval=2), (0.8, 0.3)),  # backoff goes subnormal
     "static": (ScalerConfig(init_scale=128.0, dynamic=False, growth_interval=1), (0.5, 0.1)),
-    "disabled": (ScalerConfig(enabled=False), (0.5, 0.1)),
+    "disabled": (ScalerConfig(enabled=False), (0.5, 0.1)),  # skip_nonfinite (default): skips, never scales
+    "disabled_no_skip": (ScalerConfig(enabled=False, skip_nonfinite=False), (0.5, 0.1)),  # applies every step
 }
 NAMES = sorted(CONFIGS)
 
@@ -204,6 +206,11 @@ def test_configs_exercise_their_branches():
     assert (fields["skipped"][:, -1] == flags.sum(axis=1)).all() and flags.sum(axis=1).min() > 0
     assert (fields["growths"] == 0).all() and (fields["floor_hits"] == 0).all()
     config, flags, fields, applied, _ = run("disabled")
+    assert (fields["scale"] == 1.0).all() and (applied == ~flags).all()
+    assert (fields["overflows"][:, -1] == fields["skipped"][:, -1]).all()
+    assert (fields["skipped"][:, -1] == flags.sum(axis=1)).all() and flags.sum(axis=1).min() > 0
+    assert (fields["growths"] == 0).all() and (fields["floor_hits"] == 0).all()
+    config, flags, fields, applied, _ = run("disabled_no_skip")
     assert (fields["scale"] == 1.0).all() and applied.all()
     assert (fields["overflows"][:, -1] == flags.sum(axis=1)).all() and (fields["skipped"] == 0).all()
 
