@@ -30,7 +30,7 @@ is blamed through parameter gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Optional
 
 import keras
 from keras import ops
@@ -41,17 +41,6 @@ from .policy import _own_variables, _walk
 from .keras_ops import is_tf
 
 __all__ = ["LayerAttribution"]
-
-
-def _flatten(value: Any) -> Iterator[Any]:
-    if isinstance(value, Mapping):
-        for v in value.values():
-            yield from _flatten(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flatten(v)
-    elif value is not None:
-        yield value
 
 
 def _is_float_tensor(x: Any) -> bool:
@@ -187,7 +176,7 @@ class LayerAttribution:
             if is_tf():
                 args, kwargs = _watch_inputs((args, kwargs), path, trace)
             out = original(*args, **kwargs)
-            probe = _probe(_flatten(out))
+            probe = _probe(iter(keras.tree.flatten(out)))
             if probe is not None:
                 trace.forward.append((path, probe))
             return out

@@ -50,7 +50,7 @@ from mp_callbacks.compare import (
     PeakRSS, RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for,
 )
 from mp_callbacks.diagnostics import History, StepStats
-from mp_callbacks.master import estimate_memory
+from mp_callbacks.master import estimate_memory, is_optimizer_state
 from mp_callbacks.recipes import get_recipe
 
 from . import policy as _policy
@@ -100,7 +100,7 @@ def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> in
     for m in masters:
         add(m)
     for v in inner.variables:
-        if len(v.shape) > 0:  # iterations, learning rate: not per parameter
+        if is_optimizer_state(v.shape):  # not iterations, learning rate
             add(v)
     return total
 
@@ -137,13 +137,10 @@ def set_threads(threads: int) -> None:
 def graph_options() -> Iterator[None]:
     """TensorFlow backend: turn off Grappler's remapper for the run (restored afterwards).
 
-    The remapper fuses ``MatMul + BiasAdd (+ Relu)`` into one fused kernel; in
-    float16 on x86 CPUs that kernel takes a slow path, about 100x slower than
-    float32 (measured with TF 2.21 on a Xeon with AMX-BF16: a 16-mixed step of a
-    2x512 MLP took ~700 ms instead of ~5 ms), while the unfused float16 ops are
-    as fast as float32.  The option is off for every
-    recipe, so all of them run with the same graph optimizations; at the sizes of
-    ``mpx compare`` it changes float32/bfloat16 step times within noise.
+    The remapper fuses ``MatMul + BiasAdd (+ Relu)`` into one kernel whose
+    float16 version takes a slow path on x86 CPUs, while the unfused float16 ops
+    do not (figures: ``benchmarks/README.md``).  The option is off for every
+    recipe, so all of them run with the same graph optimizations.
     """
     if keras.backend.backend() != "tensorflow":
         yield

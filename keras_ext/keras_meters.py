@@ -110,15 +110,10 @@ def _pow2_floor(a: Any) -> Any:
 
 def swamped_counts(weights: Iterable[Any], updates: Iterable[Any], storages: str | Iterable[str],
                    samples: int | None = None) -> tuple[Any, Any]:
-    """``(lost, nonzero)`` counts of the swamping rule (no sync).
-
-    Args:
-      weights: the weights before the step (any float dtype).
-      updates: the applied updates (``after - before``), same shapes.
-      storages: one storage dtype name for all, or one per weight.
-      samples: elements read per tensor (:func:`sample`, the same ones of a
-        weight and its update); the monitor passes tensors it already sampled.
-    """
+    """``(lost, nonzero)`` counts of the swamping rule (no sync) for ``weights`` as they were before
+    the step and the ``updates`` applied to them (``after - before``); ``storages`` is one dtype name
+    for all or one per weight; ``samples`` picks the same elements of a weight and its update
+    (:func:`sample`; :class:`SwampMeter` passes tensors it already sampled)."""
     weights = [sample(w, samples) for w in weights]
     updates = [sample(d, samples) for d in updates]
     storages = [storages] * len(weights) if isinstance(storages, str) else list(storages)

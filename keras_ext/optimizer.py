@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import keras
 from keras import ops
 
+from mp_callbacks.diagnostics import OVERFLOW, StepStats
 from mp_callbacks.monitor import MonitorPort
 from mp_callbacks.recipes import Recipe, get_recipe
 from mp_callbacks.scaler import ScalerConfig, ScalerCounters, ScalerState
@@ -178,7 +179,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         return self._scaler.state
 
     def _counter(self, field: str) -> int:
-        return self._scaler._counter(field)
+        return getattr(self._scaler, field)
 
     @property
     def current_scale(self) -> float:
@@ -191,15 +192,10 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         return self._masters.variables
 
     def scaler_metrics(self) -> dict[str, float]:
-        """The shared diagnostics names (``mp/scale``, ``mp/overflows_total``...) -> values (host read)."""
-        from mp_callbacks import diagnostics as d
-
-        return {
-            d.SCALE: self.current_scale,
-            d.OVERFLOWS_TOTAL: float(self.overflows),
-            d.SKIPPED_TOTAL: float(self.skipped),
-            d.GROWTHS_TOTAL: float(self.growths),
-        }
+        """The shared names of the scale and the counters (``mp/scale``, ``mp/overflows_total``...) -> values."""
+        stats = StepStats.from_counts(self.steps, self.current_scale, False, self.overflows, self.skipped,
+                                      self.growths)
+        return {k: v for k, v in stats.metrics().items() if k != OVERFLOW}
 
     def scaler_state_dict(self) -> dict[str, Any]:
         """The versioned plain-data record of the scaler (core schema)."""

@@ -32,18 +32,8 @@ import numpy as np
 from keras import ops
 
 from mp_callbacks.recipes import Recipe
-from mp_callbacks.scaler import (
-    STATE_FIELDS,
-    ScaleFloorWarning,
-    ScalerConfig,
-    ScalerCounters,
-    ScalerState,
-    check_state_dict,
-    initial_state,
-    make_state_dict,
-    next_state,
-    react_to_floor_hit,
-)
+from mp_callbacks.scaler import STATE_FIELDS, ScaleFloorWarning, ScalerConfig, ScalerCounters, ScalerState
+from mp_callbacks.scaler import check_state_dict, initial_state, make_state_dict, next_state, react_to_floor_hit
 
 from .keras_ops import KERAS_OPS, dtype_name, is_tf
 

@@ -62,7 +62,8 @@ def test_floor_hits_raise_warn_or_are_only_counted_eagerly():
                     _step(scaler, True)
             else:
                 _step(scaler, True)
-        assert [w.category for w in seen] == ([ScaleFloorWarning] if on_min_scale == "warn" else [])
+        floor_warnings = [w for w in seen if issubclass(w.category, ScaleFloorWarning)]
+        assert len(floor_warnings) == (1 if on_min_scale == "warn" else 0)
         if on_min_scale != "raise":
             assert scaler.floor_hits == 1 and scaler.current_scale == 1.0
 
