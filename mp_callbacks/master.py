@@ -22,6 +22,16 @@ weights during the step (they are rebuilt from the masters after it), so an
 adapter may release them for its duration (the Lightning plugin does):
 ``weights_released=True`` counts them as 0 at the step, 4 + 4 + 4 + 4 = 16
 B/param for AdamW, the same peak as the end of the backward pass.
+
+Update rounding without masters (``bf16-kahan``, ``bf16-sr``,
+:mod:`mp_callbacks.rounding`): weights and gradients stay in the storage
+dtype, ``bf16-kahan`` adds a compensation buffer in the storage dtype, the
+optimizer states are FP32 (``state_dtype="bfloat16"`` halves them).  AdamW:
+``bf16-kahan`` 2 + 2 + 2 + 8 = 14 B/param, ``bf16-sr`` 2 + 2 + 8 = 12; with
+bf16 states 10 and 8.  The optimizer updates one parameter at a time on an
+FP32 copy of it, so beyond these figures a step holds the FP32 temporaries
+of one parameter (like the optimizer's own per-parameter temporaries, not
+counted).  Parameters the policy keeps in FP32 keep FP32 states.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from .dtypes import canonical_dtype, dtype_bytes
+from .rounding import check_mode
 
 OPTIMIZER_SLOTS: dict[str, int] = {
     "sgd": 0, "sgd-momentum": 1, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2,
@@ -70,27 +81,57 @@ class MasterPlan:
       param_dtype: storage dtype of module parameters (those not kept in FP32).
       master_weights: True when the optimizer holds FP32 master copies of
         low-precision parameters.
-      state_dtype: dtype of optimizer states and of the update arithmetic.
+      state_dtype: dtype of the optimizer states of low-precision parameters
+        (FP32-kept parameters keep FP32 states); ``bfloat16`` only with
+        ``update_rounding`` ``kahan`` or ``stochastic``.
+      update_rounding: how an update is written into a low-precision weight
+        without a master (:data:`mp_callbacks.rounding.ROUNDING_MODES`):
+        ``nearest`` (the dtype's rounding; with masters: the master),
+        ``kahan`` (a compensation buffer in ``param_dtype``) or
+        ``stochastic`` (bf16 only).
     """
 
     param_dtype: str = "float32"
     master_weights: bool = False
     state_dtype: str = "float32"
+    update_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype, "param_dtype"))
         object.__setattr__(self, "state_dtype", canonical_dtype(self.state_dtype, "state_dtype"))
+        check_mode(self.update_rounding)
         if self.master_weights and self.param_dtype == "float32":
             raise ValueError("master_weights=True needs a low-precision param_dtype (float16 or bfloat16)")
+        if self.rounds_updates and (self.master_weights or self.param_dtype == "float32"):
+            raise ValueError(f"update_rounding={self.update_rounding!r} needs low-precision weights without "
+                             f"master copies (param_dtype float16/bfloat16, master_weights=False)")
+        if self.update_rounding == "stochastic" and self.param_dtype != "bfloat16":
+            raise ValueError("update_rounding='stochastic' rounds FP32 to bfloat16: param_dtype must be bfloat16")
+        if self.state_dtype != "float32" and not self.rounds_updates:
+            raise ValueError(f"state_dtype={self.state_dtype!r} is only offered with update_rounding 'kahan' or "
+                             f"'stochastic' (bf16-kahan, bf16-sr); other recipes keep FP32 optimizer states")
+
+    @property
+    def rounds_updates(self) -> bool:
+        """True for ``kahan`` and ``stochastic`` update rounding."""
+        return self.update_rounding != "nearest"
 
     def needs_master(self, storage_dtype: str) -> bool:
         """True when a parameter stored in ``storage_dtype`` gets an FP32 master copy."""
         return self.master_weights and canonical_dtype(storage_dtype) != "float32"
 
+    def needs_compensation(self, storage_dtype: str) -> bool:
+        """True when a parameter stored in ``storage_dtype`` gets a Kahan compensation buffer."""
+        return self.update_rounding == "kahan" and canonical_dtype(storage_dtype) != "float32"
+
+    def state_bytes(self, storage_dtype: str) -> int:
+        """Bytes per element of one optimizer state of a parameter stored in ``storage_dtype``."""
+        return 4 if canonical_dtype(storage_dtype) == "float32" else dtype_bytes(self.state_dtype)
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"param_dtype", "master_weights", "state_dtype"}`` (canonical dtype names)."""
+        """Plain data: ``{"param_dtype", "master_weights", "state_dtype", "update_rounding"}``."""
         return {"param_dtype": self.param_dtype, "master_weights": self.master_weights,
-                "state_dtype": self.state_dtype}
+                "state_dtype": self.state_dtype, "update_rounding": self.update_rounding}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "MasterPlan":
@@ -107,11 +148,12 @@ class MemoryEstimate:
     grads: int
     masters: int
     optimizer_state: int
+    compensation: int = 0
 
     @property
     def total(self) -> int:
-        """All model-state bytes: weights + grads + masters + optimizer state."""
-        return self.weights + self.grads + self.masters + self.optimizer_state
+        """All model-state bytes: weights + grads + masters + optimizer state + compensation buffers."""
+        return self.weights + self.grads + self.masters + self.optimizer_state + self.compensation
 
     @property
     def bytes_per_param(self) -> float:
@@ -121,13 +163,14 @@ class MemoryEstimate:
     def __add__(self, other: "MemoryEstimate") -> "MemoryEstimate":
         """Field-wise sum (the model state of two optimizers' parameters together)."""
         return MemoryEstimate(self.params + other.params, self.weights + other.weights, self.grads + other.grads,
-                              self.masters + other.masters, self.optimizer_state + other.optimizer_state)
+                              self.masters + other.masters, self.optimizer_state + other.optimizer_state,
+                              self.compensation + other.compensation)
 
     def to_dict(self) -> dict[str, float]:
         """Plain data: every field plus ``total`` and ``bytes_per_param``."""
         return {"params": self.params, "weights": self.weights, "grads": self.grads,
                 "masters": self.masters, "optimizer_state": self.optimizer_state,
-                "total": self.total, "bytes_per_param": self.bytes_per_param}
+                "compensation": self.compensation, "total": self.total, "bytes_per_param": self.bytes_per_param}
 
 
 def estimate_memory(
@@ -141,14 +184,16 @@ def estimate_memory(
     FP32 (what the adapters hold at the optimizer step) instead of its storage dtype.
     ``weights_released``: with ``fp32_master_grads``, the low-precision weight of a
     parameter with a master is released during the step and counts 0.
+    Without masters (``kahan``/``stochastic`` rounding) neither applies: the
+    weight and gradient stay in the storage dtype, ``kahan`` adds a
+    compensation buffer of the weight's size and dtype.
     """
     if weights_released and not fp32_master_grads:
         raise ValueError("weights_released=True describes the optimizer step: pass fp32_master_grads=True too")
     if isinstance(params, int):
         params = [(params, plan.param_dtype)]
     slots = optimizer_slots(optimizer)
-    state_bytes = dtype_bytes(plan.state_dtype)
-    n = w = g = m = s = 0
+    n = w = g = m = s = c = 0
     for numel, dtype in params:
         size = dtype_bytes(dtype)
         n += numel
@@ -159,13 +204,18 @@ def estimate_memory(
         else:
             w += numel * size
             g += numel * size
-        s += numel * slots * state_bytes
-    return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s)
+        if plan.needs_compensation(dtype):
+            c += numel * size
+        s += numel * slots * plan.state_bytes(dtype)
+    return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s, compensation=c)
 
 
 def bytes_per_param(plan: MasterPlan, optimizer: str, fp32_master_grads: bool = False,
                     weights_released: bool = False) -> float:
-    """Bytes of model state per parameter when every parameter uses ``plan.param_dtype``."""
+    """Bytes of model state per parameter when every parameter uses ``plan.param_dtype``.
+
+    ``bytes_per_param(get_recipe("bf16-kahan").master, "adamw") == 14.0`` (2 + 2 + 2 + 8).
+    """
     return estimate_memory(plan, optimizer, 1, fp32_master_grads, weights_released).bytes_per_param
 
 

@@ -7,8 +7,12 @@
 | ``bf16-mixed``  | fp32   | bf16 autocast | params are fp32| off (opt-in)  |
 | ``16-master``   | fp16   | fp16          | fp32 in optim. | dynamic       |
 | ``bf16-master`` | bf16   | bf16          | fp32 in optim. | off (opt-in)  |
+| ``bf16-kahan``  | bf16   | bf16          | - (bf16 compensation buffer) | off (opt-in) |
+| ``bf16-sr``     | bf16   | bf16          | - (stochastic rounding, seeded) | off (opt-in) |
 
-Optimizer states are FP32 in every recipe.  Keras policy names
+Optimizer states are FP32 in every recipe (``bf16-kahan`` and ``bf16-sr``
+offer bf16 states: ``get_recipe(name, state_dtype="bfloat16")``; the update
+rules are in :mod:`mp_callbacks.rounding`).  Keras policy names
 (``mixed_float16``, ``mixed_bfloat16``, ``float32``) are accepted as aliases;
 any other name is refused with the recipe it most likely meant (Lightning's
 own plugin refuses ``"16"`` too).
@@ -29,7 +33,7 @@ from .master import MasterPlan
 from .policy import PrecisionPolicy
 from .scaler import ScalerConfig, StateDictError
 
-RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")
+RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master", "bf16-kahan", "bf16-sr")
 """The recipe names, baseline first."""
 
 RECIPE_ALIASES = {
@@ -41,8 +45,13 @@ RECIPE_ALIASES = {
 _DID_YOU_MEAN = {
     "16": "16-mixed", "fp16": "16-mixed", "float16": "16-master", "half": "16-mixed", "16-true": "16-master",
     "bf16": "bf16-mixed", "bfloat16": "bf16-master", "bf16-true": "bf16-master", "32": "32-true",
-    "fp32": "32-true", "64": "32-true", "64-true": "32-true", "fp8": None, "8": None,
+    "fp32": "32-true", "64": "32-true", "64-true": "32-true", "fp8": None, "8": None, "fp8-mixed": None,
+    "kahan": "bf16-kahan", "16-kahan": "bf16-kahan", "sr": "bf16-sr", "stochastic": "bf16-sr",
+    "bf16-stochastic": "bf16-sr", "16-sr": "bf16-sr",
 }
+
+_UPDATE_ROUNDING = {"kahan": "kahan", "sr": "stochastic"}
+"""Recipe-name suffix -> :attr:`MasterPlan.update_rounding` of the recipes without masters."""
 
 
 class RecipeError(ValueError):
@@ -66,13 +75,22 @@ class Recipe:
     @property
     def autocast(self) -> bool:
         """True for ``*-mixed``: FP32 params, low-precision compute by autocast."""
-        return self.low_precision and not self.master.master_weights
+        return self.low_precision and self.master.param_dtype == "float32"
 
     def with_scaler(self, scaler: ScalerConfig | str | Mapping[str, Any] | None) -> "Recipe":
         """A copy using ``scaler`` (a config, preset name or dict); None keeps the recipe's."""
         if scaler is None:
             return self
         return replace(self, scaler=ScalerConfig.coerce(scaler))
+
+    def with_state_dtype(self, state_dtype: str | None) -> "Recipe":
+        """A copy whose optimizer states use ``state_dtype`` (``bf16-kahan``/``bf16-sr`` only); None keeps it."""
+        if state_dtype is None:
+            return self
+        try:
+            return replace(self, master=replace(self.master, state_dtype=state_dtype))
+        except ValueError as exc:
+            raise RecipeError(f"recipe {self.name!r}: {exc}") from None
 
     def with_policy(self, policy: PrecisionPolicy | str | Mapping[str, Any] | None) -> "Recipe":
         """A copy using ``policy`` (an object, a policy string or a dict); None keeps it.
@@ -128,19 +146,22 @@ def canonical_recipe_name(name: Any) -> str:
     )
 
 
-def get_recipe(name: str, *, scaler: Any = None, policy: Any = None) -> Recipe:
-    """The named recipe, optionally with another scaler config/preset or policy."""
+def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype: str | None = None) -> Recipe:
+    """The named recipe, optionally with another scaler config/preset, policy or (``bf16-kahan``,
+    ``bf16-sr``) optimizer-state dtype."""
     name = canonical_recipe_name(name)
-    low = {"16": "float16", "bf16": "bfloat16"}.get(name.split("-")[0])
+    prefix, suffix = name.split("-")
+    low = {"16": "float16", "bf16": "bfloat16"}.get(prefix)
     if low is None:
         recipe = Recipe(name, PrecisionPolicy(), ScalerConfig(enabled=False), MasterPlan())
-    elif name.endswith("-mixed"):
+    elif suffix == "mixed":
         recipe = Recipe(name, PrecisionPolicy(params="float32", compute=low, output="float32"),
                         _default_scaler(low), MasterPlan())
     else:
-        recipe = Recipe(name, PrecisionPolicy(params=low, compute=low, output="float32"),
-                        _default_scaler(low), MasterPlan(param_dtype=low, master_weights=True))
-    return recipe.with_scaler(scaler).with_policy(policy)
+        plan = (MasterPlan(param_dtype=low, update_rounding=_UPDATE_ROUNDING[suffix]) if suffix in _UPDATE_ROUNDING
+                else MasterPlan(param_dtype=low, master_weights=True))
+        recipe = Recipe(name, PrecisionPolicy(params=low, compute=low, output="float32"), _default_scaler(low), plan)
+    return recipe.with_scaler(scaler).with_policy(policy).with_state_dtype(state_dtype)
 
 
 def _default_scaler(compute: str) -> ScalerConfig:

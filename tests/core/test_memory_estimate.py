@@ -75,12 +75,12 @@ def test_memory_report_sums_optimizers_and_refuses_unknown_ones():
                                                ("SGD", 0.9, [(20, "float32")])], actual, weights_released=False)
     assert report["optimizers"] == ["adamw", "sgd-momentum"]
     assert report["actual"] == {"params": 70, "weights": 1, "grads": 2, "masters": 3, "optimizer_state": 4,
-                                "total": 10, "bytes_per_param": 10 / 70}
+                                "compensation": 0, "total": 10, "bytes_per_param": 10 / 70}
     # at the step: fp16 weights kept (2), FP32 grads on the masters (4), masters (4), Adam m, v (8);
     # FP32 params under SGD with momentum: weight, grad, buffer
     weights, grads, masters, state = 50 * 2 + 20 * 4, 50 * 4 + 20 * 4, 50 * 4, 50 * 8 + 20 * 4
     assert report["estimate"] == {"params": 70, "weights": weights, "grads": grads, "masters": masters,
-                                  "optimizer_state": state, "total": weights + grads + masters + state,
+                                  "optimizer_state": state, "compensation": 0, "total": weights + grads + masters + state,
                                   "bytes_per_param": (weights + grads + masters + state) / 70}
     unknown = memory_report("16-master", plan, [("Shampoo", 0.0, [(50, "float16")])], actual)
     assert unknown["estimate"] is None and unknown["optimizers"] == ["shampoo (unknown to the core)"]
