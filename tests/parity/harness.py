@@ -280,3 +280,119 @@ def copy_torch_to_keras(torch_module, keras_model_, kind: str) -> None:
         layer = keras_model_.get_layer(name)
         for var in layer.weights:
             var.assign(ops.cast(ops.convert_to_tensor(next(values)), var.dtype))
+
+
+# -- FP64 reference: the loss of given FP32 weights, and its rounding sensitivity --------------
+
+# Where the forward pass rounds to the compute dtype, and how many times at most (in
+# either framework), for every recipe (the head, LayerNorm, softmax, the token mean
+# and BlowUp run in FP32 under every recipe; see runs.parity_policy):
+#   * a low-precision Dense output: 2 (the matmul's output, then the bias add: Keras
+#     rounds after each, torch's addmm once), also without bias (conservative);
+#   * an attention score: 2 (matmul, then / sqrt(d)); a context q.k-weighted sum: 1;
+#   * tanh, a residual add: 1; an FP32 result (LayerNorm, softmax) entering a
+#     low-precision matmul: 1 (the cast);
+#   * every low-precision weight: 1 (the cast of the FP32 value: autocast, or the
+#     ``*-master`` copy).
+ROUNDINGS_DENSE, ROUNDINGS_OP, ROUNDINGS_CAST = 2, 1, 1
+
+
+def _split_params(kind: str, shapes: list[tuple[int, ...]], flat):
+    """[T, n] flat Keras-order states -> {name: [T, *shape]} in Keras layout (kernels [in, out])."""
+    names = []
+    for path in layer_map(kind):
+        if kind == "transformer" and path in ("norm1", "norm2"):
+            names += [f"{path}.gamma", f"{path}.beta"]
+        elif path == "attn.k":
+            names += ["attn.k.kernel"]
+        else:
+            names += [f"{path}.kernel", f"{path}.bias"]
+    if len(names) != len(shapes):
+        raise ValueError(f"{kind}: {len(shapes)} weight arrays, expected {len(names)} ({names})")
+    out, offset = {}, 0
+    for name, shape in zip(names, shapes):
+        n = int(np.prod(shape))
+        out[name] = flat[:, offset:offset + n].reshape((flat.shape[0],) + tuple(shape))
+        offset += n
+    if offset != flat.shape[1]:
+        raise ValueError(f"{kind}: states have {flat.shape[1]} values, the shapes {offset}")
+    return out
+
+
+def fp64_losses(kind: str, shapes: list[tuple[int, ...]], states: np.ndarray, x: np.ndarray, y: np.ndarray,
+                w: np.ndarray, chunk: int = 50) -> tuple[np.ndarray, np.ndarray]:
+    """Per step t: the FP64 loss of FP32 weights ``states[t]`` on batch t, and its rounding sensitivity.
+
+    ``states``: [T, n] flat Keras-order FP32 weights (:func:`torch_weights_in_keras_order`
+    layout, ``shapes`` the arrays' shapes); ``x``, ``y``, ``w``: [T, batch, ...] (BlowUp's
+    factor is 1: pass clean steps only).  The model is :func:`torch_model`'s, written as
+    a function of the weights and evaluated in float64 (exact for this purpose).
+
+    The sensitivity ``S`` is ``sum_v n_v * sum_i |v_i * dL/dv_i|`` over the tensors ``v``
+    that the compute dtype rounds, ``n_v`` times each (see the ROUNDINGS_* constants):
+    to first order, perturbing every such element by a relative error of at most
+    ``eps`` moves the loss by at most ``eps * S``, whatever the errors' signs (round to
+    nearest, or TensorFlow's truncating bfloat16 MatMul).
+    """
+    import torch
+
+    T = states.shape[0]
+    losses, sens = np.empty(T), np.empty(T)
+    for start in range(0, T, chunk):
+        sl = slice(start, min(T, start + chunk))
+        flat = torch.tensor(np.asarray(states[sl], np.float64))
+        p = {k: v.clone().requires_grad_(True) for k, v in _split_params(kind, shapes, flat).items()}
+        xb = torch.tensor(np.asarray(x[sl], np.float64))
+        points: list = []
+
+        def rounded(t, n):
+            t.retain_grad()
+            points.append((t, n))
+            return t
+
+        def dense(h, name, n=ROUNDINGS_DENSE):
+            kernel = p[f"{name}.kernel"]  # [steps, in, out]; h: [steps, ..., in]
+            out = torch.bmm(h.reshape(h.shape[0], -1, h.shape[-1]), kernel)
+            if f"{name}.bias" in p:
+                out = out + p[f"{name}.bias"][:, None, :]
+            return rounded(out.reshape(h.shape[:-1] + kernel.shape[-1:]), n)
+
+        if kind == "mlp":
+            low = ("fc0", "fc1")
+            h = rounded(torch.tanh(dense(xb, "fc0")), ROUNDINGS_OP)
+            h = rounded(torch.tanh(dense(h, "fc1")), ROUNDINGS_OP)
+            logits = dense(h, "head", n=0)
+        else:
+            low = ("embed", "attn.q", "attn.k", "attn.v", "attn.o", "fc1", "fc2")
+
+            def norm(h, name):
+                g, b = p[f"{name}.gamma"][:, None, None], p[f"{name}.beta"][:, None, None]
+                mu, var = h.mean(-1, keepdim=True), h.var(-1, unbiased=False, keepdim=True)
+                return rounded((h - mu) / torch.sqrt(var + 1e-5) * g + b, ROUNDINGS_CAST)
+
+            tokens = xb.reshape(xb.shape[0], xb.shape[1], TOKENS, TOKEN_DIM)
+            h0 = dense(tokens, "embed")
+            n1 = norm(h0, "norm1")
+            q, k, v = dense(n1, "attn.q"), dense(n1, "attn.k"), dense(n1, "attn.v")
+            d = q.shape[-1]
+            scores = rounded(q @ k.transpose(-1, -2) / math.sqrt(d), ROUNDINGS_DENSE)
+            probs = rounded(torch.softmax(scores, dim=-1), ROUNDINGS_CAST)
+            ctx = rounded(probs @ v, ROUNDINGS_OP)
+            h1 = rounded(h0 + dense(ctx, "attn.o"), ROUNDINGS_OP)
+            m = rounded(torch.tanh(dense(norm(h1, "norm2"), "fc1")), ROUNDINGS_OP)
+            h2 = rounded(h1 + dense(m, "fc2"), ROUNDINGS_OP)
+            logits = dense(h2.mean(dim=2), "head", n=0)
+        yb = torch.tensor(np.asarray(y[sl]))
+        wb = torch.tensor(np.asarray(w[sl], np.float64))
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, CLASSES), yb.reshape(-1), reduction="none")
+        loss = (ce.reshape(yb.shape) * wb).sum(-1) / yb.shape[-1]
+        loss.sum().backward()  # the steps are independent: d(sum)/d(step t's tensors) = d(loss_t)/d(...)
+        s = torch.zeros(flat.shape[0], dtype=torch.float64)
+        for t, n in points:
+            if n:
+                s += n * (t.detach() * t.grad).abs().reshape(t.shape[0], -1).sum(-1)
+        for name, t in p.items():
+            if name.rsplit(".", 1)[0] in low:
+                s += ROUNDINGS_CAST * (t.detach() * t.grad).abs().reshape(t.shape[0], -1).sum(-1)
+        losses[sl], sens[sl] = loss.detach().numpy(), s.numpy()
+    return losses, sens
