@@ -24,16 +24,22 @@ from typing import Any, Optional
 import numpy as np
 
 from mp_callbacks.policy import PrecisionPolicy
-from mp_callbacks.recipes import Recipe, get_recipe
+from mp_callbacks.recipes import RECIPE_NAMES, Recipe, get_recipe
 from mp_callbacks.scaler import ScalerConfig
 
 from . import harness
 
 # -- the shared configuration --------------------------------------------------------
 
+# The recipes whose optimizer updates FP32 values (FP32 parameters, or FP32 masters under
+# ``*-master``): the suite compares those FP32 states.  ``bf16-kahan`` and ``bf16-sr``
+# update bfloat16 parameters in place (Kahan compensation, stochastic rounding) and are
+# not covered by this suite (test_parity.test_recipes_outside_the_parity_matrix).
+PARITY_RECIPES = tuple(r for r in RECIPE_NAMES if get_recipe(r).master.update_rounding == "nearest")
+
 STEPS, BATCH = 200, 32
 HIDDEN = {"mlp": 32, "transformer": 16}  # width per model kind (float16 matmuls on CPU are slow in TF)
-SNAPSHOT_EVERY = 25  # FP32 state recorded every 25 steps (divergence over time)
+SNAPSHOT_EVERY = 25  # FP32 state compared every 25 steps (it is recorded after every step)
 
 # The loss scaler of every scaled run: the ``torch`` preset with a small start and
 # a short growth window, so that the scale grows (every 6 clean steps) and backs
@@ -131,13 +137,25 @@ class Trajectory:
     applied: list[bool] = field(default_factory=list)
     counters: list[tuple[int, int, int, int]] = field(default_factory=list)  # steps, overflows, skipped, growths
     opt_steps: list[int] = field(default_factory=list)  # the optimizer's own step count after each step
-    snapshots: list[np.ndarray] = field(default_factory=list)  # FP32 state, flattened, every snapshot_every
-    low_snapshots: list[np.ndarray] = field(default_factory=list)  # model parameters as stored, same steps
+    init_state: Optional[np.ndarray] = None  # FP32 state before the first step, flattened
+    states: list[np.ndarray] = field(default_factory=list)  # FP32 state after each step, flattened
+    low_snapshots: list[np.ndarray] = field(default_factory=list)  # model parameters as stored, every snapshot_every
     fp32: list[np.ndarray] = field(default_factory=list)  # final FP32 state (masters, or FP32 params)
     low: list[np.ndarray] = field(default_factory=list)  # final model parameters as stored, widened
     low_dtypes: list[str] = field(default_factory=list)
     slots: list[list[np.ndarray]] = field(default_factory=list)  # per parameter: [momentum] or [m, v]
     slot_dtypes: list[str] = field(default_factory=list)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The FP32 state's arrays' shapes (Keras layout), to unflatten ``states``."""
+        return [tuple(a.shape) for a in self.fp32]
+
+    def pre_step_states(self) -> np.ndarray:
+        """[steps, n]: the FP32 state each step started from (``init_state``, then ``states[:-1]``)."""
+        assert self.init_state is not None and len(self.states) == len(self.losses), \
+            (self.init_state is None, len(self.states), len(self.losses))
+        return np.stack([self.init_state] + self.states[:-1])
 
 
 # -- torch / Lightning -------------------------------------------------------------------
@@ -231,8 +249,11 @@ def run_lightning(case: Case, init_module: Any = None) -> Trajectory:
                 out.append(_keras_layout(p.detach().float().numpy()))
         return out
 
+    traj.init_state = _flat(fp32_state())  # before fit: the module's FP32 parameters (the masters' start)
+
     class Recorder(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            traj.states.append(_flat(fp32_state()))  # FP32 masters (or FP32 parameters)
             s = plugin.latest_stats()
             traj.scale.append(float(s["scale"]))
             traj.next_scale.append(float(s["next_scale"]))
@@ -242,7 +263,6 @@ def run_lightning(case: Case, init_module: Any = None) -> Trajectory:
                                                             "growths_total")))
             traj.opt_steps.append(module.step_calls)
             if (batch_idx + 1) % case.snapshot_every == 0:
-                traj.snapshots.append(_flat(fp32_state()))
                 traj.low_snapshots.append(_flat([_keras_layout(p.detach().float().numpy())
                                                  for p in params_in_order()]))
 
@@ -282,13 +302,13 @@ def run_lightning(case: Case, init_module: Any = None) -> Trajectory:
 # -- Keras ------------------------------------------------------------------------------
 
 
-def keras_optimizer(name: str):
+def keras_optimizer(name: str, lr_scale: float = 1.0):
     import keras
 
     if name == "sgd":
-        return keras.optimizers.SGD(learning_rate=SGD["lr"], momentum=SGD["momentum"])
+        return keras.optimizers.SGD(learning_rate=SGD["lr"] * lr_scale, momentum=SGD["momentum"])
     if name == "adamw":
-        return keras.optimizers.AdamW(learning_rate=ADAMW["lr"], beta_1=ADAMW["betas"][0],
+        return keras.optimizers.AdamW(learning_rate=ADAMW["lr"] * lr_scale, beta_1=ADAMW["betas"][0],
                                       beta_2=ADAMW["betas"][1], epsilon=ADAMW["eps"],
                                       weight_decay=ADAMW["weight_decay"])
     raise ValueError(f"unknown optimizer {name!r}; valid: sgd, adamw")
@@ -303,17 +323,17 @@ def _keras_slots(inner: Any, target: Any, optimizer: str) -> list[Any]:
 
 
 def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
-              swap_batches: Optional[tuple[int, int]] = None) -> Trajectory:
+              swap_batches: Optional[tuple[int, int]] = None, lr_scale: float = 1.0) -> Trajectory:
     """Train ``case`` with Keras' ``train_on_batch`` (or ``model.fit``) and ``keras_ext.LossScaleOptimizer``.
 
-    ``swap_batches=(i, j)`` trains on batch j at step i and vice versa (a deliberate
-    defect, for the test that shows the tolerances catch one wrong step).
+    Deliberate defects, for the negative controls that show the bounds catch them:
+    ``swap_batches=(i, j)`` trains on batch j at step i and vice versa;
+    ``lr_scale`` multiplies the inner optimizer's learning rate.
     """
     import keras
     from keras import ops
 
     import keras_ext
-    from keras_ext import policy as kp
 
     recipe = case.recipe_obj
     init = init_module if init_module is not None else initial_torch_model(case)
@@ -323,9 +343,8 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
         model = keras_ext.apply_policy(harness.keras_model(case.kind, hidden=case.hidden), recipe.policy)
     finally:
         keras.config.set_dtype_policy(before)
-        kp._ACTIVE.update(policy=None, recipe=None)
     harness.copy_torch_to_keras(init, model, case.kind)
-    opt = keras_ext.LossScaleOptimizer(keras_optimizer(case.optimizer), recipe.scaler,
+    opt = keras_ext.LossScaleOptimizer(keras_optimizer(case.optimizer, lr_scale), recipe.scaler,
                                        master_weights=recipe.master.master_weights,
                                        count_overflows=case.count_overflows)
     model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
@@ -342,12 +361,20 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
         if master_of.get(id(v)) is not None:
             master_of[id(v)].assign(exact[id(v)])
 
+    fp32_vars = [master_of.get(id(v)) if master_of.get(id(v)) is not None else v for v in ordered]
+
     def fp32_state() -> list[np.ndarray]:
-        out = []
-        for v in ordered:
-            m = master_of.get(id(v))
-            out.append(np.asarray(ops.convert_to_numpy(m if m is not None else v), dtype=np.float32))
-        return out
+        return [np.asarray(ops.convert_to_numpy(v), dtype=np.float32) for v in fp32_vars]
+
+    flat_state = lambda: _flat(fp32_state())  # noqa: E731
+    if keras.backend.backend() == "tensorflow":  # one fused read per step (this runs after every step)
+        import tensorflow as tf
+
+        @tf.function(autograph=False)
+        def _read_flat():
+            return tf.concat([tf.reshape(tf.cast(v.value, tf.float32), [-1]) for v in fp32_vars], 0)
+
+        flat_state = lambda: _read_flat().numpy()  # noqa: E731
 
     b = case.batches()
     if swap_batches is not None:
@@ -355,7 +382,7 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
         order[list(swap_batches)] = order[list(swap_batches[::-1])]
         b = harness.Batches(x=b.x[order], y=b.y[order], w=b.w[order], f=b.f[order])
     blowup = model.get_layer("blowup")
-    traj = Trajectory()
+    traj = Trajectory(init_state=flat_state())
     inner = opt.inner_optimizer
 
     def before_step(i: int) -> None:
@@ -370,8 +397,8 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
         traj.overflow.append(counters[1] > prev[1])
         traj.applied.append(counters[2] == prev[2])
         traj.opt_steps.append(int(ops.convert_to_numpy(inner.iterations)))
+        traj.states.append(flat_state())
         if (i + 1) % case.snapshot_every == 0:
-            traj.snapshots.append(_flat(fp32_state()))
             traj.low_snapshots.append(_flat([ops.convert_to_numpy(ops.cast(v, "float32")) for v in ordered]))
 
     if use_fit:
@@ -405,7 +432,7 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
     return traj
 
 
-# -- caching and plain-data transport (the KERAS_BACKEND=torch subprocess) ----------------
+# -- caching and plain-array transport (the KERAS_BACKEND=torch subprocess) ---------------
 
 _LIGHTNING_CACHE: dict[Case, Trajectory] = {}
 
@@ -417,30 +444,52 @@ def lightning_cached(case: Case) -> Trajectory:
     return _LIGHTNING_CACHE[case]
 
 
-def trajectory_to_json(traj: Trajectory) -> dict[str, Any]:
-    """Plain JSON data (arrays as nested lists; non-finite losses as strings)."""
-    def arr(a: np.ndarray) -> dict[str, Any]:
-        return {"shape": list(a.shape), "data": np.asarray(a, np.float32).ravel().tolist()}
+def keras_cached(case: Case) -> Trajectory:
+    """:func:`run_keras` (no defect), once per case and process (the negative controls reuse it)."""
+    if case not in _KERAS_CACHE:
+        _KERAS_CACHE[case] = run_keras(case)
+    return _KERAS_CACHE[case]
 
-    return {
-        "losses": [repr(v) for v in traj.losses], "scale": traj.scale, "next_scale": traj.next_scale,
-        "overflow": traj.overflow, "applied": traj.applied, "counters": [list(c) for c in traj.counters],
-        "opt_steps": traj.opt_steps, "snapshots": [arr(a) for a in traj.snapshots],
-        "low_snapshots": [arr(a) for a in traj.low_snapshots], "fp32": [arr(a) for a in traj.fp32],
-        "low": [arr(a) for a in traj.low], "low_dtypes": traj.low_dtypes,
-        "slots": [[arr(a) for a in s] for s in traj.slots], "slot_dtypes": traj.slot_dtypes,
+
+_KERAS_CACHE: dict[Case, Trajectory] = {}
+
+
+def trajectory_arrays(traj: Trajectory, prefix: str = "") -> dict[str, np.ndarray]:
+    """Plain arrays (for ``np.savez``; no pickle), keys prefixed with ``prefix``."""
+    out = {
+        "losses": np.asarray(traj.losses, np.float64), "scale": np.asarray(traj.scale, np.float64),
+        "next_scale": np.asarray(traj.next_scale, np.float64), "overflow": np.asarray(traj.overflow, bool),
+        "applied": np.asarray(traj.applied, bool), "counters": np.asarray(traj.counters, np.int64).reshape(-1, 4),
+        "opt_steps": np.asarray(traj.opt_steps, np.int64), "init_state": np.asarray(traj.init_state, np.float32),
+        "low_dtypes": np.asarray(traj.low_dtypes, str), "slot_dtypes": np.asarray(traj.slot_dtypes, str),
+        "n_slots": np.asarray([len(s) for s in traj.slots], np.int64),
+        "states": np.asarray(traj.states, np.float32).reshape(len(traj.states), -1),
     }
+    for name in ("low_snapshots", "fp32", "low"):
+        out[f"n_{name}"] = np.asarray(len(getattr(traj, name)))
+        for i, a in enumerate(getattr(traj, name)):
+            out[f"{name}/{i}"] = np.asarray(a, np.float32)
+    for i, slots in enumerate(traj.slots):
+        for j, a in enumerate(slots):
+            out[f"slots/{i}/{j}"] = np.asarray(a, np.float32)
+    return {prefix + k: v for k, v in out.items()}
 
 
-def trajectory_from_json(data: dict[str, Any]) -> Trajectory:
-    def arr(d: dict[str, Any]) -> np.ndarray:
-        return np.asarray(d["data"], np.float32).reshape(d["shape"])
+def trajectory_from_arrays(data: Any, prefix: str = "") -> Trajectory:
+    """The inverse of :func:`trajectory_arrays` (``data``: a mapping, e.g. ``np.load(...)``)."""
+    def get(key: str) -> np.ndarray:
+        return data[prefix + key]
+
+    def listed(name: str) -> list[np.ndarray]:
+        return [get(f"{name}/{i}") for i in range(int(get(f"n_{name}")))]
 
     return Trajectory(
-        losses=[float(v) for v in data["losses"]], scale=data["scale"], next_scale=data["next_scale"],
-        overflow=data["overflow"], applied=data["applied"], counters=[tuple(c) for c in data["counters"]],
-        opt_steps=data["opt_steps"], snapshots=[arr(a) for a in data["snapshots"]],
-        low_snapshots=[arr(a) for a in data["low_snapshots"]], fp32=[arr(a) for a in data["fp32"]],
-        low=[arr(a) for a in data["low"]], low_dtypes=data["low_dtypes"],
-        slots=[[arr(a) for a in s] for s in data["slots"]], slot_dtypes=data["slot_dtypes"],
+        losses=get("losses").tolist(), scale=get("scale").tolist(), next_scale=get("next_scale").tolist(),
+        overflow=get("overflow").tolist(), applied=get("applied").tolist(),
+        counters=[tuple(c) for c in get("counters").tolist()], opt_steps=get("opt_steps").tolist(),
+        init_state=get("init_state"), states=list(get("states")), low_snapshots=listed("low_snapshots"),
+        fp32=listed("fp32"), low=listed("low"),
+        low_dtypes=get("low_dtypes").tolist(),
+        slots=[[get(f"slots/{i}/{j}") for j in range(int(n))] for i, n in enumerate(get("n_slots"))],
+        slot_dtypes=get("slot_dtypes").tolist(),
     )

@@ -5,12 +5,12 @@ recipe and both optimizers and models; this process compares its trajectories wi
 the Lightning runs under the same guarantees and tolerances as on TensorFlow.
 """
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from . import checks, runs
@@ -23,15 +23,15 @@ CASE_IDS = ["32-true:sgd:mlp", "16-mixed:adamw:mlp", "bf16-mixed:sgd:mlp", "16-m
 def test_keras_side_on_torch_backend_matches_lightning(tmp_path):
     if os.environ.get("KERAS_BACKEND") == "torch":
         pytest.skip("the suite already runs its Keras side on the torch backend")
-    out = tmp_path / "keras_torch.json"
+    out = tmp_path / "keras_torch.npz"
     env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "tests.parity.keras_side", str(out), *CASE_IDS],
                           capture_output=True, text=True, env=env, timeout=300, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["backend"] == "torch"
+    with np.load(out, allow_pickle=False) as result:
+        assert str(result["backend"]) == "torch"
+        keras_trajs = {c: runs.trajectory_from_arrays(result, prefix=f"{c}/") for c in CASE_IDS}
     for case_id in CASE_IDS:
         recipe, optimizer, kind = case_id.split(":")
         case = runs.Case(recipe, optimizer, kind, hidden=runs.HIDDEN[kind])
-        keras_traj = runs.trajectory_from_json(result["runs"][case_id])
-        checks.assert_parity(case, runs.lightning_cached(case), keras_traj)
+        checks.assert_parity(case, runs.lightning_cached(case), keras_trajs[case_id])
