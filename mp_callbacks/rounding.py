@@ -93,6 +93,10 @@ class RoundingOps(Protocol):
     Float arrays are float32 or the storage dtype; ``u32`` arrays hold
     unsigned 32-bit integers (a backend may store the same bits in int32);
     integer arithmetic is modulo ``2**32``.  Nothing converts to host values.
+    ``xor``, ``mul``, ``add_u32``, ``and_`` and ``bf16_from_bits`` may
+    overwrite their first argument when it is an array (the rules pass only
+    their own temporaries there and never read them again), so a backend can
+    work in place.
     """
 
     def to_f32(self, a: Any) -> Any:
@@ -111,7 +115,7 @@ class RoundingOps(Protocol):
         """True where ``a`` is NaN."""
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
-        """``a`` where ``cond`` else ``b``."""
+        """``a`` where ``cond`` else ``b`` (either may be a scalar of the other's dtype)."""
 
     def u32(self, value: Any) -> Any:
         """A u32 constant (a Python int in ``[0, 2**32)``) or array."""
@@ -138,7 +142,7 @@ class RoundingOps(Protocol):
         """The bits of float32 ``x`` as u32."""
 
     def bf16_from_bits(self, bits: Any) -> Any:
-        """The bf16 whose bits are the upper half of u32 ``bits`` (lower half zero)."""
+        """The bf16 whose bits are the upper half of u32 ``bits`` (an array, or a Python int: a scalar)."""
 
 
 # --------------------------------------------------------------- the random source
@@ -190,14 +194,20 @@ def sr_key(seed: Any, tensor_index: Any, step: Any, ops: Any = PY_INT_OPS) -> An
 
 def sr_thresholds(key: Any, index: Any, ops: Any) -> Any:
     """The 16-bit thresholds ``mix32(key ^ i) >> 16`` of elements with flat indices ``index`` (u32)."""
-    return ops.shr(mix32(ops.xor(index, ops.u32(key)), ops), 16)
+    return ops.shr(mix32(ops.xor(ops.u32(key), index), ops), 16)
+
+
+BF16_NAN_BITS = 0x7FC00000
+"""The float32 bits whose upper half is the bf16 NaN a NaN rounds to (``0x7FC0``, torch's and XLA's)."""
 
 
 def round_with_thresholds(x: Any, thresholds: Any, ops: Any) -> Any:
-    """Stochastic rounding of float32 ``x`` to bf16 with thresholds in ``[0, 2**16)`` (NaN stays NaN)."""
-    up = ops.and_(ops.add_u32(ops.f32_bits(x), thresholds), HIGH16)
-    low = ops.bf16_from_bits(up)
-    return ops.where(ops.isnan(x), ops.to_like(x, low), low)
+    """Stochastic rounding of float32 ``x`` to bf16 with thresholds in ``[0, 2**16)`` (NaN -> bf16 ``0x7FC0``).
+
+    ``thresholds`` is consumed (a backend may overwrite it).
+    """
+    low = ops.bf16_from_bits(ops.and_(ops.add_u32(thresholds, ops.f32_bits(x)), HIGH16))
+    return ops.where(ops.isnan(x), ops.bf16_from_bits(ops.u32(BF16_NAN_BITS)), low)
 
 
 def stochastic_round(x: Any, key: Any, ops: Any, index: Any = None) -> Any:
@@ -290,7 +300,7 @@ class NumpyRoundingOps:
 
     def where(self, cond, a, b):
         a, b = np.asarray(a), np.asarray(b)
-        return np.where(cond, a, b.astype(a.dtype))
+        return np.where(cond, a, b)
 
     def u32(self, value):
         return np.asarray(np.asarray(value, dtype=np.uint64) & MASK32, dtype=np.uint32)
