@@ -3,11 +3,12 @@
 ``Trainer(plugins=[lightning_ext.MixedPrecision("bf16-master")])`` trains with
 the core's recipes, its dynamic loss scaler (:class:`TorchLossScaler`, torch
 ``GradScaler``'s API, evaluated on the device through :class:`TorchOps`), its
-operator policy and FP32 master weights (:class:`MasterWeights`);
+operator policy, FP32 master weights (:class:`MasterWeights`) and, for
+``bf16-kahan``/``bf16-sr``, update rounding around the user's optimizer (:class:`UpdateRounding`);
 ``callbacks=[lightning_ext.MixedPrecisionMonitor()]`` logs the shared diagnostics.
 
 Modules, one job each: ``plugin`` (Lightning hooks), ``torch_scaler``,
-``masters``, ``scheduler_hold``, ``support``, ``module_policy``,
+``masters``, ``update_rounding``, ``scheduler_hold``, ``support``, ``module_policy``,
 ``attribution``, ``monitor``, ``torch_meters``, ``torch_ops``, ``compare``.
 """
 
@@ -19,6 +20,8 @@ from .plugin import MixedPrecision
 from .support import check_strategy
 from .torch_ops import TorchOps
 from .torch_scaler import OptState, TorchLossScaler
+from .update_rounding import TorchRoundingOps, UpdateRounding
 
 __all__ = ["MasterWeights", "MixedPrecision", "MixedPrecisionMonitor", "OptState", "OverflowTracer",
-           "TorchLossScaler", "TorchOps", "apply_module_policy", "cast_module_storage", "check_strategy"]
+           "TorchLossScaler", "TorchOps", "TorchRoundingOps", "UpdateRounding", "apply_module_policy",
+           "cast_module_storage", "check_strategy"]

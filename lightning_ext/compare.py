@@ -66,8 +66,9 @@ class _Module(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of model state held right now: params, grads, FP32 masters, optimizer state.
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer, extra: Any = ()) -> int:
+    """Bytes of model state held right now: params, grads, FP32 masters, optimizer state, and the
+    tensors in ``extra`` (``plugin.rounding.buffers()``: ``bf16-kahan``'s compensation buffers).
 
     Counts the memory actually allocated: each distinct storage once, at its
     current size (a weight whose storage is released during the optimizer step
@@ -96,6 +97,8 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         for v in state.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:  # 0-d step counters are not per-param state
                 add(v)
+    for t in extra:
+        add(t)
     return total
 
 
@@ -142,7 +145,8 @@ class _Recorder(pl.Callback):
             # Inside optimizer.step() of the last step: grads, masters and slots all alive,
             # measured when the update runs (what the recipe's memory budget is about).
             if trainer.global_step == self.steps - 1:
-                self.state_bytes = state_bytes(pl_module, optimizer)
+                rounding = getattr(self.plugin, "rounding", None)
+                self.state_bytes = state_bytes(pl_module, optimizer, rounding.buffers() if rounding else ())
 
         self._hook = raw.register_step_pre_hook(measure)
 

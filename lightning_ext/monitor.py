@@ -122,7 +122,9 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
     per step, the monitor's main per-step cost under bf16 recipes.
 
     ``mp/update_swamped_frac`` measures the applied update of every optimizer
-    parameter (the FP32 master under ``*-master``) against the dtype chosen by
+    parameter (the FP32 master under ``*-master``; under ``bf16-kahan`` and
+    ``bf16-sr`` the optimizer's FP32 update before the rounding rule writes
+    it into the bf16 weight) against the dtype chosen by
     :func:`~mp_callbacks.monitor_helpers.swamp_storage_dtype`: the actual
     low-precision storage under ``*-master``, the policy's compute dtype under
     ``*-mixed`` (float32 for modules the policy keeps in FP32); skipped steps
@@ -211,8 +213,9 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
                 state += sum(v.nbytes for v in tensors_in(slot) if is_optimizer_state(v.shape))
             momentum = max((float(g.get("momentum", 0) or 0) for g in raw.param_groups), default=0.0)
             optimizers.append((type(raw).__name__, momentum, [(p.numel(), storage[id(p)][0]) for p in _opt_params(raw)]))
+        comp = sum(c.nbytes for c in plugin.rounding.buffers()) if plugin.rounding is not None else 0
         actual = MemoryEstimate(params=sum(p.numel() for p in params), weights=sum(p.nbytes for p in params),
-                                grads=grads, masters=masters, optimizer_state=state)
+                                grads=grads, masters=masters, optimizer_state=state, compensation=comp)
         return memory_report(plugin.recipe.name, plugin.recipe.master, optimizers, actual,
                              weights_released=plugin.free_weights_during_step)
 
@@ -292,6 +295,8 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
             if self.measure_swamping:
                 with torch.no_grad():  # only the sampled elements are kept and compared
                     pending.before = [(p, sample(p, self.meter_samples).clone()) for p in params if p.requires_grad]
+                if plugin.rounding is not None:  # bf16-kahan/-sr: the optimizer's FP32 update, before rounding
+                    plugin.rounding.request_update_samples(self.meter_samples)
         self._pending = pending
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
@@ -334,7 +339,9 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         if pending.before and not overflow_host:  # swamping: measured on applied steps only
             with torch.no_grad():
                 storage = self._storage_dtypes(trainer)
-                updates = [sample(p, self.meter_samples) - b for p, b in pending.before]
+                rounded = plugin.rounding.update_samples if plugin.rounding is not None else {}
+                updates = [rounded[id(p)] if id(p) in rounded else sample(p, self.meter_samples) - b
+                           for p, b in pending.before]
                 lost, total = swamped_counts([b for _, b in pending.before], updates,
                                              [storage.get(id(p), ("float32", "float32"))[1] for p, _ in pending.before])
             add("swamp_lost", lost)

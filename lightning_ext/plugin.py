@@ -4,9 +4,9 @@ A drop-in for Lightning's ``MixedPrecision`` that, like Lightning's ``amp.py``,
 holds the Lightning hooks and hands off: the loss scaler to
 :class:`~lightning_ext.torch_scaler.TorchLossScaler` (``plugin.scaler`` /
 ``trainer.scaler`` when the recipe scales the loss, else None; ``loss_scaler``
-always, it counts overflows for monitors), FP32 masters to
-:class:`~lightning_ext.masters.MasterWeights`, the LR-scheduler hold to
-:class:`~lightning_ext.scheduler_hold.SchedulerHold`, FP32 regions and storage
+always, it counts overflows for monitors), FP32 masters to :class:`~lightning_ext.masters.MasterWeights`,
+update rounding (``bf16-kahan``, ``bf16-sr``) to :class:`~lightning_ext.update_rounding.UpdateRounding`,
+the LR-scheduler hold to :class:`~lightning_ext.scheduler_hold.SchedulerHold`, FP32 regions and storage
 to :mod:`~lightning_ext.module_policy`, what it trains with to :mod:`~lightning_ext.support`.
 
 One optimizer step: the closure runs the backward of ``loss * scale``; the
@@ -30,14 +30,15 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
-from mp_callbacks.recipes import Recipe, RecipeError, canonical_recipe_name, get_recipe, plan_resume
+from mp_callbacks.recipes import Recipe, get_recipe, plan_resume
 from mp_callbacks.scaler import ScalerConfig, StateDictError, check_state_dict
 
 from .masters import MasterWeights
 from .module_policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
 from .scheduler_hold import SchedulerHold
-from .support import check_optimizer, check_strategy
+from .support import check_optimizer, check_strategy, recipe_name
 from .torch_scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
+from .update_rounding import UpdateRounding, rounding_record
 
 __all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
 
@@ -47,23 +48,12 @@ PLUGIN_SCHEMA_VERSION = 1
 """The version of the plugin's checkpoint record."""
 
 
-def _recipe_name(precision: Any) -> str:
-    try:
-        return canonical_recipe_name(precision)
-    except RecipeError as exc:
-        hint = ""
-        if isinstance(precision, str) and precision.endswith("-true") and precision != "32-true":
-            hint = f" For Lightning's pure {precision} use Trainer(precision={precision!r})."
-        raise RecipeError(f"Passed `MixedPrecision(precision={precision!r})`. Precision must be '16-mixed' or "
-                          f"'bf16-mixed', or another lightning_ext recipe: {exc}.{hint}") from None
-
-
 class MixedPrecision(Precision):
     """Mixed-precision training for Lightning driven by the :mod:`mp_callbacks` core.
 
     Args:
-      precision: a recipe (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
-        ``"16-master"``, ``"bf16-master"``) or an alias (``"mixed_float16"``...).
+      precision: a recipe (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-master"``,
+        ``"bf16-master"``, ``"bf16-kahan"``, ``"bf16-sr"``) or an alias (``"mixed_float16"``...).
       device: the device type for ``torch.autocast`` (``"cpu"``, ``"cuda"``...).
       scaler: a ``torch.amp.GradScaler`` (its settings are taken), a
         :class:`~mp_callbacks.scaler.ScalerConfig`, a preset name (``"torch"``,
@@ -81,6 +71,8 @@ class MixedPrecision(Precision):
         (:func:`mp_callbacks.recipes.plan_resume`); refused by default.
       divergence: when to stop a run that cannot recover
         (:class:`~mp_callbacks.divergence.DivergenceRule`; None: the default rule, False: never).
+      state_dtype: ``bf16-kahan``/``bf16-sr`` only: ``"bfloat16"`` optimizer states (None: FP32).
+      seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.rounding`).
 
     Raises:
       RecipeError: an unknown recipe name (the message lists the valid ones).
@@ -96,15 +88,18 @@ class MixedPrecision(Precision):
         free_weights_during_step: bool = True,
         allow_recipe_change: bool = False,
         divergence: Any = None,
+        state_dtype: Optional[str] = None, seed: int = 0,
     ) -> None:
-        self.recipe: Recipe = get_recipe(_recipe_name(precision), scaler=scaler_config_from(scaler), policy=policy)
+        self.recipe: Recipe = get_recipe(recipe_name(precision), scaler=scaler_config_from(scaler), policy=policy,
+                                         state_dtype=state_dtype)
         self.precision = self.recipe.name  # type: ignore[assignment]
         self.device = str(device)
         self.allow_recipe_change = bool(allow_recipe_change)
         self._device_type = torch.device(device).type
         self.masters: Optional[MasterWeights] = (
             MasterWeights(free_weights_during_step) if self.recipe.master.master_weights else None)
-        self.loss_scaler = TorchLossScaler(self.recipe.scaler, self.masters, count_overflows, divergence)
+        self.rounding: Optional[UpdateRounding] = UpdateRounding.for_recipe(self.recipe, seed)
+        self.loss_scaler = TorchLossScaler(self.recipe.scaler, self.masters, count_overflows, divergence, self.rounding)
         self._hold = SchedulerHold(self.loss_scaler.last_step_skipped)
         self._policy_handle: Optional[ModulePolicyHandle] = None
         self._hooked_module: Optional[nn.Module] = None
@@ -156,7 +151,7 @@ class MixedPrecision(Precision):
 
     # ---------------------------------------------------------- module / setup
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Apply the recipe to the model: parameter storage (``*-master``) and FP32-op hooks."""
+        """Apply the recipe to the model: parameter storage (``*-master``, ``bf16-kahan``/``-sr``), FP32-op hooks."""
         trainer = getattr(module, "_trainer", None)
         strategy = getattr(trainer, "strategy", None) if trainer is not None else None
         if strategy is not None:
@@ -169,9 +164,9 @@ class MixedPrecision(Precision):
                     stacklevel=2)
                 self._device_type = root.type
         self._lightning_module = module
-        if self.masters is not None:
-            low = torch_dtype(self.recipe.master.param_dtype)
-            self.masters.record_originals(module, cast_module_storage(module, self.policy, low))
+        store = self.masters if self.masters is not None else self.rounding
+        if store is not None:
+            store.record_originals(module, cast_module_storage(module, self.policy, self.compute_dtype))
         if self.recipe.low_precision and self._hooked_module is not module:
             if self._policy_handle is not None:
                 self._policy_handle.remove()
@@ -182,15 +177,17 @@ class MixedPrecision(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        """Check the optimizers, swap FP32 masters into their param groups, hold LR schedulers on skips."""
+        """Check the optimizers, install FP32 masters or update rounding, hold LR schedulers on skips."""
         for opt in optimizers:
             check_optimizer(unwrap_optimizer(opt), self.recipe.name)
+        root = self._lightning_module if self._lightning_module is not None else model
         if self.masters is not None:
-            root = self._lightning_module if self._lightning_module is not None else model
             self.masters.install(root, [unwrap_optimizer(o) for o in optimizers])
             for path in self._pending_fp32_paths:
                 self.keep_in_fp32(path)
             self._pending_fp32_paths = []
+        if self.rounding is not None:
+            self.rounding.install(root, [unwrap_optimizer(o) for o in optimizers])
         if self._lightning_module is not None and lr_schedulers:
             self._hold.install(self._lightning_module)
         return model, optimizers, lr_schedulers
@@ -273,8 +270,9 @@ class MixedPrecision(Precision):
             module = root.get_submodule(path)
         if self.recipe.low_precision and self._policy_handle is not None:
             self._policy_handle.add_region(module, path, self._device_type)
-        if self.masters is not None:
-            self.masters.store_fp32(module)
+        for store in (self.masters, self.rounding):
+            if store is not None:  # low-precision parameters re-stored in FP32 (from masters / w + c)
+                store.store_fp32(module)
         return self.policy
 
     def _restore_policy(self, saved: Any) -> None:
@@ -300,10 +298,10 @@ class MixedPrecision(Precision):
         return self.masters.state_dict() if self.masters is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: recipe name, scaler record (config + state + counters), FP32 masters, policy."""
+        """Plain data: recipe name, scaler record (config + state + counters), FP32 masters, policy, rounding."""
         return {"schema": PLUGIN_SCHEMA, "schema_version": PLUGIN_SCHEMA_VERSION, "recipe": self.recipe.name,
                 "scaler": self.loss_scaler.state_dict(), "masters": self.master_state_dict(),
-                "policy": self.recipe.policy.to_dict()}
+                "policy": self.recipe.policy.to_dict(), **rounding_record(self.rounding)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; another schema, recipe or scaler config is an error naming both."""
@@ -326,6 +324,8 @@ class MixedPrecision(Precision):
             self.loss_scaler.load_state_dict(state_dict["scaler"])
         if self.masters is not None and plan.load_masters:
             self.masters.load_state_dict(state_dict.get("masters") or {})
+        if self.rounding is not None and not plan.changes_recipe:
+            self.rounding.load_state_dict(state_dict.get("rounding"))
         if plan.changes_recipe:
             warnings.warn(f"lightning_ext.MixedPrecision: {plan.warning()}", stacklevel=2)
 

@@ -1,4 +1,4 @@
-"""What the plugin trains with: strategies and optimizers.
+"""What the plugin trains with: recipe names, strategies and optimizers.
 
 Supported: single-device strategies and DDP (``ddp``, ``ddp_spawn``...), and
 first-order optimizers.  Strategies that shard parameters or optimizer state,
@@ -13,7 +13,9 @@ from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-__all__ = ["check_optimizer", "check_strategy"]
+from mp_callbacks.recipes import RecipeError, canonical_recipe_name
+
+__all__ = ["check_optimizer", "check_strategy", "recipe_name"]
 
 _UNSUPPORTED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed's own fp16/bf16 config: Trainer(strategy='deepspeed', precision='16-mixed')",
@@ -22,6 +24,18 @@ _UNSUPPORTED_STRATEGIES = {
     "XLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
     "SingleDeviceXLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
 }
+
+
+def recipe_name(precision: Any) -> str:
+    """The canonical recipe of ``MixedPrecision(precision=...)``; a ``RecipeError`` in the plugin's words."""
+    try:
+        return canonical_recipe_name(precision)
+    except RecipeError as exc:
+        hint = ""
+        if isinstance(precision, str) and precision.endswith("-true") and precision != "32-true":
+            hint = f" For Lightning's pure {precision} use Trainer(precision={precision!r})."
+        raise RecipeError(f"Passed `MixedPrecision(precision={precision!r})`. Precision must be '16-mixed' or "
+                          f"'bf16-mixed', or another lightning_ext recipe: {exc}.{hint}") from None
 
 
 def check_strategy(strategy: Any) -> None:

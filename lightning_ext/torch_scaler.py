@@ -24,7 +24,8 @@ step is an error, as in torch.  Rules:
   all-reduced (MAX) over the process group so every rank decides alike.
 * ``step``: one host read of ``found_inf`` when scaling is on (as
   ``GradScaler.step``); a skipped step calls nothing, so parameters, masters,
-  optimizer state and the optimizer's step counters stay as they were.
+  compensation buffers, the rounding stream, optimizer state and the
+  optimizer's step counters stay as they were.
 * ``update``: the transition with the flags of the optimizers stepped since
   the last update; a floor hit reacts per ``on_min_scale``
   (:func:`~mp_callbacks.scaler.react_to_floor_hit`).
@@ -100,11 +101,14 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         steps count inf/NaN gradients (None: while a monitor is attached).
       divergence: the :class:`~mp_callbacks.divergence.DivergenceRule` applied
         on skipped steps (None: the default rule; False: off).
+      rounding: the plugin's :class:`~lightning_ext.update_rounding.UpdateRounding`
+        (``bf16-kahan``, ``bf16-sr``): an applied step goes through it.
     """
 
     def __init__(self, config: ScalerConfig, masters: Optional[MasterWeights] = None,
-                 count_overflows: Optional[bool] = None, divergence: Any = None) -> None:
+                 count_overflows: Optional[bool] = None, divergence: Any = None, rounding: Any = None) -> None:
         self.config = config
+        self.rounding = rounding
         self.divergence = DivergenceRule.coerce(divergence)
         self._loss_finite: Optional[Tensor] = None
         self.masters = masters
@@ -274,6 +278,8 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         if self.masters:
             with self.masters.updating(raw):
                 return raw.step(*args, **kwargs)
+        if self.rounding is not None:
+            return self.rounding.step(raw, *args, **kwargs)
         return raw.step(*args, **kwargs)
 
     def _observe_divergence(self, skipped: bool) -> None:
