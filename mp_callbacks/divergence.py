@@ -13,16 +13,26 @@ Any applied step resets both streaks.  Every counted step was skipped, so
 nothing non-finite reached the weights before the stop.  ``None`` turns a
 rule off.  The scale-floor guard of the monitors
 (:class:`~mp_callbacks.meters.DivergenceGuard`) is a separate, later net.
+
+The rule is one pure transition, :func:`next_divergence_state`, written over
+the array-ops protocol like the scaler's: :meth:`DivergenceRule.observe`
+evaluates it with NumPy on the host (the Lightning plugin), the Keras optimizer
+with ``keras.ops`` inside the traced step (streaks in device variables); both
+raise :meth:`DivergenceRule.error`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
 
 from .meters import DivergenceError
+from .ops import NUMPY_OPS, Array, ArrayOps
 
-__all__ = ["DivergenceError", "DivergenceRule", "LOSS_CHECKLIST", "OVERFLOW_CHECKLIST"]
+__all__ = ["DivergenceError", "DivergenceRule", "DivergenceState", "LOSS_CHECKLIST", "OVERFLOW_CHECKLIST",
+           "next_divergence_state"]
 
 LOSS_CHECKLIST = (
     "check the inputs and labels for inf/NaN, lower the learning rate, keep more ops in FP32 "
@@ -33,6 +43,13 @@ OVERFLOW_CHECKLIST = (
     "lower the learning rate, clip gradients, keep more ops in FP32 (norms, softmax, losses, custom ops) or "
     "switch float16 to bfloat16 (wider range)"
 )
+
+
+class DivergenceState(NamedTuple):
+    """The streaks the rule keeps, as backend int32 scalars."""
+
+    loss_streak: Array
+    overflow_streak: Array
 
 
 @dataclass
@@ -74,26 +91,28 @@ class DivergenceRule:
                 module: str | None = None) -> None:
         """Feed one step (``overflow``: it was skipped for non-finite gradients); raises
         :class:`~mp_callbacks.meters.DivergenceError` when a streak reaches its limit."""
-        if not overflow:
-            self.loss_streak = self.overflow_streak = 0
-            return
+        state = DivergenceState(np.int32(self.loss_streak), np.int32(self.overflow_streak))
+        new, stop = next_divergence_state(self, state, overflow, loss_finite, scale)
+        self.loss_streak, self.overflow_streak = int(new.loss_streak), int(new.overflow_streak)
+        if bool(stop):
+            raise self.error(step, scale, module)
+
+    def error(self, step: int, scale: float = 1.0, module: str | None = None,
+              state: "DivergenceState | None" = None) -> DivergenceError:
+        """The :class:`~mp_callbacks.meters.DivergenceError` of a stop at ``step`` (``scale``: the scale the
+        step ran with), for the streaks of ``state`` (default: this rule's)."""
+        loss_streak = int(state.loss_streak) if state is not None else self.loss_streak
+        overflow_streak = int(state.overflow_streak) if state is not None else self.overflow_streak
         where = f"; first non-finite module {module!r}" if module else ""
-        if not loss_finite:
-            self.loss_streak += 1
-            self.overflow_streak = 0
-            if self.nonfinite_losses is not None and self.loss_streak >= self.nonfinite_losses:
-                raise DivergenceError(
-                    f"training diverged: the loss was not finite on {self.loss_streak} consecutive steps up to "
-                    f"step {step}{where}; none of them was applied. A non-finite loss comes from the forward "
-                    f"pass, and no loss scale fixes it. Try: {LOSS_CHECKLIST}.")
-            return
-        self.loss_streak = 0
-        self.overflow_streak = self.overflow_streak + 1 if scale < self.scale_below else 0
-        if self.overflows_below is not None and self.overflow_streak >= self.overflows_below:
-            raise DivergenceError(
-                f"training diverged: the gradients overflowed on {self.overflow_streak} consecutive steps with "
-                f"a finite loss and the loss scale already below {self.scale_below:g} (scale={scale:g}) up to "
-                f"step {step}{where}; none of them was applied. Try: {OVERFLOW_CHECKLIST}.")
+        if loss_streak:
+            return DivergenceError(
+                f"training diverged: the loss was not finite on {loss_streak} consecutive steps up to "
+                f"step {step}{where}; none of them was applied. A non-finite loss comes from the forward "
+                f"pass, and no loss scale fixes it. Try: {LOSS_CHECKLIST}.")
+        return DivergenceError(
+            f"training diverged: the gradients overflowed on {overflow_streak} consecutive steps with "
+            f"a finite loss and the loss scale already below {self.scale_below:g} (scale={scale:g}) up to "
+            f"step {step}{where}; none of them was applied. Try: {OVERFLOW_CHECKLIST}.")
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: the limits and the current streaks."""
@@ -104,3 +123,29 @@ class DivergenceRule:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the streaks of a :meth:`state_dict` (the limits stay this rule's)."""
         self.loss_streak, self.overflow_streak = int(state["loss_streak"]), int(state["overflow_streak"])
+
+
+def next_divergence_state(rule: DivergenceRule, state: DivergenceState, overflow: Array, loss_finite: Array,
+                          scale: Array, ops: ArrayOps = NUMPY_OPS) -> tuple[DivergenceState, Array]:
+    """One step of the rule: ``(new streaks, stop)``.
+
+    ``overflow``: the step was skipped for non-finite gradients; ``loss_finite``:
+    its loss was finite; ``scale``: the loss scale it ran with.  A skipped step
+    with a non-finite loss extends the loss streak, one with a finite loss below
+    ``rule.scale_below`` the overflow streak; every other step resets what it
+    does not extend.  ``stop`` is True once a streak reaches its limit.  Pure
+    and branch-free (traceable), like :func:`mp_callbacks.scaler.next_state`.
+    """
+    overflow = ops.boolean(overflow)
+    finite = ops.boolean(loss_finite)
+    one, zero = ops.i32(1), ops.i32(0)
+    bad_loss = ops.logical_and(overflow, ops.logical_not(finite))
+    below = ops.logical_not(ops.greater_equal(ops.f32(scale), ops.f32(rule.scale_below)))
+    bad_grads = ops.logical_and(ops.logical_and(overflow, finite), below)
+    new = DivergenceState(loss_streak=ops.where(bad_loss, ops.add(ops.i32(state.loss_streak), one), zero),
+                          overflow_streak=ops.where(bad_grads, ops.add(ops.i32(state.overflow_streak), one), zero))
+    stop = ops.boolean(False)
+    for streak, limit in ((new.loss_streak, rule.nonfinite_losses), (new.overflow_streak, rule.overflows_below)):
+        if limit is not None:
+            stop = ops.logical_or(stop, ops.greater_equal(streak, ops.i32(limit)))
+    return new, stop

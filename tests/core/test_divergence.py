@@ -42,3 +42,60 @@ def test_coerce_and_validation():
         DivergenceRule(nonfinite_losses=0)
     with pytest.raises(TypeError, match="divergence"):
         DivergenceRule.coerce("yes")
+
+
+def _by_hand(rule, seq):
+    """The rule written out step by step (if/else on Python values): the streaks and the first stop step."""
+    loss = over = 0
+    for step, (overflow, finite, scale) in enumerate(seq, 1):
+        if not overflow:
+            loss = over = 0
+        elif not finite:
+            loss, over = loss + 1, 0
+        else:
+            loss, over = 0, (over + 1 if scale < rule.scale_below else 0)
+        if (rule.nonfinite_losses is not None and loss >= rule.nonfinite_losses) or \
+                (rule.overflows_below is not None and over >= rule.overflows_below):
+            return step, loss, over
+    return None, loss, over
+
+
+@pytest.mark.parametrize("limits", [(5, 10), (2, None), (None, 3), (1, 1)])
+def test_the_pure_transition_equals_the_rule_written_by_hand(limits):
+    """next_divergence_state (what Keras evaluates in its traced step) over random step sequences."""
+    import numpy as np
+
+    from mp_callbacks.divergence import DivergenceState, next_divergence_state
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rule = DivergenceRule(*limits)
+        n = int(rng.integers(1, 30))
+        seq = [(bool(rng.random() < 0.8), bool(rng.random() < 0.5), float(rng.choice([4.0, 1.0, 0.5, 2.0**-10])))
+               for _ in range(n)]
+        want_stop, want_loss, want_over = _by_hand(rule, seq)
+        state, stopped_at = DivergenceState(np.int32(0), np.int32(0)), None
+        for step, (overflow, finite, scale) in enumerate(seq, 1):
+            state, stop = next_divergence_state(rule, state, overflow, finite, scale)
+            if bool(stop):
+                stopped_at = step
+                break
+        assert stopped_at == want_stop
+        assert (int(state.loss_streak), int(state.overflow_streak)) == (want_loss, want_over)
+        with_observe = DivergenceRule(*limits)  # observe is the same transition on the host
+        try:
+            for step, (overflow, finite, scale) in enumerate(seq, 1):
+                with_observe.observe(step, overflow, finite, scale)
+        except DivergenceError:
+            assert step == want_stop
+        else:
+            assert want_stop is None
+
+
+def test_error_names_the_streak_of_a_given_state():
+    from mp_callbacks.divergence import DivergenceState
+
+    rule = DivergenceRule()
+    assert "loss was not finite on 5 consecutive steps up to step 9" in str(rule.error(9, state=DivergenceState(5, 0)))
+    text = str(rule.error(12, 0.25, state=DivergenceState(0, 10)))
+    assert "overflowed on 10 consecutive steps" in text and "scale=0.25" in text and "step 12" in text
