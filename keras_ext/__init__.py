@@ -12,7 +12,8 @@
 
 Modules (the same files as ``lightning_ext`` for the same jobs): ``optimizer``
 (the Keras-facing :class:`LossScaleOptimizer`), ``scaler`` (the scaler state in
-Keras variables), ``masters`` (FP32 master weights), ``policy``,
+Keras variables), ``divergence`` (the core's divergence rule in the traced step
+and its host check), ``masters`` (FP32 master weights), ``policy``,
 ``attribution`` (which layer overflowed), ``monitor``, ``keras_ops``,
 ``keras_meters``, ``compare`` (the ``mpx compare`` runner).  No module keeps
 global state: the active policy rides on Keras' own global dtype policy.

@@ -17,6 +17,9 @@ decision comes from the core:
   (:class:`~keras_ext.masters.MasterWeights`);
 * :attr:`LossScaleOptimizer.recipe` is the :class:`~mp_callbacks.Recipe` the
   optimizer implements (what the monitor reads);
+* the core's divergence rule runs inside the step
+  (:class:`~keras_ext.divergence.KerasDivergence`): a run that cannot recover
+  stops with :class:`~mp_callbacks.meters.DivergenceError`;
 * a :class:`keras_ext.MixedPrecisionMonitor` attaches through the core's
   :class:`~mp_callbacks.monitor.MonitorPort`; while attached, :meth:`apply`
   calls its ``on_optimizer_step`` inside the traced step.
@@ -24,16 +27,19 @@ decision comes from the core:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import keras
 from keras import ops
 
 from mp_callbacks.diagnostics import OVERFLOW, StepStats
+from mp_callbacks.divergence import DivergenceRule
 from mp_callbacks.monitor import MonitorPort
 from mp_callbacks.recipes import Recipe, get_recipe
 from mp_callbacks.scaler import ScalerConfig, ScalerCounters, ScalerState
 
+from .divergence import KerasDivergence
 from .keras_ops import is_tf
 from .masters import MasterWeights
 from .policy import coerce_recipe, optimizer_recipe
@@ -68,15 +74,19 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         optimizer then updates the masters with FP32 slots and the rounded
         result is written back to the model after every applied step.
         None (default): the recipe's choice when ``recipe`` is given, else False.
-      count_overflows: with scaling off (``enabled=False``), whether each step
-        looks for inf/NaN gradients to count them; ``None`` (default): only
-        while a :class:`keras_ext.MixedPrecisionMonitor` is attached.  With
-        scaling on the check always runs (it decides the skip).  The rule is
+      count_overflows: when no step can be skipped (``scaler={"enabled": False,
+        "skip_nonfinite": False}``), whether each step looks for inf/NaN
+        gradients to count them; ``None`` (default): only while a
+        :class:`keras_ext.MixedPrecisionMonitor` is attached.  Otherwise the
+        check always runs (it decides the skip): the rule is
         :func:`mp_callbacks.scaler.checks_overflow`, as in the Lightning plugin.
       recipe: the :class:`mp_callbacks.Recipe` (or recipe name) this optimizer
         implements; None: keras_ext's global recipe
         (:func:`keras_ext.get_global_recipe`) at construction.  Either way
         :attr:`recipe` carries this optimizer's scaler and master choice.
+      divergence: when to stop a run that cannot recover
+        (:class:`~mp_callbacks.divergence.DivergenceRule`, a dict of its limits;
+        None: the default rule, False: never).
       name: the optimizer's name.
 
     The optimizer's ``apply``/``apply_gradients`` expect gradients of the
@@ -95,18 +105,15 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         master_weights: bool | None = None,
         count_overflows: bool | None = None,
         recipe: Recipe | str | Mapping[str, Any] | None = None,
+        divergence: DivergenceRule | Mapping[str, Any] | bool | None = None,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise TypeError(
-                "keras_ext.LossScaleOptimizer wraps a keras.optimizers.Optimizer instance "
-                f"(e.g. keras.optimizers.SGD()); got {type(inner_optimizer).__name__}: {inner_optimizer!r}"
-            )
+            raise TypeError("keras_ext.LossScaleOptimizer wraps a keras.optimizers.Optimizer instance (e.g. "
+                            f"keras.optimizers.SGD()); got {type(inner_optimizer).__name__}: {inner_optimizer!r}")
         if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-            raise TypeError(
-                "inner_optimizer is already a LossScaleOptimizer; wrap the plain optimizer instead"
-            )
+            raise TypeError("inner_optimizer is already a LossScaleOptimizer; wrap the plain optimizer instead")
         if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
             if initial_scale is not None:
                 raise TypeError("initial_scale given twice (positionally and by keyword)")
@@ -117,14 +124,11 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         masters = MasterWeights(master_weights)
         config = scaler_config(scaler, given, initial_scale, dynamic_growth_steps)
         scaler_state = KerasLossScaler(config)
-        super().__init__(
-            inner_optimizer,
-            initial_scale=scaler_state.current_scale,
-            dynamic_growth_steps=config.growth_interval,
-            name=name,
-            **kwargs,
-        )
+        super().__init__(inner_optimizer, initial_scale=scaler_state.current_scale,
+                         dynamic_growth_steps=config.growth_interval, name=name, **kwargs)
         self._scaler = scaler_state
+        self._divergence = KerasDivergence(DivergenceRule.coerce(divergence), config,  # a monitor is uninstalled
+                                           lambda: self.monitor is not None and self.monitor.uninstall())
         self._masters = masters
         self._recipe_given = given
         self._recipe = optimizer_recipe(given, config, master_weights)
@@ -158,6 +162,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         """Create the scaler variables (and master copies), then build the inner optimizer."""
         var_list = list(var_list)
         self._scaler.build(self)
+        self._divergence.build(self)
         self.inner_optimizer.build(self._masters.build(self, var_list))
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -219,14 +224,26 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
 
     # -- loss and gradients ------------------------------------------------------------
     def scale_loss(self, loss: Any) -> Any:
-        """``loss * scale`` (the current scale; the initial one before build)."""
+        """``loss * scale`` (the current scale; the initial one before build).  Also records, for the
+        divergence rule, whether the loss is finite (Keras' train step calls this)."""
+        self._divergence.record_loss(loss, sys._getframe(1).f_locals.get("self"))
         return ops.multiply(loss, self.dynamic_scale)
+
+    @property
+    def divergence(self) -> DivergenceRule:
+        """The :class:`~mp_callbacks.divergence.DivergenceRule` (its limits; the streaks live on the device)."""
+        return self._divergence.rule
+
+    def check_divergence(self) -> None:
+        """Raise :class:`~mp_callbacks.meters.DivergenceError` if the rule stopped the run (one host read).
+
+        ``model.fit`` and eager steps check by themselves; call it after each step of a custom
+        ``tf.function`` loop (until then every step is skipped)."""
+        self._divergence.check()
 
     def get_scaled_loss(self, loss: Any) -> Any:
         """tf-keras API: ``loss * scale``; a callable loss gives a callable."""
-        if callable(loss):
-            return lambda: self.scale_loss(loss())
-        return self.scale_loss(loss)
+        return (lambda: self.scale_loss(loss())) if callable(loss) else self.scale_loss(loss)
 
     def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
         """tf-keras API: ``grad / scale`` for each gradient (None stays None).
@@ -244,10 +261,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         """One step: finite check (reduced over replicas), scaler transition, maybe the update."""
         if not self.built:
             if trainable_variables is None:
-                raise ValueError(
-                    "the optimizer is not built: pass trainable_variables to the first apply(), "
-                    "or call optimizer.build(model.trainable_variables) first"
-                )
+                raise ValueError("the optimizer is not built: pass trainable_variables to the first apply(), "
+                                 "or call optimizer.build(model.trainable_variables) first")
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
             self.built = True
@@ -259,32 +274,22 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
             self._tf_apply(grads, tvs, unscaled_already)
         else:
             self._eager_apply(grads, tvs, unscaled_already)
+        self._divergence.check_if_eager()
 
-    def stateless_apply(
-        self, optimizer_variables: Sequence[Any], grads: Sequence[Any], trainable_variables: Sequence[Any]
-    ) -> Any:
+    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         """Not supported: this wrapper's decision uses stateful variables (use the TF or torch backend)."""
-        raise NotImplementedError(
-            "keras_ext.LossScaleOptimizer does not implement stateless_apply (the JAX trainer path); "
-            "use the tensorflow or torch backend"
-        )
+        raise NotImplementedError("keras_ext.LossScaleOptimizer does not implement stateless_apply (the JAX "
+                                  "trainer path); use the tensorflow or torch backend")
 
     def _found_inf(self, grads: Sequence[Any]) -> Any:
-        """True when any gradient of this replica holds an inf or NaN (no host sync).
-
-        False without looking when the step does not check (:attr:`checks_overflow`).
-        """
+        """True when any gradient of this replica holds an inf or NaN (no host sync); False without
+        looking when the step does not check (:attr:`checks_overflow`)."""
         return found_inf(grads) if self.checks_overflow else ops.convert_to_tensor(False)
 
     def _unscaled(self, grads: Sequence[Any], tvs: Sequence[Any], unscaled_already: bool) -> list[Any]:
         scale = ops.convert_to_tensor(self._scaler.variable("scale"))
-        out = []
-        for g, v in zip(grads, tvs):
-            if g is None or unscaled_already or self._overwrite_variable_with_gradient(v):
-                out.append(g)
-            else:
-                out.append(unscale(g, scale))
-        return out
+        return [g if g is None or unscaled_already or self._overwrite_variable_with_gradient(v) else unscale(g, scale)
+                for g, v in zip(grads, tvs)]
 
     def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any]) -> None:
         """The inner optimizer's update (on the masters when master weights are kept)."""
@@ -292,12 +297,15 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
             grads, tvs = self._masters.targets(grads, tvs, self._get_variable_index)
         self.inner_optimizer.apply(grads, tvs)
 
-    def _step(self, found_inf: Any, unscaled: list[Any], tvs: list[Any],
+    def _step(self, found_inf: Any, loss_finite: Any, unscaled: list[Any], tvs: list[Any],
               apply_inner: Callable[[], None]) -> Any:
-        """Transition, the update when applied (``apply_inner`` + write-back), state write; returns the
-        scale the gradients were produced with when a monitor is attached (else None)."""
+        """Transition (frozen after a divergence stop), divergence rule, the update when applied
+        (``apply_inner`` + write-back), state write; returns the scale the gradients were produced
+        with when a monitor is attached (else None)."""
         scale_used = self._scale_before()
-        new, applied = self._scaler.transition(found_inf)
+        stopped = self._divergence.stopped()
+        new, applied = self._scaler.transition(found_inf, stopped)
+        self._divergence.update(found_inf, loss_finite, self._scaler.variable("scale").value, new.steps, stopped)
 
         def apply_fn() -> None:
             apply_inner()
@@ -310,7 +318,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
     def _eager_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
         found_inf = self._found_inf(grads)
         unscaled = self._unscaled(grads, tvs, unscaled_already)
-        scale_used = self._step(found_inf, unscaled, tvs, lambda: self._apply_inner(unscaled, tvs))
+        scale_used = self._step(found_inf, self._divergence.loss_finite(), unscaled, tvs,
+                                lambda: self._apply_inner(unscaled, tvs))
         self._notify_monitor(found_inf, unscaled, tvs, scale_used)
 
     def _tf_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
@@ -319,34 +328,32 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context (inside strategy.run or a train_step)")
         ctx = tf.distribute.get_replica_context()
-        found_inf = self._found_inf(grads)
-        if ctx.num_replicas_in_sync > 1:
-            # The decision is global: sum the per-replica overflow flags first.
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(found_inf, tf.float32))
-            found_inf = tf.greater(total, 0.0)
+        found_inf, loss_finite = self._found_inf(grads), self._divergence.loss_finite()
+        if ctx.num_replicas_in_sync > 1 and self.checks_overflow:
+            # The decision is global: sum the per-replica overflow (and non-finite loss) flags first.
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(
+                tf.stack([found_inf, tf.logical_not(loss_finite)]), tf.float32))
+            found_inf, loss_finite = tf.greater(total[0], 0.0), tf.equal(total[1], 0.0)
         unscaled = self._unscaled(grads, tvs, unscaled_already)
 
-        def cross_replica(distribution, found_inf, unscaled, tvs):
-            found = distribution.experimental_local_results(found_inf)[0]
-            scale_used = self._step(found, unscaled, tvs, lambda: distribution.extended.call_for_each_replica(
+        def cross_replica(distribution, found_inf, loss_finite, unscaled, tvs):
+            found, finite = (distribution.experimental_local_results(t)[0] for t in (found_inf, loss_finite))
+            scale_used = self._step(found, finite, unscaled, tvs, lambda: distribution.extended.call_for_each_replica(
                 self._apply_inner, args=(unscaled, tvs)))
             if distribution.num_replicas_in_sync == 1:  # the monitor's device record is per replica
                 local = [None if g is None else distribution.experimental_local_results(g)[0] for g in unscaled]
                 self._notify_monitor(found, local, tvs, scale_used)
 
-        ctx.merge_call(cross_replica, args=(found_inf, unscaled, tvs))
+        ctx.merge_call(cross_replica, args=(found_inf, loss_finite, unscaled, tvs))
 
     # -- serialization ----------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
         """Plain data shaped like Keras' own (``name``, ``inner_optimizer``, ``initial_scale``,
-        ``dynamic_growth_steps``); ``scaler``, ``master_weights``, ``count_overflows`` and ``recipe``
-        only where they differ from what the constructor derives from the others."""
-        config = {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "initial_scale": self.scaler_config.init_scale,
-            "dynamic_growth_steps": self.scaler_config.growth_interval,
-        }
+        ``dynamic_growth_steps``); ``scaler``, ``master_weights``, ``count_overflows``, ``recipe`` and
+        ``divergence`` only where they differ from what the constructor derives from the others."""
+        config = {"name": self.name, "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                  "initial_scale": self.scaler_config.init_scale,
+                  "dynamic_growth_steps": self.scaler_config.growth_interval}
         given = self._recipe_given
         if given is not None:
             config["recipe"] = given.to_dict()
@@ -356,6 +363,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
             config["master_weights"] = self.master_weights
         if self.count_overflows is not None:
             config["count_overflows"] = self.count_overflows
+        if self._divergence.rule_config() is not None:
+            config["divergence"] = self._divergence.rule_config()
         return config
 
     @classmethod
@@ -366,25 +375,18 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         return cls(inner, **config)
 
     def __repr__(self) -> str:
-        return (
-            f"keras_ext.LossScaleOptimizer(inner={type(self.inner_optimizer).__name__}, "
-            f"scale={self.current_scale:g}, master_weights={self.master_weights}, recipe={self.recipe.name!r})"
-        )
+        return (f"keras_ext.LossScaleOptimizer(inner={type(self.inner_optimizer).__name__}, "
+                f"scale={self.current_scale:g}, master_weights={self.master_weights}, recipe={self.recipe.name!r})")
 
 
-def master_optimizer(
-    inner_optimizer: keras.optimizers.Optimizer,
-    recipe: Recipe | str = "bf16-master",
-    *,
-    scaler: ScalerConfig | str | Mapping[str, Any] | None = None,
-    count_overflows: bool | None = None,
-    name: str | None = None,
-) -> LossScaleOptimizer:
+def master_optimizer(inner_optimizer: keras.optimizers.Optimizer, recipe: Recipe | str = "bf16-master", *,
+                     scaler: ScalerConfig | str | Mapping[str, Any] | None = None, **kwargs: Any) -> LossScaleOptimizer:
     """The optimizer a recipe asks for: loss scaling per the recipe, FP32 masters for ``*-master``.
 
     ``recipe`` is a :class:`mp_callbacks.Recipe` or a name (``"bf16-master"``,
     ``"16-master"``, ``"16-mixed"``...); ``scaler`` overrides the recipe's
-    scaler; ``count_overflows`` is :class:`LossScaleOptimizer`'s.  Build the
+    scaler; ``kwargs`` are :class:`LossScaleOptimizer`'s (``count_overflows``,
+    ``divergence``, ``name``).  Build the
     model with :func:`keras_ext.set_global_policy` / :func:`keras_ext.apply_policy`
     for the same recipe so that its variables are stored in the recipe's
     ``param_dtype``.
@@ -393,4 +395,4 @@ def master_optimizer(
         recipe = get_recipe(recipe)
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a mp_callbacks.Recipe or a recipe name, not {type(recipe).__name__}")
-    return LossScaleOptimizer(inner_optimizer, scaler, recipe=recipe, count_overflows=count_overflows, name=name)
+    return LossScaleOptimizer(inner_optimizer, scaler, recipe=recipe, **kwargs)

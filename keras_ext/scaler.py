@@ -156,10 +156,17 @@ class KerasLossScaler(ScalerCounters):
         return ops.copy(self._vars["scale"].value)
 
     # ------------------------------------------------------------ stepping
-    def transition(self, found_inf: Any) -> tuple[ScalerState, Any]:
-        """``(next state, applied)`` for this step's overflow flag (backend tensors, no host read)."""
+    def transition(self, found_inf: Any, frozen: Any = None) -> tuple[ScalerState, Any]:
+        """``(next state, applied)`` for this step's overflow flag (backend tensors, no host read).
+
+        ``frozen`` (a 0-d bool, e.g. a latched divergence stop): when True the state stays and the
+        step is not applied."""
         old = ScalerState(*(self._vars[f].value for f in STATE_FIELDS))
-        return next_state(self.config, old, found_inf, KERAS_OPS)
+        new, applied = next_state(self.config, old, found_inf, KERAS_OPS)
+        if frozen is None:
+            return new, applied
+        return ScalerState(*(ops.where(frozen, o, n) for o, n in zip(old, new))), \
+            ops.logical_and(applied, ops.logical_not(frozen))
 
     def write(self, new: ScalerState) -> None:
         """React to a floor hit of ``new`` (per ``on_min_scale``), then assign it to the variables."""

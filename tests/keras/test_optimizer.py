@@ -2,8 +2,10 @@
 
 Argument errors and Keras' own arguments, the serialized config (shaped like Keras' own),
 the recipe it carries, the monitor port, custom tf.GradientTape loops and the tf-keras API,
-skip semantics, equality with stock Keras' LossScaleOptimizer (``keras`` preset), and the
-cross-replica overflow decision under MirroredStrategy.
+skip semantics (also without loss scaling: ``skip_nonfinite``, and its opt-out without any finite
+check), equality with stock Keras' LossScaleOptimizer (``keras`` preset), and the cross-replica
+overflow decision under MirroredStrategy (with and without loss scaling; the non-finite-loss flag
+of the divergence rule too).
 """
 
 import json
@@ -260,6 +262,52 @@ def test_skip_leaves_variables_slots_and_iterations_untouched():
     assert sd["state"]["overflows"] == 1 and sd["config"]["init_scale"] == 2.0**15
 
 
+def _recipe_fit(recipe, **kwargs):
+    """A Dense-Dense model and its optimizer under ``recipe``; 3 batches of 2, the last with an inf sample weight."""
+    keras_ext.set_global_policy(recipe)
+    keras.utils.set_random_seed(0)
+    model = keras_ext.apply_policy(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                                     keras.layers.Dense(1)]))
+    opt = keras_ext.master_optimizer(keras.optimizers.Adam(1e-2), recipe, **kwargs)
+    model.compile(opt, "mse")
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype("float32")
+    w = np.array([1, 1, 1, 1, np.inf, 1], "float32")
+    return model, opt, (x, x[:, :1], w)
+
+
+def _fit_rows(model, data, rows):
+    x, y, w = data
+    model.fit(x[rows], y[rows], sample_weight=w[rows], batch_size=2, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize("recipe", ["32-true", "bf16-mixed", "bf16-master"])
+def test_recipes_without_loss_scaling_skip_non_finite_steps_by_default(recipe):
+    """ScalerConfig.skip_nonfinite (default): weights, masters, slots and iterations stay bit for bit."""
+    model, opt, data = _recipe_fit(recipe)
+    assert not opt.scaler_config.enabled and opt.scaler_config.can_skip and opt.checks_overflow  # no monitor
+    _fit_rows(model, data, slice(0, 4))
+    state = list(model.weights) + [m for m in opt.master_variables if m is not None] + opt.inner_optimizer.variables
+    before = _values(state)
+    _fit_rows(model, data, slice(4, 6))
+    for a, b in zip(before, _values(state)):
+        np.testing.assert_array_equal(a, b)
+    assert (opt.steps, opt.overflows, opt.skipped, opt.current_scale) == (3, 1, 1, 1.0)
+    assert int(ops.convert_to_numpy(opt.iterations)) == 2
+    assert sum(m is not None for m in opt.master_variables) == (2 if recipe == "bf16-master" else 0)  # head: FP32
+
+
+def test_opting_out_applies_every_step_without_any_finite_check(monkeypatch):
+    def no_check(grads):
+        raise AssertionError("the opt-out must not look at the gradients")
+
+    monkeypatch.setattr(keras_ext.optimizer, "found_inf", no_check)
+    model, opt, data = _recipe_fit("bf16-mixed", scaler={"enabled": False, "skip_nonfinite": False})
+    assert not opt.checks_overflow
+    _fit_rows(model, data, slice(0, 6))
+    assert (opt.steps, opt.overflows, opt.skipped) == (3, 0, 0) and int(ops.convert_to_numpy(opt.iterations)) == 3
+    assert not np.all(np.isfinite(ops.convert_to_numpy(model.weights[0])))  # the inf step was applied
+
+
 # ------------------------------------------------------------ stock Keras parity
 def _assert_same(result, exact=True):
     stock, ours = result["stock"], result["ours"]
@@ -301,7 +349,7 @@ def test_fit_matches_stock_keras_jit_compile():
 # -------------------------------------------------------------- distribution
 @requires_tf_backend
 def test_one_replica_overflow_makes_every_replica_skip():
-    proc = run_script("mirrored", "ours", "fit", "fit_master")
+    proc = run_script("mirrored", "ours", "fit", "fit_master", "fit_bf16", "diverge")
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
@@ -315,8 +363,15 @@ def test_one_replica_overflow_makes_every_replica_skip():
     assert loop["weights_equal_across_replicas"] and loop["finite"]
     assert loop["scales"] == [32768.0, 16384.0, 16384.0, 32768.0, 16384.0, 16384.0]
 
-    for kind, masters in (("fit", 0), ("fit_master", 2)):
+    # model.fit; fit_bf16: no loss scaling, the step is skipped all the same (ScalerConfig.skip_nonfinite)
+    for kind, masters in (("fit", 0), ("fit_master", 2), ("fit_bf16", 0)):
         fit = result[kind]
         assert fit["skipped"] == fit["overflows"] == 1 and fit["steps"] == 6 and fit["iterations"] == 5
         assert fit["weights_equal_across_replicas"] and fit["finite"]  # masters included
-        assert fit["masters"] == masters
+        assert fit["masters"] == masters and fit["scaling"] == (kind != "fit_bf16")
+    # the second replica's loss is NaN on every step: the non-finite-loss flag is summed across replicas too
+    diverge = result["diverge"]
+    assert diverge["error"].startswith("DivergenceError: training diverged: the loss was not finite on 5 "
+                                       "consecutive steps up to step 5")
+    assert diverge["skipped"] == diverge["steps"] == 5 and diverge["iterations"] == 0
+    assert diverge["weights_equal_across_replicas"] and diverge["finite"]

@@ -2,7 +2,8 @@
 
 The backend is fixed when keras is imported, so this cannot run in-process:
 the optimizer (parity with stock Keras' LossScaleOptimizer, arguments, config,
-recipe), the scaler, master weights, save/load and the dtype-policy mapping, all on torch.
+recipe), the scaler, master weights, the divergence stop, save/load and the dtype-policy
+mapping, all on torch.
 """
 
 import os
@@ -11,7 +12,8 @@ import pytest
 
 from tests.keras.helpers.util import run_pytest
 
-FILES = ("test_optimizer.py", "test_scaler.py", "test_masters.py", "test_saving.py", "test_policy.py")
+FILES = ("test_optimizer.py", "test_scaler.py", "test_masters.py", "test_divergence.py", "test_saving.py",
+         "test_policy.py")
 
 
 def test_backend_agnostic_tests_pass_on_torch():
@@ -25,3 +27,5 @@ def test_backend_agnostic_tests_pass_on_torch():
     assert "test_optimizer.py::test_fit_matches_stock_keras PASSED" in proc.stdout
     assert "test_masters.py::test_bf16_master_beats_pure_bf16_on_swamping PASSED" in proc.stdout
     assert "test_saving.py::test_save_load_resume_equals_uninterrupted[bf16-master] PASSED" in proc.stdout
+    assert "test_divergence.py::test_nan_every_step_stops_within_ten_steps_with_nothing_applied[16-master] PASSED" \
+        in proc.stdout

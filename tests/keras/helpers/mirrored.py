@@ -94,25 +94,38 @@ def run(kind):
     return record
 
 
-def run_fit(master=False):
+def run_fit(master=False, recipe=None, nan_every_step=False):
     """model.fit under the strategy: a global batch of 8 is split 4 + 4; one sample is inf.
 
     ``master``: the first layer stores bfloat16 variables with FP32 masters in the optimizer.
+    ``recipe``: the optimizer's recipe instead of the ``keras`` preset (``bf16-mixed``: no loss scaling,
+    non-finite steps skipped all the same).  ``nan_every_step``: the second replica's loss is NaN on every
+    step (the divergence rule must stop the run on both replicas: the result holds its message).
     """
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     rng = np.random.default_rng(0)
     x = rng.normal(size=(48, 3)).astype("float32")
     y = x.sum(axis=1, keepdims=True).astype("float32")
     x[8 * 2 + 5, 1] = np.inf  # batch 2, second half: the second replica's share
+    if nan_every_step:
+        x.reshape(6, 8, 3)[:, 5, 1] = np.nan
     with strategy.scope():
         keras.utils.set_random_seed(3)
         first = keras.layers.Dense(2, dtype="bfloat16" if master else None)
         model = keras.Sequential([keras.Input((3,)), first, keras.layers.Dense(1)])
-        opt = keras_ext.LossScaleOptimizer(
-            keras.optimizers.Adam(0.01), "keras", dynamic_growth_steps=2, master_weights=master
-        )
+        if recipe is None:
+            opt = keras_ext.LossScaleOptimizer(keras.optimizers.Adam(0.01), "keras", dynamic_growth_steps=2,
+                                               master_weights=master)
+        else:
+            opt = keras_ext.LossScaleOptimizer(keras.optimizers.Adam(0.01), recipe=recipe, master_weights=master)
         model.compile(opt, "mse")
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    error = None
+    try:
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    except Exception as exc:  # the divergence stop (nan_every_step)
+        if not nan_every_step:
+            raise
+        error = f"{type(exc).__name__}: {exc}"
     equal = finite = True
     for v in model.trainable_variables + [m for m in opt.master_variables if m is not None]:
         parts = strategy.experimental_local_results(v.value)
@@ -121,9 +134,12 @@ def run_fit(master=False):
     return {"skipped": opt.skipped, "overflows": opt.overflows, "steps": opt.steps,
             "iterations": int(opt.iterations.numpy()), "weights_equal_across_replicas": bool(equal),
             "finite": bool(finite), "scale": opt.current_scale,
-            "masters": sum(m is not None for m in opt.master_variables)}
+            "masters": sum(m is not None for m in opt.master_variables), "error": error,
+            "scaling": opt.scaler_config.enabled}
 
 
 if __name__ == "__main__":
     kinds = sys.argv[1:] or ["ours"]
-    print("RESULT " + json.dumps({k: run_fit() if k == "fit" else run_fit(True) if k == "fit_master" else run(k) for k in kinds}))
+    runs = {"fit": run_fit, "fit_master": lambda: run_fit(True), "fit_bf16": lambda: run_fit(recipe="bf16-mixed"),
+            "diverge": lambda: run_fit(recipe="bf16-mixed", nan_every_step=True)}
+    print("RESULT " + json.dumps({k: runs[k]() if k in runs else run(k) for k in kinds}))

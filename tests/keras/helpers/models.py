@@ -52,9 +52,10 @@ def tiny_regressor(dim: int = 8, hidden: int = 16, middle=None, seed: int = 0) -
     return keras.Sequential(layers)
 
 
-def compile_scaled(model, scaler, lr: float = 1e-2, optimizer: str = "sgd", master: bool = False):
+def compile_scaled(model, scaler, lr: float = 1e-2, optimizer: str = "sgd", master: bool = False, **kwargs):
+    """``model.compile`` with a keras_ext.LossScaleOptimizer (``kwargs``: its other arguments)."""
     inner = keras.optimizers.SGD(lr) if optimizer == "sgd" else keras.optimizers.Adam(lr)
-    opt = keras_ext.LossScaleOptimizer(inner, scaler, master_weights=master)
+    opt = keras_ext.LossScaleOptimizer(inner, scaler, master_weights=master, **kwargs)
     model.compile(opt, "mse", jit_compile=False)
     return opt
 

@@ -1,0 +1,186 @@
+"""``KerasDivergence``: the core's divergence rule inside the Keras optimizer's step.
+
+The twin of the divergence part of :class:`lightning_ext.torch_scaler.TorchLossScaler`,
+with the same rule (:class:`mp_callbacks.divergence.DivergenceRule`, evaluated by
+its pure transition :func:`~mp_callbacks.divergence.next_divergence_state` with
+``keras.ops``) and the same message (:meth:`DivergenceRule.error`).  In Keras:
+
+* :meth:`KerasDivergence.record_loss` (from ``scale_loss``, which Keras'
+  train step calls) keeps whether this replica's loss is finite, as a tensor of
+  the step being traced (thread-local: ``MirroredStrategy`` traces each replica
+  in its own thread); the optimizer sums it across replicas with the overflow flag;
+* :meth:`KerasDivergence.update` (inside the traced step, before the scaler
+  state is written) advances the streaks, kept in Keras variables (not
+  optimizer variables: as in Lightning they are not checkpointed).  A stop
+  latches ``stop_step``; from then on every step is skipped and the scaler state
+  frozen (:meth:`stopped`), so nothing is applied while the host has not looked;
+* :meth:`KerasDivergence.check` is the host side: one scalar read of the latch,
+  and the :class:`~mp_callbacks.meters.DivergenceError` when it is set (the
+  latch is cleared, the streaks stay, as in the core rule).  It runs at the end
+  of every eager ``apply`` (torch backend, ``run_eagerly=True``) and, when the
+  step is a ``tf.function``, after every call of ``model.train_function``
+  (:meth:`watch` wraps it the first time the model's train step is traced); a
+  custom ``tf.function`` loop calls ``optimizer.check_divergence()`` itself.
+
+The rule is off (no variables, no reads) when it is turned off or when the
+scaler never skips a step (``ScalerConfig.can_skip`` False): an applied step
+resets the streaks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import keras
+from keras import ops
+
+from mp_callbacks.divergence import DivergenceRule, DivergenceState, next_divergence_state
+from mp_callbacks.scaler import ScalerConfig
+
+from .keras_ops import KERAS_OPS, is_tf
+
+__all__ = ["KerasDivergence", "VARIABLES"]
+
+VARIABLES = {"loss_streak": "int32", "overflow_streak": "int32", "stop_step": "int32", "stop_scale": "float32"}
+"""The device state: the two streaks, the step of a latched stop (0: none) and the scale it ran with."""
+
+
+class KerasDivergence:
+    """The divergence rule of one optimizer, on the device.
+
+    Args:
+      rule: the :class:`~mp_callbacks.divergence.DivergenceRule` (its limits; its host streaks are unused).
+      config: the optimizer's scaler config (the rule needs steps that can be skipped).
+      on_stop: called on the host just before the error is raised (the optimizer uninstalls an
+        attached monitor, as Lightning's monitor does on an exception).
+    """
+
+    def __init__(self, rule: DivergenceRule, config: ScalerConfig, on_stop: Callable[[], Any] | None = None) -> None:
+        self.rule, self.on_stop = rule, on_stop
+        self.active = rule.active and config.can_skip
+        self._vars: dict[str, Any] = {}
+        self._local = threading.local()
+
+    def build(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """Create the device state (next to the optimizer's variables, outside its variable list)."""
+        if not self.active:
+            return
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            self._vars = {name: keras.Variable(initializer=keras.initializers.Zeros(), shape=(), dtype=dtype,
+                                               trainable=False, autocast=False, aggregation="none",
+                                               name=f"divergence_{name}")
+                          for name, dtype in VARIABLES.items()}
+
+    # ------------------------------------------------------------- the step
+    def record_loss(self, loss: Any, caller: Any = None) -> None:
+        """From ``scale_loss``: remember whether ``loss`` is finite; ``caller`` (the object whose method
+        called ``scale_loss``) is watched when it is a Keras model (:meth:`watch`)."""
+        if not self.active:
+            return
+        self._local.finite = ops.all(ops.isfinite(loss))
+        if isinstance(caller, keras.Model) and _in_tf_graph():
+            self.watch(caller)
+
+    def loss_finite(self) -> Any:
+        """This replica's flag from the ``scale_loss`` of the same step (True when there was none); cleared."""
+        flag, self._local.finite = getattr(self._local, "finite", None), None
+        if flag is None or not _usable_here(flag):
+            return ops.convert_to_tensor(True)
+        return flag
+
+    def stopped(self) -> Any:
+        """A 0-d bool: a stop is latched (every step is skipped until the host raises); None when off."""
+        return ops.greater(self._vars["stop_step"].value, 0) if self._vars else None
+
+    def update(self, overflow: Any, loss_finite: Any, scale: Any, step: Any, stopped: Any) -> None:
+        """Advance the streaks by one step (``scale``: the one the step ran with, ``step``: its 1-based
+        number) and latch a stop; a step after a stop changes nothing.  Device ops only."""
+        if not self._vars:
+            return
+        v = self._vars
+        old = DivergenceState(v["loss_streak"].value, v["overflow_streak"].value)
+        new, stop = next_divergence_state(self.rule, old, overflow, loss_finite, scale, KERAS_OPS)
+        stop_now = ops.logical_and(stop, ops.logical_not(stopped))
+        values = {"loss_streak": ops.where(stopped, old.loss_streak, new.loss_streak),
+                  "overflow_streak": ops.where(stopped, old.overflow_streak, new.overflow_streak),
+                  "stop_step": ops.where(stop_now, KERAS_OPS.i32(step), v["stop_step"].value),
+                  "stop_scale": ops.where(stop_now, KERAS_OPS.f32(scale), v["stop_scale"].value)}
+        for name, value in values.items():
+            v[name].assign(value)
+
+    # ------------------------------------------------------------- the host
+    def check(self) -> None:
+        """Raise :class:`~mp_callbacks.meters.DivergenceError` when a stop is latched (one scalar read)."""
+        if not self._vars:
+            return
+        step = int(_read(self._vars["stop_step"]))  # the one read of a step without a stop
+        if step <= 0:
+            return
+        state = DivergenceState(*(int(_read(self._vars[k])) for k in DivergenceState._fields))
+        scale = float(_read(self._vars["stop_scale"]))
+        self._vars["stop_step"].assign(0)
+        if self.on_stop is not None:
+            self.on_stop()
+        raise self.rule.error(step, scale, state=state)
+
+    def check_if_eager(self) -> None:
+        """:meth:`check`, when the step just ran eagerly (torch backend, ``run_eagerly=True``)."""
+        if self.active and not _in_tf_graph():
+            self.check()
+
+    def watch(self, model: keras.Model) -> None:
+        """Make ``model.train_function`` call :meth:`check` after each call (once per train function)."""
+        fn = getattr(model, "train_function", None)
+        if fn is not None and not isinstance(fn, _Checked):
+            model.train_function = _Checked(fn, self.check)
+
+    def rule_config(self) -> dict[str, Any] | None:
+        """The rule's limits as plain data, or None for the default rule (what ``get_config`` adds)."""
+        limits = {k: v for k, v in self.rule.state_dict().items() if not k.endswith("_streak")}
+        return None if DivergenceRule(**limits) == DivergenceRule() else limits
+
+    def state(self) -> dict[str, float]:
+        """The device state as numbers (host reads; empty when off)."""
+        return {k: float(_read(v)) for k, v in self._vars.items()}
+
+
+class _Checked:
+    """A train function followed by the host check of the divergence latch."""
+
+    def __init__(self, fn: Callable[..., Any], check: Callable[[], None]) -> None:
+        self.fn, self.check = fn, check
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.fn(*args, **kwargs)
+        self.check()
+        return out
+
+
+def _read(v: Any) -> Any:
+    """A variable's value on the host (TF: its own ``numpy()``, the cheapest read; mirrored variables too)."""
+    return v.value.numpy() if is_tf() else ops.convert_to_numpy(v)
+
+
+def _in_tf_graph() -> bool:
+    if not is_tf():
+        return False
+    import tensorflow as tf
+
+    return not tf.executing_eagerly()
+
+
+def _usable_here(t: Any) -> bool:
+    """True when tensor ``t`` can be used where the step runs now (the same trace, or eager and eager)."""
+    if not is_tf():
+        return True
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        return not tf.is_symbolic_tensor(t)
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if getattr(t, "graph", None) is graph:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
