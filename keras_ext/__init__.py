@@ -6,7 +6,8 @@
   ``get_scaled_loss``/``get_unscaled_gradients``, and optional FP32 master
   weights (``master_weights=True`` or :func:`master_optimizer`).
 * :func:`set_global_policy` / :func:`apply_policy`: the core's recipes and op
-  policy as Keras dtype policies (softmax, norms, output and custom layers in FP32).
+  policy as Keras dtype policies (softmax, norms, output and custom layers in FP32);
+  :func:`policy_report`: what was decided per layer, and why.
 * :class:`MixedPrecisionMonitor`: the shared diagnostics as a Keras callback.
 * :class:`KerasOps`: the core's array-ops protocol over ``keras.ops``.
 
@@ -45,6 +46,7 @@ from .policy import (
     get_global_recipe,
     keras_dtype_policy,
     layer_dtype_policies,
+    policy_report,
     resolve_policy,
     set_global_policy,
 )
@@ -60,6 +62,7 @@ __all__ = [
     "keras_dtype_policy",
     "layer_dtype_policies",
     "master_optimizer",
+    "policy_report",
     "resolve_policy",
     "set_global_policy",
 ]

@@ -61,7 +61,7 @@ from .device_record import COUNTERS, DeviceRecord
 from .keras_meters import SwampMeter, grad_norm, underflow_counts
 from .keras_ops import is_tf
 from .optimizer import LossScaleOptimizer
-from .policy import _own_variables, _walk, keep_layer_in_fp32
+from .policy import _own_variables, _walk, keep_layer_in_fp32, policy_report
 
 __all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
 
@@ -102,6 +102,8 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         when present, written at each epoch end and at train end).
       overflow_buffer: device rows for overflow steps between two reads.
       history_maxlen: records kept in :attr:`history`.
+      report_policy: at train start, print what the policy decided per layer
+        (:func:`keras_ext.policy_report`; kept as a ``"policy"`` history event).
 
     While attached, the optimizer's per-step overflow check runs for recipes
     without loss scaling too (:func:`mp_callbacks.scaler.checks_overflow`).
@@ -125,10 +127,10 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
                  compute_dtype: Optional[str] = None, state_path: Optional[str | os.PathLike[str]] = None,
                  overflow_buffer: int = 256, history_maxlen: int = 100_000,
-                 meter_samples: Optional[int] = METER_SAMPLES) -> None:
+                 meter_samples: Optional[int] = METER_SAMPLES, report_policy: bool = False) -> None:
         super().__init__()
         self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,
-                    measure_grads, measure_swamping, log_memory, history_maxlen, meter_samples)
+                    measure_grads, measure_swamping, log_memory, history_maxlen, meter_samples, report_policy)
         if not isinstance(overflow_buffer, int) or overflow_buffer < 1:
             raise ValueError(f"overflow_buffer={overflow_buffer!r} must be an integer >= 1")
         self.compute_dtype = canonical_dtype(compute_dtype) if compute_dtype else None
@@ -151,11 +153,9 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     def _optimizer(self) -> LossScaleOptimizer:
         opt = getattr(self.model, "optimizer", None)
         if not isinstance(opt, LossScaleOptimizer):
-            raise TypeError(
-                "keras_ext.MixedPrecisionMonitor reads the loss scaler of keras_ext.LossScaleOptimizer, but the "
-                f"model is compiled with {type(opt).__name__}. Compile with "
-                "keras_ext.LossScaleOptimizer(keras.optimizers.Adam(), 'keras') or keras_ext.master_optimizer(...)."
-            )
+            raise TypeError("keras_ext.MixedPrecisionMonitor reads the loss scaler of keras_ext.LossScaleOptimizer, "
+                            f"but the model is compiled with {type(opt).__name__}. Compile with keras_ext."
+                            "LossScaleOptimizer(keras.optimizers.Adam(), 'keras') or keras_ext.master_optimizer(...).")
         return opt
 
     # ------------------------------------------------------------- lifecycle
@@ -185,6 +185,8 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         self._retrace()
         if self.log_memory:
             self._log_memory("train_start", logs)
+        if self.report_policy:
+            print(self.core.record_policy(policy_report(self.model), self._step))
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         """Record what is left, log memory, detach and uninstall, save the state file."""
@@ -234,12 +236,9 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
 
     # ---------------------------------------------------------- installing
     def uninstall(self) -> None:
-        """Detach from the optimizer and remove the attribution wrappers (idempotent).
-
-        Runs at train end, before a :class:`~mp_callbacks.meters.DivergenceError`
-        propagates and at the next train start; call it after a ``fit`` that
-        raised to restore the model's layers and train step at once.
-        """
+        """Detach from the optimizer and remove the attribution wrappers (idempotent).  Runs at train end,
+        before a :class:`~mp_callbacks.meters.DivergenceError` (the guard's or the optimizer's) propagates
+        and at the next train start; after a ``fit`` that raised otherwise, call it to restore the model."""
         self._logging_now = False
         self.attribution.uninstall()
         if self._opt is not None and self._opt.monitor is self:

@@ -2,7 +2,9 @@
 
 Keras' dtype policies are per layer: ``variable_dtype`` (storage) and
 ``compute_dtype``.  The core's :class:`mp_callbacks.PrecisionPolicy` decides
-per layer (by class name, op kind and dotted path); this module translates:
+per layer (by class name through the base classes, so a ``class MyDense(Dense)``
+computes like ``Dense``; op kind; dotted path; explicit rules first); this
+module translates:
 
 * a layer the policy runs in low precision gets ``params``/``compute`` of the
   policy (``mixed_bfloat16`` for fp32 params + bf16 compute, ``bfloat16`` for
@@ -13,7 +15,8 @@ per layer (by class name, op kind and dotted path); this module translates:
   compute.  Stock Keras runs e.g. ``Softmax`` in the global compute dtype.
 
 :func:`set_global_policy` sets Keras' global policy (what new layers get);
-:func:`apply_policy` applies the per-layer rules to a model.
+:func:`apply_policy` applies the per-layer rules to a model;
+:func:`policy_report` says per layer what was decided and why.
 
 The global state is Keras' own: the core policy and recipe ride on the
 ``keras.DTypePolicy`` object that ``keras.config.set_dtype_policy`` stores
@@ -32,7 +35,7 @@ from typing import Any, Iterator, Mapping
 import keras
 from keras import ops
 
-from mp_callbacks.policy import PolicyError, PrecisionPolicy
+from mp_callbacks.policy import PolicyError, PrecisionPolicy, class_names
 from mp_callbacks.recipes import Recipe, get_recipe
 from mp_callbacks.scaler import ScalerConfig
 
@@ -44,6 +47,7 @@ __all__ = [
     "get_global_recipe",
     "keras_dtype_policy",
     "layer_dtype_policies",
+    "policy_report",
     "resolve_policy",
     "set_global_policy",
 ]
@@ -192,13 +196,28 @@ def keep_layer_in_fp32(path: str) -> None:
 
 
 def _op_subject(layer: Any) -> Any:
-    """What the core classifies: the class name, or the activation for ``Activation`` layers."""
-    name = type(layer).__name__
-    if name == "Activation":
+    """What the core classifies: the layer (resolved through its base classes), or the activation's op
+    for ``Activation`` layers (and subclasses)."""
+    if isinstance(layer, keras.layers.Activation):
         act = getattr(getattr(layer, "activation", None), "__name__", "")
         if act in _ACTIVATION_OPS:
             return _ACTIVATION_OPS[act]
-    return name
+    return layer
+
+
+def _decide(policy: PrecisionPolicy, layer: Any, path: str, outputs: set[int]) -> tuple[str, str]:
+    """``(compute dtype, why)`` of one layer: a module rule (class names through the base classes, or
+    the path), else the output rule, else the op policy (:meth:`PrecisionPolicy.explain`)."""
+    if policy.match_module_rule(class_names(layer), path) is not None:
+        return policy.explain(layer, path)
+    if id(layer) in outputs and policy.compute != policy.output:
+        return policy.output, f"a model output: output={policy.output}"
+    return policy.explain(_op_subject(layer), path)
+
+
+def _layers(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(path, layer)`` of every layer a dtype policy applies to (no nested models, no inputs)."""
+    return ((p, l) for p, l in _walk(model) if not _is_container(l) and not isinstance(l, keras.layers.InputLayer))
 
 
 def _walk(layer: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -229,29 +248,48 @@ def layer_dtype_policies(model: keras.Model, policy: Any = None) -> dict[str, ke
     return {path: kp for path, _, kp in _plan(model, policy)}
 
 
+def _core_policy(policy: Any) -> PrecisionPolicy:
+    return get_global_policy() if policy is None else resolve_policy(policy)[0]
+
+
 def _plan(model: keras.Model, policy: Any) -> list[tuple[str, Any, keras.DTypePolicy]]:
-    if policy is None:
-        policy = get_global_policy()
-    else:
-        policy, _ = resolve_policy(policy)
+    policy = _core_policy(policy)
     outputs = _output_layers(model)
     plan = []
-    for path, layer in _walk(model):
-        if _is_container(layer) or type(layer).__name__ == "InputLayer":
-            continue
-        subject = _op_subject(layer)
-        ruled = policy.match_module_rule(type(layer).__name__, path)
-        if ruled is not None:
-            compute = ruled
-        elif id(layer) in outputs and policy.compute != policy.output:
-            compute = policy.output
-        else:
-            compute = policy.resolve(subject, path)
+    for path, layer in _layers(model):
+        compute = _decide(policy, layer, path, outputs)[0]
         params = "float32" if compute == "float32" else policy.params
         if params != compute and params != "float32":
             params = compute
         plan.append((path, layer, keras_dtype_policy(params, compute)))
     return plan
+
+
+def policy_report(model: keras.Model, policy: Any = None) -> list[dict[str, str]]:
+    """What the policy decides for every layer of ``model``: ``{"path", "class", "compute", "storage", "why"}``.
+
+    The rows of :func:`lightning_ext.module_policy.policy_report` (format them with
+    :func:`mp_callbacks.policy.format_report`): ``compute`` is the dtype the
+    policy gives the layer (``policy``: anything :func:`resolve_policy` takes;
+    default: the global one, as :func:`apply_policy`), ``storage`` the dtype of
+    the floating variables it owns (``"-"`` when none), ``why`` the rule that
+    decided, and, when the layer computes in another dtype (the policy was not
+    applied to it), which.
+    """
+    policy = _core_policy(policy)
+    outputs = _output_layers(model)
+    rows = []
+    for path, layer in _layers(model):
+        compute, why = _decide(policy, layer, path, outputs)
+        if policy.compute == "float32":
+            compute, why = "float32", "the recipe computes in float32"
+        own = [keras.backend.standardize_dtype(v.dtype) for v in _own_variables(layer) if _is_float(v)]
+        actual = keras.backend.standardize_dtype(layer.dtype_policy.compute_dtype)
+        if actual != compute:
+            why += f"; the layer computes in {actual} (keras_ext.apply_policy was not applied to it)"
+        rows.append({"path": path, "class": type(layer).__name__, "compute": compute,
+                     "storage": own[0] if own else "-", "why": why})
+    return rows
 
 
 def _own_variables(layer: Any) -> list[Any]:
@@ -271,8 +309,9 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     subclassed model raises :class:`PolicyError`: apply the policy before
     building it.  Returns the model to use (call it before ``compile``).
 
-    Module rules of the policy match a layer's class name or its dotted path
-    relative to ``model`` (``"encoder.dense_1"``; layer names joined by dots).
+    Module rules of the policy match a layer's class name (or one of its base
+    classes') or its dotted path relative to ``model`` (``"encoder.dense_1"``;
+    layer names joined by dots).
     """
     plan = _plan(model, policy)
     rebuild = [

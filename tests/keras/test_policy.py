@@ -1,5 +1,6 @@
 """keras_ext/policy.py: the core's recipes and op policy as Keras dtype policies, kept on Keras' own
-global dtype policy (no state in keras_ext)."""
+global dtype policy (no state in keras_ext); layers resolve through their base classes; the policy
+report (also printed by the monitor)."""
 
 import importlib
 import pkgutil
@@ -13,6 +14,7 @@ from keras import ops
 import keras_ext
 from keras_ext.policy import POLICY_ATTR, RECIPE_ATTR
 from mp_callbacks import PolicyError, PrecisionPolicy, get_recipe
+from mp_callbacks.policy import format_report
 
 
 class Scale(keras.layers.Layer):
@@ -141,3 +143,66 @@ def test_a_model_built_under_the_global_policy_saves_and_loads_in_safe_mode(tmp_
     loaded = keras.models.load_model(path, safe_mode=True)
     assert [l.dtype_policy.name for l in loaded.layers] == ["mixed_float16", "float32"]
     assert isinstance(loaded.optimizer, keras_ext.LossScaleOptimizer)
+
+
+class MyDense(keras.layers.Dense):
+    """A user's Dense: computes like Dense (the policy resolves through its base classes)."""
+
+
+class MySoftmax(keras.layers.Activation):
+    """A user's Activation subclass applying softmax: an FP32 op like Activation("softmax")."""
+
+    def __init__(self, activation="softmax", **kwargs):
+        super().__init__(activation, **kwargs)
+
+
+def _subclassed_layers():
+    return keras.Sequential([keras.Input((4,)), MyDense(8, name="mine"), keras.layers.LayerNormalization(name="norm"),
+                             MySoftmax(name="sm"), Scale(name="custom"), keras.layers.Dense(2, name="head")])
+
+
+def test_subclasses_resolve_through_their_bases_and_explicit_rules_still_win():
+    plan = keras_ext.layer_dtype_policies(_subclassed_layers(), "bf16-mixed")
+    assert plan["mine"].name == "mixed_bfloat16"  # MyDense -> Dense's decision (was FP32 as an unknown class)
+    assert plan["sm"].name == "float32" and plan["custom"].name == "float32" and plan["norm"].name == "float32"
+    base = get_recipe("bf16-mixed").policy
+    ruled = keras_ext.layer_dtype_policies(_subclassed_layers(), base.with_fp32_modules("Dense"))
+    assert ruled["mine"].name == "float32"  # a rule on the base class reaches the subclass
+    mine = PrecisionPolicy(params="float32", compute="bfloat16", output="float32",
+                           module_rules=(("MyDense", "float32"), ("custom", "bfloat16")))
+    plan = keras_ext.layer_dtype_policies(_subclassed_layers(), mine)
+    assert plan["mine"].name == "float32" and plan["custom"].name == "mixed_bfloat16"
+    assert plan["head"].name == "float32"  # the output layer
+
+
+def test_policy_report_rows_say_what_was_decided_and_why():
+    keras_ext.set_global_policy("bf16-master")
+    model = keras_ext.apply_policy(_subclassed_layers())
+    rows = {r["path"]: r for r in keras_ext.policy_report(model)}
+    assert list(rows) == ["mine", "norm", "sm", "custom", "head"]
+    assert all(set(r) == {"path", "class", "compute", "storage", "why"} for r in rows.values())
+    assert rows["mine"] == {"path": "mine", "class": "MyDense", "compute": "bfloat16", "storage": "bfloat16",
+                            "why": "dense (a Dense): low-precision op"}
+    assert (rows["norm"]["compute"], rows["norm"]["storage"], rows["norm"]["why"]) == \
+        ("float32", "float32", "layer_norm: FP32 op")
+    assert (rows["sm"]["storage"], rows["sm"]["why"]) == ("-", "softmax: FP32 op")
+    assert rows["custom"]["why"] == "unknown Scale: FP32 unless declared"
+    assert rows["head"]["why"] == "a model output: output=float32"
+    ruled = keras_ext.policy_report(model, keras_ext.get_global_policy().with_fp32_modules("mine"))
+    assert ruled[0]["why"].startswith("module rule 'mine'; the layer computes in bfloat16")  # not applied yet
+    assert {r["why"] for r in keras_ext.policy_report(model, "32-true")} >= {"the recipe computes in float32"}
+    text = format_report(rows.values())
+    assert text.splitlines()[0].split() == ["path", "class", "compute", "storage", "why"]
+
+
+def test_the_monitor_prints_the_report_at_train_start(capsys):
+    keras_ext.set_global_policy("bf16-master")
+    model = keras_ext.apply_policy(_subclassed_layers())
+    model.compile(keras_ext.master_optimizer(keras.optimizers.SGD(0.01), "bf16-master"), "mse")
+    monitor = keras_ext.MixedPrecisionMonitor(report_policy=True, log_memory=False)
+    x = np.ones((4, 4), "float32")
+    model.fit(x, np.full((4, 2), 0.5, "float32"), batch_size=4, epochs=1, verbose=0, callbacks=[monitor])
+    out = capsys.readouterr().out
+    assert "mixed-precision policy:" in out and "dense (a Dense): low-precision op" in out
+    event = next(e for e in monitor.history.events if e["kind"] == "policy")
+    assert event["step"] == 0 and [r["storage"] for r in event["modules"]][:2] == ["bfloat16", "float32"]
