@@ -112,9 +112,6 @@ class TorchRoundingOps:
     def add_u32(self, a: Tensor, b: Any) -> Tensor:
         return a.add_(self.u32(b))
 
-    def and_(self, a: Tensor, k: int) -> Tensor:
-        return a.bitwise_and_(_s32(k))
-
     def f32_bits(self, x: Tensor) -> Tensor:
         return x.to(torch.float32).contiguous().view(torch.int32)
 
@@ -137,7 +134,9 @@ class RoundingEntry(NamedTuple):
     comp: Optional[Tensor]
 
 
-_NOT_REQUESTED = object()
+CHUNK = 1 << 18
+"""Elements the write-back rule handles at a time: its integer and bf16 temporaries stay about 1 MB
+(cache-sized, no page-faulting allocations) whatever the parameter's size."""
 
 
 def _unhooked_step(optimizer: Optimizer) -> Callable[..., Any]:
@@ -169,7 +168,7 @@ class UpdateRounding:
         self._originals: dict[str, Tensor] = {}  # FP32 values before the cast, until the first update
         self._hooked: dict[int, Any] = {}  # id(optimizer) -> (optimizer, hook handles)
         self._loading: dict[int, Mapping[str, Any]] = {}
-        self._sample: Any = _NOT_REQUESTED
+        self._sample: Optional[tuple[Optional[int]]] = None  # (meter samples,) when requested
         self.update_samples: dict[int, Tensor] = {}
 
     @classmethod
@@ -234,6 +233,11 @@ class UpdateRounding:
                     opt.state[p] = self._cast_state(opt.state[p], self.state_dtype)
             self._hook_loading(opt)
         self._entries = entries
+        dist = torch.distributed
+        if self.kahan and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            with torch.no_grad():  # DDP broadcasts rank 0's weights: the compensation follows rank 0 too
+                for entry in entries.values():
+                    dist.broadcast(entry.comp, src=0)
 
     def _hook_loading(self, opt: Optimizer) -> None:
         if id(opt) in self._hooked and self._hooked[id(opt)][0] is opt:
@@ -270,7 +274,7 @@ class UpdateRounding:
     def request_update_samples(self, samples: Optional[int]) -> None:
         """Keep, for the next applied step, each rounded parameter's FP32 update (``t_new - t``) on the
         elements :func:`~lightning_ext.torch_meters.sample` reads: the swamping meter's input."""
-        self._sample = samples
+        self._sample = (samples,)
         self.update_samples = {}
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -290,7 +294,7 @@ class UpdateRounding:
         inner = _unhooked_step(opt)
         groups = opt.param_groups
         saved = [g["params"] for g in groups]
-        sample_request, self._sample = self._sample, _NOT_REQUESTED
+        sample_request, self._sample = self._sample, None
         self._originals.clear()
         try:
             for g in groups:
@@ -306,13 +310,13 @@ class UpdateRounding:
         self.stream = self.stream.advance()
 
     def _update_one(self, opt: Optimizer, inner: Callable[..., Any], group: dict, entry: RoundingEntry,
-                    sample_request: Any) -> None:
+                    sample_request: Optional[tuple[Optional[int]]]) -> None:
         ops, p, state = TORCH_ROUNDING_OPS, entry.param, opt.state
         with torch.no_grad():
             t = compensated_value(p, entry.comp, ops) if self.kahan else p.detach().to(torch.float32)
             t.grad = p.grad.to(torch.float32)
             p.grad = None  # spent: the FP32 copy is what the optimizer reads
-            before = sample(t, sample_request).clone() if sample_request is not _NOT_REQUESTED else None
+            before = sample(t, sample_request[0]).clone() if sample_request is not None else None
             if p in state:
                 state[t] = self._cast_state(state.pop(p), torch.float32)
         group["params"] = [t]
@@ -325,14 +329,33 @@ class UpdateRounding:
         with torch.no_grad():
             t.grad = None
             if before is not None:
-                self.update_samples[id(p)] = sample(t, sample_request) - before
+                self.update_samples[id(p)] = sample(t, sample_request[0]) - before
+            self._write_back(entry, t)
+
+    def _write_back(self, entry: RoundingEntry, t: Tensor) -> None:
+        """The rule, chunk by chunk (:data:`CHUNK`) over the flat weight: ``p, c <- kahan_apply(p, c, t)`` or
+        ``p <- stochastic_round(t)`` with the row-major flat indices of the elements."""
+        ops, p, comp = TORCH_ROUNDING_OPS, entry.param, entry.comp
+        key = None if self.kahan else self.stream.key(entry.index)
+        if not (p.is_contiguous() and t.is_contiguous()):
             if self.kahan:
-                new, comp = kahan_apply(p, entry.comp, t, ops)
-                entry.comp.copy_(comp)
+                new, c = kahan_apply(p, comp, t, ops)
+                comp.copy_(c)
             else:
-                new = stochastic_round(t, self.stream.key(entry.index), ops)
-            del t
+                new = stochastic_round(t, key, ops)
             p.copy_(new)
+            return
+        pf, tf, n = p.view(-1), t.view(-1), p.numel()
+        cf = comp.view(-1) if comp is not None else None
+        for start in range(0, n, CHUNK):
+            end = min(n, start + CHUNK)
+            if cf is not None:
+                new, c = kahan_apply(pf[start:end], cf[start:end], tf[start:end], ops)
+                cf[start:end].copy_(c)
+            else:
+                index = torch.arange(start, end, dtype=torch.int32, device=p.device)
+                new = stochastic_round(tf[start:end], key, ops, index=index)
+            pf[start:end].copy_(new)
 
     # ------------------------------------------------------ runtime FP32 moves
     def store_fp32(self, module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> None:

@@ -25,7 +25,7 @@ Stochastic rounding (``bf16-sr``), FP32 -> bf16
     threshold uniform in ``[0, 2**16)``::
 
         bits = float32 bits of x                  # uint32
-        sr(x) = bf16 from upper half of ((bits + r) mod 2**32) & 0xFFFF0000
+        sr(x) = the bf16 whose bits are the upper 16 bits of (bits + r) mod 2**32
 
     rounds ``|x|`` up with probability (lower 16 bits)/2**16 and down
     otherwise, so ``E[sr(x)] = x`` exactly for a uniform ``r`` (NaN stays NaN;
@@ -76,7 +76,6 @@ ROUNDING_SCHEMA_VERSION = 1
 MASK32 = 0xFFFFFFFF
 MIX_MUL1 = 0x7FEB352D
 MIX_MUL2 = 0x846CA68B
-HIGH16 = 0xFFFF0000
 
 
 def check_mode(mode: Any) -> str:
@@ -93,7 +92,7 @@ class RoundingOps(Protocol):
     Float arrays are float32 or the storage dtype; ``u32`` arrays hold
     unsigned 32-bit integers (a backend may store the same bits in int32);
     integer arithmetic is modulo ``2**32``.  Nothing converts to host values.
-    ``xor``, ``mul``, ``add_u32``, ``and_`` and ``bf16_from_bits`` may
+    ``xor``, ``mul``, ``add_u32`` and ``bf16_from_bits`` may
     overwrite their first argument when it is an array (the rules pass only
     their own temporaries there and never read them again), so a backend can
     work in place.
@@ -135,23 +134,26 @@ class RoundingOps(Protocol):
     def add_u32(self, a: Any, b: Any) -> Any:
         """``a + b mod 2**32``."""
 
-    def and_(self, a: Any, k: int) -> Any:
-        """Bitwise and with a Python int constant."""
-
     def f32_bits(self, x: Any) -> Any:
         """The bits of float32 ``x`` as u32."""
 
     def bf16_from_bits(self, bits: Any) -> Any:
-        """The bf16 whose bits are the upper half of u32 ``bits`` (an array, or a Python int: a scalar)."""
+        """The bf16 whose bits are the upper half of u32 ``bits`` (the lower half is dropped; an array,
+        or a Python int: a scalar)."""
 
 
 # --------------------------------------------------------------- the random source
-def mix32(x: Any, ops: Any) -> Any:
-    """Wellons' ``lowbias32`` hash of u32 ``x`` (a bijection of ``[0, 2**32)``)."""
+def _mix32_head(x: Any, ops: Any) -> Any:
+    """``mix32`` without its last ``x ^= x >> 16`` (which leaves the upper 16 bits as they are)."""
     x = ops.xor(x, ops.shr(x, 16))
     x = ops.mul(x, MIX_MUL1)
     x = ops.xor(x, ops.shr(x, 15))
-    x = ops.mul(x, MIX_MUL2)
+    return ops.mul(x, MIX_MUL2)
+
+
+def mix32(x: Any, ops: Any) -> Any:
+    """Wellons' ``lowbias32`` hash of u32 ``x`` (a bijection of ``[0, 2**32)``)."""
+    x = _mix32_head(x, ops)
     return ops.xor(x, ops.shr(x, 16))
 
 
@@ -173,9 +175,6 @@ class PyIntOps:
     def add_u32(self, a: int, b: int) -> int:
         return (a + b) & MASK32
 
-    def and_(self, a: int, k: int) -> int:
-        return a & k & MASK32
-
 
 PY_INT_OPS = PyIntOps()
 """Python-integer backend of the integer operations."""
@@ -193,8 +192,12 @@ def sr_key(seed: Any, tensor_index: Any, step: Any, ops: Any = PY_INT_OPS) -> An
 
 
 def sr_thresholds(key: Any, index: Any, ops: Any) -> Any:
-    """The 16-bit thresholds ``mix32(key ^ i) >> 16`` of elements with flat indices ``index`` (u32)."""
-    return ops.shr(mix32(ops.xor(ops.u32(key), index), ops), 16)
+    """The 16-bit thresholds ``mix32(key ^ i) >> 16`` of elements with flat indices ``index`` (u32).
+
+    ``mix32``'s last step ``x ^= x >> 16`` changes only the lower 16 bits, so the upper 16 are taken
+    before it (three elementwise operations fewer, the same numbers).
+    """
+    return ops.shr(_mix32_head(ops.xor(ops.u32(key), index), ops), 16)
 
 
 BF16_NAN_BITS = 0x7FC00000
@@ -206,7 +209,7 @@ def round_with_thresholds(x: Any, thresholds: Any, ops: Any) -> Any:
 
     ``thresholds`` is consumed (a backend may overwrite it).
     """
-    low = ops.bf16_from_bits(ops.and_(ops.add_u32(thresholds, ops.f32_bits(x)), HIGH16))
+    low = ops.bf16_from_bits(ops.add_u32(thresholds, ops.f32_bits(x)))
     return ops.where(ops.isnan(x), ops.bf16_from_bits(ops.u32(BF16_NAN_BITS)), low)
 
 
@@ -320,9 +323,6 @@ class NumpyRoundingOps:
 
     def add_u32(self, a, b):
         return self.u32(self.u32(a).astype(np.uint64) + self.u32(b).astype(np.uint64))
-
-    def and_(self, a, k):
-        return np.bitwise_and(self.u32(a), np.uint32(k & MASK32))
 
     def f32_bits(self, x):
         return np.ascontiguousarray(np.asarray(x, dtype=np.float32)).view(np.uint32)

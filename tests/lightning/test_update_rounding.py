@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 from lightning_ext.compare import state_bytes
+from lightning_ext import update_rounding
 from lightning_ext.update_rounding import TORCH_ROUNDING_OPS as T
 from lightning_ext.update_rounding import UpdateRounding
 from mp_callbacks import RecipeError, get_recipe
@@ -38,6 +39,8 @@ RECIPES = ["bf16-kahan", "bf16-sr"]
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-3),
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+    "adam-fused": lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
 }
 
 
@@ -172,6 +175,18 @@ def test_the_wrapped_optimizer_is_the_optimizer_on_fp32_copies(recipe, optimizer
     assert lrs[2] == lrs[3] == lrs[4] != lrs[5]
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_rule_runs_chunk_by_chunk_with_the_same_result(recipe, monkeypatch):
+    """The write-back works on CHUNK elements at a time (flat indices carry over): with tiny chunks a
+    16x8 weight is 26 chunks, and every step still equals the reference on the whole tensor."""
+    monkeypatch.setattr(update_rounding, "CHUNK", 5)
+    plugin = MixedPrecision(recipe, seed=5)
+    replay = Replay(plugin, OPTIMIZERS["adamw"])
+    model = Net(OPTIMIZERS["adamw"], hidden=16, inf_steps={2})
+    pl.Trainer(plugins=[plugin], callbacks=[replay], max_steps=5, **trainer_kwargs()).fit(model, loader())
+    assert (replay.applied, replay.skipped) == (4, 1)
+
+
 def test_hooks_and_schedulers_see_one_step():
     plugin = MixedPrecision("bf16-kahan")
     model = Net(OPTIMIZERS["adamw"], scheduler=True, inf_steps={2})
@@ -187,6 +202,38 @@ def test_hooks_and_schedulers_see_one_step():
         warnings.simplefilter("error", UserWarning)  # e.g. "lr_scheduler.step() before optimizer.step()"
         pl.Trainer(plugins=[plugin], callbacks=[Hooks()], max_steps=5, **trainer_kwargs()).fit(model, loader())
     assert seen == [("pre", 4), ("post", 4)] * 4  # once per applied step, with every parameter in its group
+
+
+class SaveRounding(pl.Callback):
+    """At the end of fit, each rank saves its weights, compensation buffers, counter and optimizer state."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        rounding = trainer.precision_plugin.rounding
+        opt = trainer.optimizers[0]
+        torch.save({"params": params_of(pl_module), "counter": rounding.stream.counter,
+                    "comp": {k: v.clone() for k, v in rounding.compensation().items()},
+                    "state": [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]},
+                   f"{self.out_dir}/rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_ddp_ranks_stay_bit_identical(tmp_path, recipe, monkeypatch):
+    """Two processes: the same all-reduced gradients, the same seed and counter draw the same numbers."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))  # not the port an earlier fit left set
+    model = TinyRegressor(optimizer="adamw", inf_steps={3})  # picklable for the spawned processes
+    trainer = pl.Trainer(plugins=[MixedPrecision(recipe, seed=3)], strategy="ddp_spawn", max_steps=6,
+                         callbacks=[SaveRounding(str(tmp_path))], **trainer_kwargs(devices=2))
+    trainer.fit(model, loader(n=128))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r0["counter"] == r1["counter"] == 5
+    for key in ("params", "comp"):
+        assert r0[key].keys() == r1[key].keys() and all(torch.equal(r0[key][k], r1[key][k]) for k in r0[key])
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(r0["state"], r1["state"]) for k in a)
 
 
 # ------------------------------------------------------------- checkpoints
