@@ -1,0 +1,100 @@
+"""Lightning: bf16-kahan and bf16-sr (no FP32 masters) against bf16-master, per step.
+
+    python benchmarks/bench_update_rounding.py [--threads 1 2] [--rounds 7] [--steps 30] [--batch-size 16]
+                                               [--hidden 1024] [--optimizer adamw]
+
+The default batch is small (16) so that the optimizer step, where the
+recipes differ, is a large share of the step (the recipes' worst case; with
+larger batches the forward/backward dilutes the difference).  Trains the
+same MLP on the same digits batches with AdamW (or SGD with
+momentum 0.9) under ``lightning_ext.MixedPrecision("bf16-master")``,
+``("bf16-kahan")`` and ``("bf16-sr")``, alternating in one process (order
+reversed every other round), and prints median per-step times and the median
+per-round ratios kahan / master and sr / master, with the control ratio of
+bf16-master against a second copy of itself (the machine's noise), the CPU
+model and the model-state bytes per parameter each variant holds at the
+optimizer step (the estimator's figure beside it).  No thresholds: figures only.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import alternate, base_parser, print_table, thread_specs, with_controls  # noqa: E402
+from lightning_ext import MixedPrecision  # noqa: E402
+from lightning_ext.compare import fit_once  # noqa: E402
+from mp_callbacks.compare import RunSpec  # noqa: E402
+from mp_callbacks.master import estimate_memory  # noqa: E402
+
+RECIPES = ("bf16-master", "bf16-kahan", "bf16-sr")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def optimizer_factory(name: str):
+    if name == "adamw":
+        return lambda params, lr: torch.optim.AdamW(params, lr=lr)
+    return lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def measure(recipe: str, spec: RunSpec, optimizer, held: dict[str, float]):
+    def once() -> float:
+        plugin = MixedPrecision(recipe, "cpu")
+        module, recorder = fit_once(plugin, spec, optimizer=optimizer)
+        n = sum(p.numel() for p in module.parameters())
+        held[recipe] = recorder.state_bytes / n
+        return statistics.median(recorder.timed())
+    return once
+
+
+def estimate(recipe: str, spec: RunSpec, optimizer_name: str) -> float:
+    from lightning_ext.compare import mlp
+
+    storage = [(p.numel(), "bfloat16") for p in mlp(spec.hidden, spec.depth).parameters()]
+    kind = "adamw" if optimizer_name == "adamw" else "sgd-momentum"
+    plugin = MixedPrecision(recipe)
+    return estimate_memory(plugin.recipe.master, kind, storage, fp32_master_grads=True,
+                           weights_released=plugin.free_weights_during_step).bytes_per_param
+
+
+def main() -> None:
+    parser = base_parser(__doc__, rounds=7, steps=30, batch_size=16)
+    parser.add_argument("--optimizer", choices=["adamw", "sgd-momentum"], default="adamw")
+    args = parser.parse_args()
+    optimizer = optimizer_factory(args.optimizer)
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}")
+    for threads, spec in thread_specs(args):
+        torch.set_num_threads(threads)
+        held: dict[str, float] = {}
+        variants = {f"ours {r}": measure(r, spec, optimizer, held) for r in RECIPES}
+        times = alternate(with_controls(variants, ["ours bf16-master"]), args.rounds)
+        print_table(
+            f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s), "
+            f"{args.optimizer} (CPU default implementation)", times,
+            [("ours bf16-kahan", "ours bf16-master", "none (measured)"),
+             ("ours bf16-sr", "ours bf16-master", "none (measured)")],
+        )
+        for recipe in RECIPES:
+            print(f"  {recipe:<12} model state at the optimizer step: {held[recipe]:.2f} B/param "
+                  f"(estimate {estimate(recipe, spec, args.optimizer):.2f}; every layer bf16 here)")
+
+
+if __name__ == "__main__":
+    main()
