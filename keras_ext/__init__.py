@@ -9,6 +9,8 @@
   policy as Keras dtype policies (softmax, norms, output and custom layers in FP32);
   :func:`policy_report`: what was decided per layer, and why.
 * :class:`MixedPrecisionMonitor`: the shared diagnostics as a Keras callback.
+* :func:`save_model` / :func:`save_weights` (the FP32 masters as the saved weights),
+  :func:`export_fp32`, :func:`resume` (continue a saved run, also under another recipe).
 * :class:`KerasOps`: the core's array-ops protocol over ``keras.ops``.
 
 Modules (the same files as ``lightning_ext`` for the same jobs): ``optimizer``
@@ -16,7 +18,8 @@ Modules (the same files as ``lightning_ext`` for the same jobs): ``optimizer``
 Keras variables), ``divergence`` (the core's divergence rule in the traced step
 and its host check), ``masters`` (FP32 master weights), ``policy``,
 ``attribution`` (which layer overflowed), ``monitor``, ``keras_ops``,
-``keras_meters``, ``compare`` (the ``mpx compare`` runner).  No module keeps
+``keras_meters``, ``checkpoint`` (saving the masters, resuming across recipes),
+``compare`` (the ``mpx compare`` runner).  No module keeps
 global state: the active policy rides on Keras' own global dtype policy.
 
 Typical use::
@@ -37,6 +40,7 @@ The finite check runs per replica in ``apply`` and its flag is all-reduced
 in the cross-replica context; Keras 3's own optimizer checks per replica.
 """
 
+from .checkpoint import export_fp32, fp32_values, resume, save_model, save_weights
 from .keras_ops import KERAS_OPS, KerasOps
 from .monitor import MixedPrecisionMonitor
 from .optimizer import LossScaleOptimizer, master_optimizer
@@ -57,6 +61,8 @@ __all__ = [
     "LossScaleOptimizer",
     "MixedPrecisionMonitor",
     "apply_policy",
+    "export_fp32",
+    "fp32_values",
     "get_global_policy",
     "get_global_recipe",
     "keras_dtype_policy",
@@ -64,5 +70,8 @@ __all__ = [
     "master_optimizer",
     "policy_report",
     "resolve_policy",
+    "resume",
+    "save_model",
+    "save_weights",
     "set_global_policy",
 ]

@@ -324,12 +324,25 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
         for _, layer, kp in plan:
             layer.dtype_policy = kp
         return model
-    if not isinstance(model, keras.Sequential) and not _is_functional(model):
+    if not is_clonable(model):
         raise PolicyError(
             f"layers {rebuild} are already built with other variable dtypes; a subclassed model cannot be "
             "cloned: call keras_ext.set_global_policy(...) / apply_policy(...) before building it"
         )
-    by_id = {id(layer): kp for _, layer, kp in plan}
+    clone = clone_with_policies(model, {id(layer): kp for _, layer, kp in plan}, model.dtype_policy)
+    for old, new in zip(model.weights, clone.weights):
+        new.assign(ops.cast(old, new.dtype))
+    return clone
+
+
+def is_clonable(model: Any) -> bool:
+    """True for the models Keras can clone layer by layer (Sequential, Functional)."""
+    return isinstance(model, keras.Sequential) or _is_functional(model)
+
+
+def clone_with_policies(model: keras.Model, by_id: Mapping[int, Any], default: Any) -> keras.Model:
+    """A clone of a Sequential or Functional ``model`` whose layers get ``by_id[id(layer)]`` as dtype policy
+    (layers not in it keep theirs; ``default``: Keras' global policy while cloning); weights not copied."""
 
     def clone_layer(layer: Any) -> Any:
         kp = by_id.get(id(layer))
@@ -338,11 +351,8 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
             config["dtype"] = keras.dtype_policies.serialize(kp)
         return layer.__class__.from_config(config)
 
-    with _keras_policy(model.dtype_policy):
-        clone = keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
-    for old, new in zip(model.weights, clone.weights):
-        new.assign(ops.cast(old, new.dtype))
-    return clone
+    with _keras_policy(default):
+        return keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
 
 
 def _is_float(v: Any) -> bool:

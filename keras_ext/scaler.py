@@ -220,6 +220,12 @@ class KerasLossScaler(ScalerCounters):
         for field in STATE_FIELDS:
             self._vars[field].assign(clean[field])
 
+    def reset(self) -> None:
+        """Back to the config's initial state (a resume under another recipe restarts the scaler)."""
+        init = initial_state(self.config)
+        for field in STATE_FIELDS:
+            self._vars[field].assign(getattr(init, field))
+
     def __repr__(self) -> str:
         return f"KerasLossScaler(scale={self.current_scale:g}, steps={self.steps}, overflows={self.overflows})"
 

@@ -2,8 +2,8 @@
 
 The backend is fixed when keras is imported, so this cannot run in-process:
 the optimizer (parity with stock Keras' LossScaleOptimizer, arguments, config,
-recipe), the scaler, master weights, the divergence stop, save/load and the dtype-policy
-mapping, all on torch.
+recipe), the scaler, master weights, the divergence stop, save/load, resuming across recipes
+and the dtype-policy mapping, all on torch.
 """
 
 import os
@@ -13,7 +13,7 @@ import pytest
 from tests.keras.helpers.util import run_pytest
 
 FILES = ("test_optimizer.py", "test_scaler.py", "test_masters.py", "test_divergence.py", "test_saving.py",
-         "test_policy.py")
+         "test_checkpoint.py", "test_policy.py")
 
 
 def test_backend_agnostic_tests_pass_on_torch():
@@ -29,3 +29,4 @@ def test_backend_agnostic_tests_pass_on_torch():
     assert "test_saving.py::test_save_load_resume_equals_uninterrupted[bf16-master] PASSED" in proc.stdout
     assert "test_divergence.py::test_nan_every_step_stops_within_ten_steps_with_nothing_applied[16-master] PASSED" \
         in proc.stdout
+    assert "test_checkpoint.py::test_recipe_change_on_resume[bf16-master-16-mixed] PASSED" in proc.stdout
