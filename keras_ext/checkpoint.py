@@ -115,7 +115,8 @@ def save_model(model: keras.Model, filepath: str | os.PathLike[str], **kwargs: A
 
 
 def save_weights(model: keras.Model, filepath: str | os.PathLike[str], **kwargs: Any) -> None:
-    """``model.save_weights(filepath, **kwargs)`` with the FP32 masters as the stored values (see :func:`save_model`)."""
+    """``model.save_weights(filepath, **kwargs)`` with the FP32 masters as the stored values
+    (see :func:`save_model`)."""
     with _masters_as_weights(model):
         model.save_weights(filepath, **kwargs)
 
@@ -126,9 +127,9 @@ def export_fp32(model: keras.Model, filepath: str | os.PathLike[str] | None = No
     clones those layer by layer); for a subclassed model build an FP32 instance and load
     :func:`save_weights` into it."""
     if not is_clonable(model):
-        raise PolicyError(f"export_fp32 clones the model layer by layer, which Keras does for Sequential and Functional "
-                          f"models only, not a {type(model).__name__}: build an FP32 instance of it and load "
-                          "keras_ext.save_weights(model, path) into it")
+        raise PolicyError("export_fp32 clones the model layer by layer, which Keras does for Sequential and "
+                          f"Functional models only, not a {type(model).__name__}: build an FP32 instance of it "
+                          "and load keras_ext.save_weights(model, path) into it")
     fp32 = keras.DTypePolicy("float32")
     clone = clone_with_policies(model, {id(layer): fp32 for _, layer in _layers(model)}, fp32)
     for variable, value in zip(clone.weights, fp32_values(model), strict=True):

@@ -73,14 +73,16 @@ class KerasDivergence:
                           for name, dtype in VARIABLES.items()}
 
     # ------------------------------------------------------------- the step
-    def record_loss(self, loss: Any, caller: Any = None) -> None:
-        """From ``scale_loss``: remember whether ``loss`` is finite; ``caller`` (the object whose method
-        called ``scale_loss``) is watched when it is a Keras model (:meth:`watch`)."""
+    def record_loss(self, loss: Any, frame: Any = None) -> None:
+        """From ``scale_loss``: remember whether ``loss`` is finite.  ``frame``: the caller's; while a
+        ``tf.function`` is traced, a Keras model calling from its train step is watched (:meth:`watch`)."""
         if not self.active:
             return
         self._local.finite = ops.all(ops.isfinite(loss))
-        if isinstance(caller, keras.Model) and _in_tf_graph():
-            self.watch(caller)
+        if frame is not None and _in_tf_graph():
+            caller = frame.f_locals.get("self")
+            if isinstance(caller, keras.Model):
+                self.watch(caller)
 
     def loss_finite(self) -> Any:
         """This replica's flag from the ``scale_loss`` of the same step (True when there was none); cleared."""

@@ -226,7 +226,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
     def scale_loss(self, loss: Any) -> Any:
         """``loss * scale`` (the current scale; the initial one before build).  Also records, for the
         divergence rule, whether the loss is finite (Keras' train step calls this)."""
-        self._divergence.record_loss(loss, sys._getframe(1).f_locals.get("self"))
+        self._divergence.record_loss(loss, sys._getframe(1))
         return ops.multiply(loss, self.dynamic_scale)
 
     @property
