@@ -105,8 +105,8 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
       report_policy: at train start, print what the policy decided per layer
         (:func:`keras_ext.policy_report`; kept as a ``"policy"`` history event).
 
-    While attached, the optimizer's per-step overflow check runs for recipes
-    without loss scaling too (:func:`mp_callbacks.scaler.checks_overflow`).
+    While attached, the optimizer's per-step overflow check runs even where no
+    step is skipped (``skip_nonfinite=False``; :func:`mp_callbacks.scaler.checks_overflow`).
     Put the monitor *before* ``TensorBoard``/``CSVLogger`` in ``callbacks`` so
     that they see the names it adds to ``logs``.  With ``steps_per_execution=k``
     a logging record is the last step of an execution that contains a logging

@@ -14,7 +14,7 @@ import keras
 from keras import ops
 
 import keras_ext
-from mp_callbacks.divergence import DivergenceRule
+from mp_callbacks.divergence import DivergenceRule, DivergenceState
 from mp_callbacks.meters import DivergenceError
 from tests.keras.helpers.util import requires_tf_backend
 
@@ -58,8 +58,9 @@ def _iterations(opt):
 def test_nan_every_step_stops_within_ten_steps_with_nothing_applied(recipe):
     model, opt = _setup(recipe)
     before = _snapshot(model, opt)
-    with pytest.raises(DivergenceError, match=LOSS_MESSAGE):
+    with pytest.raises(DivergenceError, match=LOSS_MESSAGE) as info:
         _fit(model, _nan_data(20))
+    assert str(info.value) == str(DivergenceRule().error(5, state=DivergenceState(5, 0)))  # the core's message
     assert opt.steps == opt.skipped == 5 and _iterations(opt) == 0
     for a, b in zip(before, _snapshot(model, opt)):  # weights, masters, slots: bit for bit
         np.testing.assert_array_equal(a, b)
