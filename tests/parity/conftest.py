@@ -26,10 +26,8 @@ def _quiet_single_thread():
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     keras.config.set_dtype_policy("float32")
-    kp._ACTIVE.update(policy=None, recipe=None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*LeafSpec.*")
         yield
     keras.config.set_dtype_policy("float32")
-    kp._ACTIVE.update(policy=None, recipe=None)
