@@ -268,3 +268,11 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
         final_loss=float(np.mean(tail)), accuracy=accuracy,
         overflows=opt.overflows, skipped=opt.skipped, history=recorder.history,
     )
+
+
+def supports(recipe: str) -> bool:
+    """Whether keras_ext trains ``recipe`` (:func:`keras_ext.policy.check_supported`)."""
+    return not get_recipe(recipe).master.rounds_updates
+
+
+run.supports = supports  # type: ignore[attr-defined]

@@ -42,7 +42,7 @@ from mp_callbacks.scaler import ScalerConfig, ScalerCounters, ScalerState
 from .divergence import KerasDivergence
 from .keras_ops import is_tf
 from .masters import MasterWeights
-from .policy import coerce_recipe, optimizer_recipe
+from .policy import check_supported, coerce_recipe, optimizer_recipe
 from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
 
 __all__ = ["LossScaleOptimizer", "master_optimizer"]
@@ -395,4 +395,5 @@ def master_optimizer(inner_optimizer: keras.optimizers.Optimizer, recipe: Recipe
         recipe = get_recipe(recipe)
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a mp_callbacks.Recipe or a recipe name, not {type(recipe).__name__}")
+    check_supported(recipe)
     return LossScaleOptimizer(inner_optimizer, scaler, recipe=recipe, **kwargs)

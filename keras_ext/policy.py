@@ -36,7 +36,7 @@ import keras
 from keras import ops
 
 from mp_callbacks.policy import PolicyError, PrecisionPolicy, class_names
-from mp_callbacks.recipes import Recipe, get_recipe
+from mp_callbacks.recipes import Recipe, RecipeError, get_recipe
 from mp_callbacks.scaler import ScalerConfig
 
 __all__ = [
@@ -67,13 +67,23 @@ _RECIPE_OF_DTYPES = {
 _ACTIVATION_OPS = {"softmax": "softmax", "log_softmax": "log_softmax", "exponential": "exp", "softplus": "softplus"}
 
 
+def check_supported(recipe: Recipe) -> Recipe:
+    """``recipe`` if keras_ext trains it; recipes that round updates without FP32 masters
+    (``bf16-kahan``, ``bf16-sr``) are Lightning-only for now: a ``RecipeError`` says so."""
+    if recipe.master.rounds_updates:
+        raise RecipeError(
+            f"keras_ext does not implement recipe {recipe.name!r} yet (update rounding without FP32 masters is "
+            "Lightning-only: lightning_ext.MixedPrecision); use 'bf16-master' for FP32 masters with bf16 weights")
+    return recipe
+
+
 def resolve_policy(recipe_or_policy: Any) -> tuple[PrecisionPolicy, Recipe | None]:
     """A :class:`PrecisionPolicy` (and the recipe, when one was named) from a recipe name
     (aliases such as ``"mixed_float16"`` included), a :class:`~mp_callbacks.Recipe`, a
     :class:`PrecisionPolicy`, a policy string (``"params=float32,compute=bfloat16"``), a
     policy dict, or a ``keras.DTypePolicy``."""
     if isinstance(recipe_or_policy, Recipe):
-        return recipe_or_policy.policy, recipe_or_policy
+        return recipe_or_policy.policy, check_supported(recipe_or_policy)
     if isinstance(recipe_or_policy, PrecisionPolicy):
         return recipe_or_policy, None
     if isinstance(recipe_or_policy, keras.DTypePolicy):
@@ -82,7 +92,7 @@ def resolve_policy(recipe_or_policy: Any) -> tuple[PrecisionPolicy, Recipe | Non
     if isinstance(recipe_or_policy, str):
         if "=" in recipe_or_policy:
             return PrecisionPolicy.parse(recipe_or_policy), None
-        recipe = get_recipe(recipe_or_policy)
+        recipe = check_supported(get_recipe(recipe_or_policy))
         return recipe.policy, recipe
     if isinstance(recipe_or_policy, Mapping):
         return PrecisionPolicy.from_dict(recipe_or_policy), None
@@ -152,12 +162,14 @@ def get_global_recipe() -> Recipe:
 
 def coerce_recipe(recipe: Recipe | str | Mapping[str, Any] | None) -> Recipe | None:
     """A :class:`~mp_callbacks.Recipe` from a recipe, a name or its dict (None stays None)."""
-    if recipe is None or isinstance(recipe, Recipe):
+    if recipe is None:
         return recipe
+    if isinstance(recipe, Recipe):
+        return check_supported(recipe)
     if isinstance(recipe, str):
-        return get_recipe(recipe)
+        return check_supported(get_recipe(recipe))
     if isinstance(recipe, Mapping):
-        return Recipe.from_dict(recipe)
+        return check_supported(Recipe.from_dict(recipe))
     raise TypeError(f"recipe must be a mp_callbacks.Recipe, a recipe name or its dict, not {type(recipe).__name__}")
 
 

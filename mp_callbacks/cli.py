@@ -129,17 +129,25 @@ def compare(args: argparse.Namespace) -> int:
     frameworks = list(dict.fromkeys(args.frameworks))
     runners = {framework: _load_runner(framework) for framework in frameworks}
     _quiet_frameworks()  # again: Lightning resets its logger level when it is imported
-    results = []
+    results, unsupported = [], []
     with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), transient=True, disable=args.quiet) as progress:
         for framework in frameworks:
             run = runners[framework]
             for recipe in recipes:
+                if not getattr(run, "supports", lambda _: True)(recipe):
+                    unsupported.append(f"{framework} {recipe}")
+                    continue
                 task = progress.add_task(f"{framework} {recipe}", total=spec.steps)
                 results.append(run(recipe, spec, lambda n, t=task: progress.update(t, completed=n)))
                 progress.remove_task(task)
     print(format_table(results))
     out = write_report(results, spec, args.out)
+    if unsupported:
+        note = f"not run (the adapter does not implement the recipe yet): {', '.join(unsupported)}"
+        print(f"\nnote: {note}")
+        with open(out / "README.md", "a") as fh:
+            fh.write(f"\nNote: {note}\n")
     if "keras" in frameworks and _keras_backend() == "tensorflow":
         print(f"\nnote: {KERAS_TF_NOTE}")
         with open(out / "README.md", "a") as fh:

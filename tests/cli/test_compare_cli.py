@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mp_callbacks.recipes import RECIPE_NAMES
+from mp_callbacks.recipes import RECIPE_NAMES, get_recipe
 
 from .baseline import check_against_baseline, check_baseline
 
@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # recipes can be compared with the 32-true row.  Steps cost ~2 ms; the run is dominated by imports.
 STEPS, INJECT, HIDDEN, BATCH, LR = 40, 4, 32, 32, 0.01
 FRAMEWORKS = ("lightning", "keras")
+# keras_ext does not implement update rounding without masters (bf16-kahan, bf16-sr) yet: compare skips
+# those pairs and says so
+PAIRS = [(fw, rc) for fw in FRAMEWORKS for rc in RECIPE_NAMES
+         if fw == "lightning" or not get_recipe(rc).master.rounds_updates]
 
 
 def _run(*args, timeout=300):
@@ -49,23 +53,23 @@ def results(report):
 def test_table_and_report_files(report):
     out, stdout = report
     rows = [line.split() for line in stdout.splitlines() if line.startswith(tuple(f"{fw} " for fw in FRAMEWORKS))]
-    assert [r[:2] for r in rows] == [[fw, rc] for fw in FRAMEWORKS for rc in RECIPE_NAMES]
+    assert [r[:2] for r in rows] == [list(pair) for pair in PAIRS]
     assert f"report written to {out}" in stdout
     for name in ("README.md", "results.json", "loss_curves.png"):
         assert (out / name).stat().st_size > 0, name
-    for fw in FRAMEWORKS:
-        for recipe in RECIPE_NAMES:
-            lines = (out / f"{fw}_{recipe}.jsonl").read_text().splitlines()
-            assert len(lines) >= STEPS
-            assert (out / f"{fw}_{recipe}_scale.png").stat().st_size > 0
+    for fw, recipe in PAIRS:
+        lines = (out / f"{fw}_{recipe}.jsonl").read_text().splitlines()
+        assert len(lines) >= STEPS
+        assert (out / f"{fw}_{recipe}_scale.png").stat().st_size > 0
     readme = (out / "README.md").read_text()
+    assert "not run (the adapter does not implement the recipe yet): keras bf16-kahan, keras bf16-sr" in readme
     assert "# Mixed-precision comparison" in readme and "remapper" in readme  # the Keras-on-TF note
 
 
 def test_every_recipe_is_measured_and_skips_the_injected_step(results):
     data, results = results
     assert data["spec"]["steps"] == STEPS and data["spec"]["inject"] == [INJECT] and data["spec"]["lr"] == LR
-    assert set(results) == {(fw, rc) for fw in FRAMEWORKS for rc in RECIPE_NAMES}
+    assert set(results) == set(PAIRS)
     params = 64 * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * 10 + 10
     for (fw, recipe), r in results.items():
         # The injected inf is detected and skipped by every recipe (skip_nonfinite on by default).
@@ -74,8 +78,7 @@ def test_every_recipe_is_measured_and_skips_the_injected_step(results):
         assert r["params"] == params
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("recipe", RECIPE_NAMES[1:])
+@pytest.mark.parametrize("framework,recipe", [p for p in PAIRS if p[1] != "32-true"])
 def test_each_recipe_trains_like_32_true(results, framework, recipe):
     _, results = results
     check_against_baseline(results[(framework, recipe)], results[(framework, "32-true")])
