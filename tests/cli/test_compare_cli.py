@@ -114,20 +114,19 @@ def test_memory_per_param(results, framework):
 
 def test_history_records_the_skip(report):
     out, _ = report
-    for fw in FRAMEWORKS:
-        for recipe in RECIPE_NAMES:
-            steps = [json.loads(line) for line in (out / f"{fw}_{recipe}.jsonl").read_text().splitlines()]
-            steps = [s for s in steps if "scale" in s]
-            flagged = [s["step"] for s in steps if s["overflow"]]
-            assert flagged == [INJECT], (fw, recipe, flagged)
-            assert steps[INJECT]["skipped_total"] == steps[INJECT - 1]["skipped_total"] + 1
-            assert steps[INJECT]["loss"] == "inf" or steps[INJECT]["loss"] == float("inf")
-            if recipe.startswith("16-"):
-                # The scale each step ran with: the torch preset backs off after the overflow.
-                assert steps[INJECT]["scale"] == steps[INJECT - 1]["scale"] == 2.0**16, (fw, recipe)
-                assert steps[INJECT + 1]["scale"] == 2.0**15, (fw, recipe)
-            else:  # no loss scaling: a static scale of 1 that still skips non-finite steps
-                assert {s["scale"] for s in steps} == {1.0}, (fw, recipe)
+    for fw, recipe in PAIRS:
+        steps = [json.loads(line) for line in (out / f"{fw}_{recipe}.jsonl").read_text().splitlines()]
+        steps = [s for s in steps if "scale" in s]
+        flagged = [s["step"] for s in steps if s["overflow"]]
+        assert flagged == [INJECT], (fw, recipe, flagged)
+        assert steps[INJECT]["skipped_total"] == steps[INJECT - 1]["skipped_total"] + 1
+        assert steps[INJECT]["loss"] == "inf" or steps[INJECT]["loss"] == float("inf")
+        if recipe.startswith("16-"):
+            # The scale each step ran with: the torch preset backs off after the overflow.
+            assert steps[INJECT]["scale"] == steps[INJECT - 1]["scale"] == 2.0**16, (fw, recipe)
+            assert steps[INJECT + 1]["scale"] == 2.0**15, (fw, recipe)
+        else:  # no loss scaling: a static scale of 1 that still skips non-finite steps
+            assert {s["scale"] for s in steps} == {1.0}, (fw, recipe)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -316,11 +316,14 @@ def _assert_same(result, exact=True):
     assert ours["iterations"] == stock["iterations"]
     # Overflows happened, were skipped, and the scale grew in between.
     counters = ours["counters"]
-    assert counters == {"steps": 16, "overflows": 4, "skipped": 4, "growths": counters["growths"]}
-    assert counters["growths"] >= 2
+    # growths: the number of times stock Keras' scale went up, read off its own trajectory
+    stock_growths = sum(b > a for a, b in zip(stock["scales"], stock["scales"][1:]))
+    assert counters == {"steps": 16, "overflows": 4, "skipped": 4, "growths": stock_growths}
+    assert stock_growths >= 2
     assert ours["iterations"][-1] == 16 - 4
     assert len(set(ours["scales"])) >= 3
     for key in ("weights", "inner_slots"):
+        assert len(stock[key]) == len(ours[key]), key  # a missing weight or slot is a failure, not a skip
         for a, b in zip(stock[key], ours[key]):
             if exact:
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
