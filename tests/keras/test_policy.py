@@ -70,6 +70,12 @@ def test_bf16_master_stores_low_precision_params_and_fp32_for_kept_layers():
     assert [v.dtype for v in layers["norm"].weights] == ["float32", "float32"]
     assert [v.dtype for v in layers["custom"].weights] == ["float32"]
     assert layers["probs"].compute_dtype == "float32"
+    originals = _by_name(model)
+    for name, layer in layers.items():  # a clone carries its original's weights exactly (bf16 -> fp32 is exact)
+        assert len(layer.weights) == len(originals[name].weights), name
+        for a, b in zip(originals[name].weights, layer.weights):
+            np.testing.assert_array_equal(ops.convert_to_numpy(a).astype("float32"),
+                                          ops.convert_to_numpy(b).astype("float32"))
     after = converted(np.ones((2, 4), "float32"))
     np.testing.assert_allclose(ops.convert_to_numpy(before).astype("float32"),
                                ops.convert_to_numpy(after).astype("float32"), atol=2e-2)
