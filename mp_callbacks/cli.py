@@ -174,9 +174,74 @@ DEMO_ARGS = ("--steps", "120", "--hidden", "1024", "--batch-size", "256", "--dep
              "--threads", "1")
 
 
+# On CPUs without a fast float16/bfloat16 matmul kernel (seen: an AMD EPYC where torch's float16
+# matmul ran ~25x slower than float32) the demo above takes many minutes.  A probe of a few ms decides:
+# when a low-precision matmul is more than SLOW_FACTOR times slower than float32, the demo runs a
+# smaller model (every recipe still appears, with a correct result) and says why.
+SLOW_FACTOR = 4.0
+SMALL_DEMO = {"--hidden": "256", "--batch-size": "64"}
+
+
+def matmul_slowdown(n: int = 256, repeats: int = 3) -> dict[str, float]:
+    """``{dtype: time of an n x n matmul / float32's}`` for float16 and bfloat16 with torch (one thread);
+    empty when torch is not installed."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return {}
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = {}
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            a = torch.randn(n, n).to(dtype)
+            a @ a  # warm-up
+            start = time.perf_counter()
+            for _ in range(repeats):
+                a @ a
+            times[str(dtype).replace("torch.", "")] = (time.perf_counter() - start) / repeats
+    finally:
+        torch.set_num_threads(threads)
+    return {k: v / times["float32"] for k, v in times.items() if k != "float32"}
+
+
+def demo_args(slowdown: dict[str, float]) -> tuple[list[str], str | None]:
+    """The demo's ``compare`` arguments for a CPU with these matmul slowdowns, and the note saying why
+    it was shrunk (None: the full-size demo)."""
+    args = list(DEMO_ARGS)
+    slow = {k: v for k, v in slowdown.items() if v > SLOW_FACTOR}
+    if not slow:
+        return args, None
+    for flag, value in SMALL_DEMO.items():
+        args[args.index(flag) + 1] = value
+    detail = ", ".join(f"{k} {v:.0f}x" for k, v in sorted(slow.items()))
+    return args, (f"this CPU has no fast low-precision matmul ({detail} slower than float32 in a probe): the demo "
+                  f"runs a smaller model (hidden {SMALL_DEMO['--hidden']}, batch {SMALL_DEMO['--batch-size']}); "
+                  "its speed ratios describe this CPU, not a GPU or an AMX CPU")
+
+
 def demo(args: argparse.Namespace) -> int:
-    argv = ["compare", *DEMO_ARGS, "--out", args.out] + (["--quiet"] if args.quiet else [])
-    return compare(build_parser().parse_args(argv))
+    import platform
+
+    slowdown = matmul_slowdown()
+    argv, note = demo_args(slowdown)
+    cpu = _cpu_model() or platform.processor() or "unknown CPU"
+    print(f"CPU: {cpu}; matmul time vs float32: "
+          + (", ".join(f"{k} {v:.1f}x" for k, v in slowdown.items()) or "not probed (no torch)"))
+    if note:
+        print(f"note: {note}")
+    return compare(build_parser().parse_args(["compare", *argv, "--out", args.out]
+                                             + (["--quiet"] if args.quiet else [])))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            return next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "")
+    except OSError:  # pragma: no cover
+        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
