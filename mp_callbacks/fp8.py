@@ -1,4 +1,16 @@
-"""FP8 formats and per-tensor FP8 scaling: configuration, presets and the one transition.
+"""Per-tensor FP8 scaling: the one transition, its state and its array-ops extension.
+
+The FP8 code of the core is split by job; every public name is importable
+from here:
+
+* :mod:`mp_callbacks.fp8_formats`: the formats (e4m3fn, e5m2) and the NumPy
+  reference of the cast (:func:`fp8_round`, :func:`quantize_dequantize`,
+  saturated / flushed fractions);
+* :mod:`mp_callbacks.fp8_presets`: :class:`FP8ScalingConfig` and the anchors'
+  presets;
+* this module: the rule below (:func:`next_fp8_state`), the state, the
+  :class:`FP8ArrayOps` extension of the array-ops protocol with its NumPy
+  backend, and the state's plain-data form.
 
 FP8 keeps a tensor ``x`` as ``q = fp8(x * scale)`` and reads it back as
 ``q * scale_inv`` (``scale_inv = 1 / scale``).  Each tensor (the inputs and the
@@ -93,89 +105,37 @@ float8 updates of every tensor on a skipped step (what Keras does under its
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from .fp8_formats import (  # noqa: F401  (re-exported: the public names live in mp_callbacks.fp8)
+    E4M3,
+    E5M2,
+    FLOAT32_MAX,
+    FORMAT_ALIASES,
+    FP8_FORMATS,
+    HYBRID,
+    TENSOR_ROLES,
+    FP8ConfigError,
+    FP8Format,
+    flushed_fraction,
+    fp8_format,
+    fp8_round,
+    quantize_dequantize,
+    saturated_fraction,
+)
+from .fp8_presets import (  # noqa: F401
+    AMAX_ALGOS,
+    FP8_PRESETS,
+    MODES,
+    STORED,
+    UPDATE_ORDERS,
+    FP8ScalingConfig,
+    preset_configs,
+)
+from .fp8_presets import _is_int, _is_number
 from .ops import Array, ArrayOps, NumpyOps
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-class FP8ConfigError(ValueError):
-    """An FP8 scaling setting is out of its allowed range."""
-
-
-# -- formats ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class FP8Format:
-    """Bit layout and range of an 8-bit float format (1 sign bit).
-
-    Attributes:
-      name: the dtype name shared by torch, ml_dtypes and Keras (``"float8_e4m3fn"``).
-      exponent_bits, mantissa_bits, exponent_bias: the layout.
-      max: the largest finite value.
-      min_normal: the smallest positive normal value, ``2**(1 - bias)``.
-      min_subnormal: the smallest positive value, ``min_normal * 2**-mantissa_bits``.
-      has_inf: whether the format has infinities (e5m2: yes; e4m3fn: no, only NaN).
-    """
-
-    name: str
-    exponent_bits: int
-    mantissa_bits: int
-    exponent_bias: int
-    max: float
-    min_normal: float
-    min_subnormal: float
-    has_inf: bool
-
-    @property
-    def eps(self) -> float:
-        """Spacing of representable numbers just above 1.0."""
-        return 2.0**-self.mantissa_bits
-
-    @property
-    def min_exponent(self) -> int:
-        """Exponent of :attr:`min_normal` (subnormals share its spacing)."""
-        return 1 - self.exponent_bias
-
-
-E4M3 = FP8Format("float8_e4m3fn", 4, 3, 7, 448.0, 2.0**-6, 2.0**-9, has_inf=False)
-"""``float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, no inf (S.1111.111 is NaN): max 448."""
-E5M2 = FP8Format("float8_e5m2", 5, 2, 15, 57344.0, 2.0**-14, 2.0**-16, has_inf=True)
-"""``float8_e5m2``: IEEE-style 5 exponent bits, 2 mantissa bits: max 57344."""
-
-FP8_FORMATS: dict[str, FP8Format] = {E4M3.name: E4M3, E5M2.name: E5M2}
-"""The formats by canonical name."""
-FORMAT_ALIASES: dict[str, str] = {
-    "float8_e4m3fn": E4M3.name, "e4m3fn": E4M3.name, "e4m3": E4M3.name, "fp8_e4m3": E4M3.name,
-    "float8_e5m2": E5M2.name, "e5m2": E5M2.name, "fp8_e5m2": E5M2.name,
-}
-"""Accepted spellings (framework dtype objects are read by their name)."""
-
-HYBRID: dict[str, str] = {"forward": E4M3.name, "backward": E5M2.name}
-"""The HYBRID recipe of Transformer Engine, Keras and torchao: e4m3 forward, e5m2 backward."""
-TENSOR_ROLES: dict[str, str] = {"inputs": "forward", "weights": "forward", "grad_outputs": "backward"}
-"""The three scaled tensors of an FP8 matmul and the pass each belongs to."""
-
-
-def fp8_format(value: Any) -> FP8Format:
-    """An :class:`FP8Format` from itself, a name/alias, or a dtype object (``torch.float8_e5m2``)."""
-    if isinstance(value, FP8Format):
-        return value
-    text = (getattr(value, "name", None) if not isinstance(value, str) else value) or str(value)
-    text = str(text).replace("torch.", "").strip().lower()
-    if text in FORMAT_ALIASES:
-        return FP8_FORMATS[FORMAT_ALIASES[text]]
-    raise FP8ConfigError(
-        f"{value!r} is not an FP8 format; valid: {', '.join(FP8_FORMATS)} "
-        f"(aliases: {', '.join(sorted(set(FORMAT_ALIASES) - set(FP8_FORMATS)))})"
-    )
-
 
 # -- the protocol extension ------------------------------------------------------------
 
@@ -259,178 +219,6 @@ def fp8_ops(ops: Any) -> Any:
         f"{type(ops).__name__} cannot evaluate the FP8 scaling transition: it lacks {', '.join(missing)} "
         "(see mp_callbacks.fp8.FP8ArrayOps)"
     )
-
-
-# -- configuration ------------------------------------------------------------------------
-
-
-MODES = ("delayed", "current")
-AMAX_ALGOS = ("max", "most_recent")
-UPDATE_ORDERS = ("record_first", "scale_first")
-STORED = ("scale", "scale_inv")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class FP8ScalingConfig:
-    """Settings of one tensor's FP8 scaling (see the module docstring for the rule).
-
-    Attributes:
-      format: ``"float8_e4m3fn"`` (forward tensors) or ``"float8_e5m2"``
-        (gradients); aliases and dtype objects are accepted and stored by name.
-      mode: ``"delayed"`` (the scale comes from past amaxes and is known before
-        the tensor is cast: Transformer Engine's DelayedScaling, Keras) or
-        ``"current"`` (from this step's amax: torchao's dynamic scaling).
-      history_len: amaxes kept per tensor (>= 1).
-      amax_algo: ``"max"`` (the largest amax in the window) or ``"most_recent"``
-        (this step's; needs ``update_order="record_first"``).  Delayed mode only.
-      margin: the scale is divided by ``2**margin`` (an integer >= 0): headroom
-        for tensors that grow between updates.
-      update_order: ``"record_first"`` (Transformer Engine: the window includes
-        this step's amax) or ``"scale_first"`` (Keras: the scale is computed
-        from the history before this step's amax is recorded).
-      stored: which of ``scale`` / ``scale_inv`` the anchor keeps (the other is
-        its float32 reciprocal): ``"scale"`` (Transformer Engine) or
-        ``"scale_inv"`` (Keras).
-      clamp_inf_scale: a scale that overflows float32 (a tiny but non-zero
-        window) becomes float32 max instead of inf (Transformer Engine).
-      amax_epsilon: a window below it counts as ``amax_epsilon`` (torchao's
-        1e-12); 0 turns it off, and then a zero window keeps the previous scale.
-    """
-
-    format: str = E4M3.name
-    mode: str = "delayed"
-    history_len: int = 1024
-    amax_algo: str = "max"
-    margin: int = 0
-    update_order: str = "record_first"
-    stored: str = "scale"
-    clamp_inf_scale: bool = True
-    amax_epsilon: float = 0.0
-
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "format", fp8_format(self.format).name)
-        except FP8ConfigError as exc:
-            raise FP8ConfigError(f"FP8ScalingConfig.format={self.format!r} is invalid: {exc}") from None
-        self._validate()
-
-    def _fail(self, name: str, allowed: str) -> None:
-        raise FP8ConfigError(f"FP8ScalingConfig.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
-
-    def _validate(self) -> None:
-        for name, choices in (("mode", MODES), ("amax_algo", AMAX_ALGOS), ("update_order", UPDATE_ORDERS),
-                              ("stored", STORED)):
-            if getattr(self, name) not in choices:
-                self._fail(name, "one of " + ", ".join(repr(c) for c in choices))
-        if not _is_int(self.history_len) or self.history_len < 1:
-            self._fail("history_len", "an integer >= 1")
-        if not _is_int(self.margin) or not 0 <= self.margin <= 64:
-            self._fail("margin", "an integer in [0, 64]")
-        if not isinstance(self.clamp_inf_scale, bool):
-            self._fail("clamp_inf_scale", "True or False")
-        if not _is_number(self.amax_epsilon) or not math.isfinite(self.amax_epsilon) or self.amax_epsilon < 0:
-            self._fail("amax_epsilon", "a finite number >= 0")
-        if self.amax_epsilon and not self.scaled_max / self.amax_epsilon < FLOAT32_MAX:
-            self._fail("amax_epsilon", f"> {self.scaled_max / FLOAT32_MAX:g} (fp8 max * 2**-margin / "
-                       "amax_epsilon must stay below float32 max), or 0")
-        if self.amax_algo == "most_recent" and self.update_order == "scale_first":
-            self._fail("amax_algo", "'max' with update_order='scale_first' (Keras's order takes the window "
-                       "before this step's amax is recorded; 'most_recent' needs update_order='record_first')")
-
-    # -- derived ------------------------------------------------------------------
-    @property
-    def fmt(self) -> FP8Format:
-        """The :class:`FP8Format` of :attr:`format`."""
-        return FP8_FORMATS[self.format]
-
-    @property
-    def scaled_max(self) -> float:
-        """``fp8_max * 2**-margin``: where the window's amax lands after scaling (exact)."""
-        return self.fmt.max * 2.0**-self.margin
-
-    # -- construction helpers -----------------------------------------------------
-    @classmethod
-    def preset(cls, name: str, role: str = "forward", **overrides: Any) -> "FP8ScalingConfig":
-        """The configuration that reproduces the named anchor for a tensor of ``role``.
-
-        ``role``: ``"forward"`` / ``"backward"`` or a tensor name of
-        :data:`TENSOR_ROLES` (``"inputs"``, ``"weights"``, ``"grad_outputs"``);
-        it picks the HYBRID format unless ``format`` is overridden.
-        """
-        if not isinstance(name, str) or name not in FP8_PRESETS:
-            raise FP8ConfigError(f"unknown FP8 scaling preset {name!r}; valid presets: {', '.join(FP8_PRESETS)}")
-        pass_ = TENSOR_ROLES.get(role, role)
-        if pass_ not in HYBRID:
-            raise FP8ConfigError(
-                f"role={role!r} is invalid: must be one of {', '.join(list(HYBRID) + list(TENSOR_ROLES))}"
-            )
-        fields = {"format": HYBRID[pass_], **overrides}
-        return dataclasses.replace(FP8_PRESETS[name], **fields)
-
-    @classmethod
-    def coerce(cls, value: "FP8ScalingConfig | str | Mapping[str, Any] | None", role: str = "forward",
-               default: str = "transformer-engine") -> "FP8ScalingConfig":
-        """Accept a config, a preset name (for ``role``), a dict of fields, or ``None`` (the default preset)."""
-        if value is None:
-            return cls.preset(default, role)
-        if isinstance(value, FP8ScalingConfig):
-            return value
-        if isinstance(value, str):
-            return cls.preset(value, role)
-        if isinstance(value, Mapping):
-            return cls.from_dict(value)
-        raise FP8ConfigError(
-            f"an FP8 scaling config must be an FP8ScalingConfig, a preset name or a dict, not {type(value).__name__}"
-        )
-
-    def replace(self, **changes: Any) -> "FP8ScalingConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data: every field by name."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "FP8ScalingConfig":
-        """Inverse of :meth:`to_dict`; unknown keys are an error that lists the valid ones."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise FP8ConfigError(f"unknown FP8ScalingConfig field(s) {unknown}; valid fields: {sorted(names)}")
-        return cls(**dict(data))
-
-
-FP8_PRESETS: dict[str, FP8ScalingConfig] = {  # name -> the anchor's defaults (format set per role by preset())
-    # NVIDIA Transformer Engine recipe.DelayedScaling(): Format.HYBRID, amax_history_len=1024,
-    # amax_compute_algo="max", margin=0; the scale update of its amax_and_scale_update kernel
-    # (window includes this step's amax, zero/non-finite window keeps the scale, inf scale ->
-    # float32 max, scale_inv = 1/scale).
-    "transformer-engine": FP8ScalingConfig(mode="delayed", history_len=1024, amax_algo="max", margin=0,
-                                           update_order="record_first", stored="scale"),
-    # Keras 3 float8 training (Dense/EinsumDense.quantize("float8")): amax_history_length=1024,
-    # max over the history, margin 0, compute_float8_scale before compute_float8_amax_history,
-    # the layer's "scale" variables hold scale_inv.  Ours clamps an overflowing scale (see above).
-    "keras": FP8ScalingConfig(mode="delayed", history_len=1024, amax_algo="max", margin=0,
-                              update_order="scale_first", stored="scale_inv"),
-    # torchao Float8Linear default ("tensorwise", dynamic): current scaling,
-    # scale = fp8_max / clamp(amax, min=1e-12) (torchao's EPS), no history.
-    "torchao": FP8ScalingConfig(mode="current", history_len=1, amax_algo="max", margin=0,
-                                update_order="record_first", stored="scale", amax_epsilon=1e-12),
-}
-
-
-def preset_configs(name: str, **overrides: Any) -> dict[str, FP8ScalingConfig]:
-    """The preset's config for each tensor of :data:`TENSOR_ROLES` (HYBRID formats)."""
-    return {tensor: FP8ScalingConfig.preset(name, tensor, **overrides) for tensor in TENSOR_ROLES}
 
 
 # -- state and the transition ---------------------------------------------------------------
@@ -576,77 +364,3 @@ def fp8_state_from_dict(config: FP8ScalingConfig, data: Mapping[str, Any]) -> FP
     return FP8State(amax_history=history, scale=np.asarray(data["scale"], dtype=np.float32),
                     scale_inv=np.asarray(data["scale_inv"], dtype=np.float32),
                     steps=np.asarray(data["steps"], dtype=np.int32), skipped=np.asarray(data["skipped"], dtype=np.int32))
-
-
-# -- NumPy reference of the cast and the diagnostics ------------------------------------------
-
-
-def fp8_round(x: Any, fmt: Any = E4M3, saturate: bool = True) -> np.ndarray:
-    """``x`` (float32) rounded to the nearest value of ``fmt``, ties to even, as float32.
-
-    ``saturate=True`` (Transformer Engine's satfinite cast, Keras's clip before
-    the cast): anything beyond ``±max``, infinities included, becomes ``±max``.
-    ``saturate=False`` (a plain cast, as ``ml_dtypes``): a value that rounds
-    beyond max becomes inf (e5m2) or NaN (e4m3fn, which has no inf).  NaN stays
-    NaN; values below half the smallest subnormal flush to (signed) zero.
-    """
-    fmt = fp8_format(fmt)
-    x = np.asarray(x, dtype=np.float32)
-    mag = np.abs(x.astype(np.float64))
-    finite = np.isfinite(mag)
-    safe = np.where(finite, mag, 0.0)
-    _, exp = np.frexp(safe)  # safe = m * 2**exp, m in [0.5, 1): binade exponent exp - 1
-    spacing = np.exp2(np.maximum(exp - 1, fmt.min_exponent) - fmt.mantissa_bits)
-    q = np.rint(safe / spacing) * spacing  # exact in float64; rint is round-half-even
-    if saturate:
-        q = np.where(finite, np.minimum(q, fmt.max), fmt.max)
-    else:
-        over = np.inf if fmt.has_inf else np.nan
-        q = np.where(finite & (q <= fmt.max), q, over)
-    q = np.where(np.isnan(x), np.nan, q)
-    return np.copysign(q, x).astype(np.float32)
-
-
-def _scaled(x: Any, scale: Any, inverse: bool) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    scale = np.float32(scale)
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
-        return x / scale if inverse else x * scale
-
-
-def quantize_dequantize(x: Any, scale: Any, fmt: Any = E4M3, *, inverse: bool = False) -> np.ndarray:
-    """The value ``x`` comes back as after an FP8 round trip (NumPy float32 reference).
-
-    ``inverse=False`` (Transformer Engine): ``q = fp8(x * scale)``, returns
-    ``q * (1 / scale)``.  ``inverse=True`` (Keras, whose ``scale`` is our
-    ``scale_inv``): ``q = fp8(x / scale)``, returns ``q * scale``.  The cast
-    saturates and rounds to nearest even (:func:`fp8_round`).
-    """
-    scale32 = np.float32(scale)
-    q = fp8_round(_scaled(x, scale32, inverse), fmt, saturate=True)
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
-        back = scale32 if inverse else np.float32(1.0) / scale32
-        return (q * back).astype(np.float32)
-
-
-def _fraction(mask: np.ndarray) -> float:
-    return float(mask.mean()) if mask.size else 0.0
-
-
-def saturated_fraction(x: Any, scale: Any, fmt: Any = E4M3, *, inverse: bool = False) -> float:
-    """Share of the elements of ``x`` whose scaled magnitude exceeds ``fmt.max`` (clipped by the cast).
-
-    Infinities count; NaN does not.  ``scale`` and ``inverse`` as in :func:`quantize_dequantize`.
-    """
-    scaled = _scaled(x, scale, inverse)
-    return _fraction(np.abs(scaled) > fp8_format(fmt).max)
-
-
-def flushed_fraction(x: Any, scale: Any, fmt: Any = E4M3, *, inverse: bool = False) -> float:
-    """Share of the elements of ``x`` that are non-zero but become zero in FP8 at this scale.
-
-    That is ``|x * scale| <= min_subnormal / 2`` (the exact half rounds to even, i.e. to 0).
-    """
-    x = np.asarray(x, dtype=np.float32)
-    q = fp8_round(_scaled(x, scale, inverse), fmt, saturate=True)
-    return _fraction((x != 0) & ~np.isnan(x) & (q == 0))
