@@ -175,7 +175,7 @@ class MemoryEstimate:
 
 def estimate_memory(
     plan: MasterPlan, optimizer: str, params: Iterable[tuple[int, str]] | int,
-    fp32_master_grads: bool = False, weights_released: bool = False,
+    fp32_master_grads: bool = False, weights_released: bool = False, n_shards: int | None = None,
 ) -> MemoryEstimate:
     """Bytes of model state for ``params``: an int (all stored in ``plan.param_dtype``)
     or ``(numel, storage_dtype)`` pairs (FP32-kept parameters included).
@@ -187,7 +187,20 @@ def estimate_memory(
     Without masters (``kahan``/``stochastic`` rounding) neither applies: the
     weight and gradient stay in the storage dtype, ``kahan`` adds a
     compensation buffer of the weight's size and dtype.
+
+    ``n_shards``: what ONE rank holds when parameters, gradients and optimizer
+    states are sharded ``n_shards`` ways (FSDP2 ``fully_shard``, FSDP1):
+    every parameter is kept as an FP32 shard (under ``*-master`` that shard
+    IS the master: counted in ``masters``, no low-precision weight persists),
+    its gradient shard is FP32 and the states are FP32 shards; each tensor's
+    ``numel / n_shards`` is rounded up.  AdamW: ``16 / n_shards`` B/param in
+    every recipe.  Not counted: the transient low-precision all-gather of the
+    unit being computed and its unsharded gradient before the reduce-scatter.
+    ``params`` stays the global count.  Update rounding (``bf16-kahan``,
+    ``bf16-sr``) has no sharded form (``ValueError``).
     """
+    if n_shards is not None:
+        return _sharded_estimate(plan, optimizer, params, int(n_shards))
     if weights_released and not fp32_master_grads:
         raise ValueError("weights_released=True describes the optimizer step: pass fp32_master_grads=True too")
     if isinstance(params, int):
@@ -210,12 +223,39 @@ def estimate_memory(
     return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s, compensation=c)
 
 
+def _sharded_estimate(plan: MasterPlan, optimizer: str, params: Iterable[tuple[int, str]] | int,
+                      n_shards: int) -> MemoryEstimate:
+    """:func:`estimate_memory` with ``n_shards``: one rank's FP32 shards (see there)."""
+    if n_shards < 1:
+        raise ValueError(f"n_shards must be at least 1, not {n_shards}")
+    if plan.rounds_updates:
+        raise ValueError(f"update_rounding={plan.update_rounding!r} keeps low-precision weights without masters; "
+                         "sharded training (FSDP) keeps FP32 shards: use a *-master recipe there")
+    if isinstance(params, int):
+        params = [(params, plan.param_dtype)]
+    slots = optimizer_slots(optimizer)
+    n = w = g = m = s = 0
+    for numel, dtype in params:
+        local = -(-int(numel) // n_shards)
+        n += numel
+        if plan.needs_master(dtype):
+            m += 4 * local  # the FP32 shard is the master
+        else:
+            w += 4 * local
+        g += 4 * local
+        s += slots * 4 * local
+    return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s)
+
+
 def bytes_per_param(plan: MasterPlan, optimizer: str, fp32_master_grads: bool = False,
-                    weights_released: bool = False) -> float:
-    """Bytes of model state per parameter when every parameter uses ``plan.param_dtype``.
+                    weights_released: bool = False, n_shards: int | None = None) -> float:
+    """Bytes of model state per parameter when every parameter uses ``plan.param_dtype``
+    (per rank with ``n_shards``, see :func:`estimate_memory`).
 
     ``bytes_per_param(get_recipe("bf16-kahan").master, "adamw") == 14.0`` (2 + 2 + 2 + 8).
     """
+    if n_shards is not None:  # n_shards parameters: one element per rank, no rounding
+        return estimate_memory(plan, optimizer, n_shards, n_shards=n_shards).bytes_per_param
     return estimate_memory(plan, optimizer, 1, fp32_master_grads, weights_released).bytes_per_param
 
 

@@ -29,6 +29,7 @@ import difflib
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+from .dtypes import canonical_dtype
 from .master import MasterPlan
 from .policy import PrecisionPolicy
 from .scaler import ScalerConfig, StateDictError
@@ -54,18 +55,36 @@ _UPDATE_ROUNDING = {"kahan": "kahan", "sr": "stochastic"}
 """Recipe-name suffix -> :attr:`MasterPlan.update_rounding` of the recipes without masters."""
 
 
+COMM_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a recipe may reduce gradients across ranks in (:attr:`Recipe.comm_dtype`)."""
+
+
 class RecipeError(ValueError):
     """An unknown recipe name or an inconsistent recipe."""
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a recipe name means: op policy, loss scaler, master-weight plan."""
+    """What a recipe name means: op policy, loss scaler, master-weight plan, communication dtype.
+
+    ``comm_dtype``: the dtype gradients are reduced across ranks in (DDP's
+    all-reduce, FSDP's reduce-scatter); ``float32`` (default), ``bfloat16``
+    or ``float16``.  Under loss scaling the overflow check runs on the
+    reduced gradients, so an overflow of the reduction itself skips the step.
+    """
 
     name: str
     policy: PrecisionPolicy
     scaler: ScalerConfig
     master: MasterPlan
+    comm_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        try:
+            comm = canonical_dtype(self.comm_dtype, "comm_dtype")
+        except ValueError as exc:
+            raise RecipeError(f"recipe {self.name!r}: {exc}") from None
+        object.__setattr__(self, "comm_dtype", comm)
 
     @property
     def low_precision(self) -> bool:
@@ -92,6 +111,10 @@ class Recipe:
         except ValueError as exc:
             raise RecipeError(f"recipe {self.name!r}: {exc}") from None
 
+    def with_comm_dtype(self, comm_dtype: str | None) -> "Recipe":
+        """A copy reducing gradients across ranks in ``comm_dtype`` (:data:`COMM_DTYPES`); None keeps it."""
+        return self if comm_dtype is None else replace(self, comm_dtype=comm_dtype)
+
     def with_policy(self, policy: PrecisionPolicy | str | Mapping[str, Any] | None) -> "Recipe":
         """A copy using ``policy`` (an object, a policy string or a dict); None keeps it.
 
@@ -115,9 +138,9 @@ class Recipe:
         return replace(self, policy=policy)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: name, policy, scaler config and master plan."""
+        """Plain data: name, policy, scaler config, master plan and communication dtype."""
         return {"name": self.name, "policy": self.policy.to_dict(), "scaler": self.scaler.to_dict(),
-                "master": self.master.to_dict()}
+                "master": self.master.to_dict(), "comm_dtype": self.comm_dtype}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Recipe":
@@ -125,7 +148,8 @@ class Recipe:
         return cls(name=canonical_recipe_name(data["name"]),
                    policy=PrecisionPolicy.from_dict(data["policy"]),
                    scaler=ScalerConfig.from_dict(data["scaler"]),
-                   master=MasterPlan.from_dict(data["master"]))
+                   master=MasterPlan.from_dict(data["master"]),
+                   comm_dtype=data.get("comm_dtype", "float32"))
 
 
 def canonical_recipe_name(name: Any) -> str:
@@ -146,9 +170,10 @@ def canonical_recipe_name(name: Any) -> str:
     )
 
 
-def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype: str | None = None) -> Recipe:
-    """The named recipe, optionally with another scaler config/preset, policy or (``bf16-kahan``,
-    ``bf16-sr``) optimizer-state dtype."""
+def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype: str | None = None,
+               comm_dtype: str | None = None) -> Recipe:
+    """The named recipe, optionally with another scaler config/preset, policy, (``bf16-kahan``,
+    ``bf16-sr``) optimizer-state dtype or communication dtype (:attr:`Recipe.comm_dtype`)."""
     name = canonical_recipe_name(name)
     prefix, suffix = name.split("-")
     low = {"16": "float16", "bf16": "bfloat16"}.get(prefix)
@@ -161,7 +186,7 @@ def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype
         plan = (MasterPlan(param_dtype=low, update_rounding=_UPDATE_ROUNDING[suffix]) if suffix in _UPDATE_ROUNDING
                 else MasterPlan(param_dtype=low, master_weights=True))
         recipe = Recipe(name, PrecisionPolicy(params=low, compute=low, output="float32"), _default_scaler(low), plan)
-    return recipe.with_scaler(scaler).with_policy(policy).with_state_dtype(state_dtype)
+    return recipe.with_scaler(scaler).with_policy(policy).with_state_dtype(state_dtype).with_comm_dtype(comm_dtype)
 
 
 def _default_scaler(compute: str) -> ScalerConfig:
