@@ -224,9 +224,13 @@ def fit_once(
     name = get_recipe(recipe).name
     keras_before = keras.config.dtype_policy()  # carries keras_ext's policy, if one was set
     try:
+        # The initial weights are drawn in FP32 for every recipe (as the Lightning runner does), then
+        # apply_policy rounds them to the recipe's storage dtype: every run starts where 32-true starts.
         keras.utils.set_random_seed(spec.seed)
+        keras.config.set_dtype_policy("float32")
+        model = mlp(spec.hidden, spec.depth)
         _policy.set_global_policy(name)
-        model = _policy.apply_policy(mlp(spec.hidden, spec.depth))
+        model = _policy.apply_policy(model)
     finally:
         keras.config.set_dtype_policy(keras_before)
     inner = keras.optimizers.AdamW(learning_rate=spec.lr)

@@ -6,15 +6,12 @@ predicts uniformly: cross-entropy ``ln 10``, accuracy about ``1/10``.  The ``32-
 ``FRACTION`` of that progress of the ``32-true`` values.
 
 Why a quarter of the progress: every recipe sees the same batches, skips the same injected step
-and (Lightning; Keras ``*-mixed``) starts from the same weights, rounded to its storage dtype
-(tests/cli/test_runners_same_start.py).  From there a correct low-precision recipe follows the FP32
+and starts from the same weights, rounded to its storage dtype (both frameworks, every
+recipe: tests/cli/test_runners_same_start.py).  From there a correct low-precision recipe follows the FP32
 learning curve up to rounding (unit roundoff 2**-11 for fp16, 2**-8 for bf16, per operation):
 on the sizes used here that moves loss and accuracy by about 2% of the progress.  A quarter
 leaves room for trajectories that drift apart over a run, and still fails a recipe that does not
 learn (no progress), diverges (a non-finite loss), or trains at a markedly different rate.
-Keras ``*-master`` runs start from other weights today (a strict xfail in
-test_runners_same_start.py); on the sizes of test_compare_cli.py that costs them about a tenth
-of the progress, on the in-process Keras runner test more than the margin (a strict xfail there).
 The same margin serves for the two frameworks' ``32-true`` runs (different initializers).
 """
 

@@ -55,9 +55,7 @@ def test_run_measures_and_skips(recipe):
         assert result.history[3].scale == 2.0**16 and result.history[4].scale == 2.0**15
 
 
-@pytest.mark.parametrize("recipe", ["16-mixed", pytest.param("bf16-master", marks=pytest.mark.xfail(
-    strict=True, reason="keras_ext.compare starts *-master runs from other initial weights than 32-true "
-                        "(tests/cli/test_runners_same_start.py); here that moves accuracy by ~0.28"))])
+@pytest.mark.parametrize("recipe", ["16-mixed", "bf16-master"])
 def test_run_trains_like_32_true(recipe):
     check_against_baseline(_run(recipe).row(), _run("32-true").row())
 

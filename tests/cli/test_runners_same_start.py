@@ -4,12 +4,10 @@ The report of ``mpx compare`` says "same seed": the loss and accuracy deltas aga
 are meant to measure precision, not a different random starting point.  A run whose only step is
 skipped (an inf injected at step 0, skipped by every recipe) ends with its initial weights.
 
-Keras runs of recipes that store fp16/bf16 weights (``*-master``) do not start from there
-today: ``keras_ext.compare.fit_once`` builds the model under the recipe's fp16/bf16 global policy,
-so Keras' initializers draw the weights directly in the low-precision dtype (other values, and the
-FP32 output layer's draw moves too).  Those cases are strict xfails: they turn into failures (to
-remove the marker) once the runner builds the model in FP32 and lets ``apply_policy`` round it,
-as the Lightning runner does.
+Both runners draw the initial weights in FP32 for every recipe and then round them to the
+recipe's storage dtype (Lightning: the plugin casts the module; Keras: ``keras_ext.compare.fit_once``
+builds the model under the ``float32`` policy and ``apply_policy`` clones it with the recipe's
+dtypes, casting the weights), so ``*-master`` runs start from the same point as the others.
 """
 
 from __future__ import annotations
@@ -25,10 +23,6 @@ from mp_callbacks.recipes import RECIPE_NAMES, get_recipe
 KERAS_RECIPES = [r for r in RECIPE_NAMES if not get_recipe(r).master.rounds_updates]  # kahan/sr: Lightning only
 
 SPEC = RunSpec(steps=1, batch_size=8, hidden=8, depth=1, inject=(0,))
-KERAS_INIT_BUG = pytest.mark.xfail(
-    strict=True, reason="keras_ext.compare draws fp16/bf16-stored initial weights in fp16/bf16, not the FP32 draws "
-                        "rounded")
-
 
 def _same_start(got: list[np.ndarray], base: list[np.ndarray], dtypes: list) -> None:
     assert len(got) == len(base) == len(dtypes)
@@ -90,9 +84,10 @@ def keras_starts():
     return out
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(r, marks=KERAS_INIT_BUG) if get_recipe(r).policy.params != "float32"
-                                    else r for r in KERAS_RECIPES[1:]])
+@pytest.mark.parametrize("recipe", KERAS_RECIPES[1:])
 def test_keras_runs_start_from_the_32_true_weights(keras_starts, recipe):
     base, _ = keras_starts["32-true"]
     got, dtypes = keras_starts[recipe]
     _same_start(got, [b.astype(np.float32) for b in base], dtypes)
+    if get_recipe(recipe).policy.params != "float32":
+        assert any(d != np.float32 for d in dtypes)  # the hidden layer is stored in low precision
