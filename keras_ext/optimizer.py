@@ -14,7 +14,8 @@ decision comes from the core:
 * a skipped step leaves variables, optimizer slots, master weights and the
   inner optimizer's ``iterations`` untouched;
 * ``master_weights=True`` (the ``*-master`` recipes) keeps FP32 masters
-  (:class:`~keras_ext.masters.MasterWeights`);
+  (:class:`~keras_ext.masters.MasterWeights`); ``bf16-kahan``/``bf16-sr`` round
+  the update into the bf16 variables instead (:class:`~keras_ext.update_rounding.UpdateRounding`);
 * :attr:`LossScaleOptimizer.recipe` is the :class:`~mp_callbacks.Recipe` the
   optimizer implements (what the monitor reads);
 * the core's divergence rule runs inside the step
@@ -36,14 +37,15 @@ from keras import ops
 from mp_callbacks.diagnostics import OVERFLOW, StepStats
 from mp_callbacks.divergence import DivergenceRule
 from mp_callbacks.monitor import MonitorPort
-from mp_callbacks.recipes import Recipe, get_recipe
+from mp_callbacks.recipes import Recipe
 from mp_callbacks.scaler import ScalerConfig, ScalerCounters, ScalerState
 
 from .divergence import KerasDivergence
 from .keras_ops import is_tf
-from .masters import MasterWeights
-from .policy import check_supported, coerce_recipe, optimizer_recipe
+from .masters import master_optimizer  # re-exported: the optimizer a recipe asks for
+from .policy import coerce_recipe, optimizer_recipe
 from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
+from .update_rounding import UpdateRounding, weight_store
 
 __all__ = ["LossScaleOptimizer", "master_optimizer"]
 
@@ -87,6 +89,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
       divergence: when to stop a run that cannot recover
         (:class:`~mp_callbacks.divergence.DivergenceRule`, a dict of its limits;
         None: the default rule, False: never).
+      seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.rounding`).
       name: the optimizer's name.
 
     The optimizer's ``apply``/``apply_gradients`` expect gradients of the
@@ -106,6 +109,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         count_overflows: bool | None = None,
         recipe: Recipe | str | Mapping[str, Any] | None = None,
         divergence: DivergenceRule | Mapping[str, Any] | bool | None = None,
+        seed: int = 0,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -121,8 +125,9 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         given = coerce_recipe(recipe)
         if master_weights is None:
             master_weights = given.master.master_weights if given is not None else False
-        masters = MasterWeights(master_weights)
         config = scaler_config(scaler, given, initial_scale, dynamic_growth_steps)
+        recipe_obj = optimizer_recipe(given, config, master_weights)
+        masters = weight_store(recipe_obj, master_weights, seed)  # FP32 masters, or update rounding
         scaler_state = KerasLossScaler(config)
         super().__init__(inner_optimizer, initial_scale=scaler_state.current_scale,
                          dynamic_growth_steps=config.growth_interval, name=name, **kwargs)
@@ -131,7 +136,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
                                            lambda: self.monitor is not None and self.monitor.uninstall())
         self._masters = masters
         self._recipe_given = given
-        self._recipe = optimizer_recipe(given, config, master_weights)
+        self._recipe = recipe_obj
         self.count_overflows = count_overflows
         self._grads_already_unscaled = False
 
@@ -150,6 +155,11 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
     def master_weights(self) -> bool:
         """True when FP32 master copies of low-precision variables are kept."""
         return self._masters.enabled
+
+    @property
+    def update_rounding(self) -> UpdateRounding | None:
+        """The update rounding of ``bf16-kahan``/``bf16-sr`` (compensation, stream), else None."""
+        return self._masters if isinstance(self._masters, UpdateRounding) else None
 
     @property
     def loss_scaler(self) -> KerasLossScaler:
@@ -292,9 +302,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
                 for g, v in zip(grads, tvs)]
 
     def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any]) -> None:
-        """The inner optimizer's update (on the masters when master weights are kept)."""
-        if self._masters.enabled:
-            grads, tvs = self._masters.targets(grads, tvs, self._get_variable_index)
+        """The inner optimizer's update (on the masters, or the rounding's FP32 working values)."""
+        grads, tvs = self._masters.targets(grads, tvs, self._get_variable_index)
         self.inner_optimizer.apply(grads, tvs)
 
     def _step(self, found_inf: Any, loss_finite: Any, unscaled: list[Any], tvs: list[Any],
@@ -355,6 +364,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
                   "initial_scale": self.scaler_config.init_scale,
                   "dynamic_growth_steps": self.scaler_config.growth_interval}
         given = self._recipe_given
+        if given is None and self.update_rounding is not None:  # the global recipe's rounding: keep it
+            given = self._recipe
         if given is not None:
             config["recipe"] = given.to_dict()
         if self.scaler_config != scaler_config(None, given, config["initial_scale"], config["dynamic_growth_steps"]):
@@ -365,6 +376,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
             config["count_overflows"] = self.count_overflows
         if self._divergence.rule_config() is not None:
             config["divergence"] = self._divergence.rule_config()
+        if self.update_rounding is not None and self.update_rounding.seed:
+            config["seed"] = self.update_rounding.seed
         return config
 
     @classmethod
@@ -377,23 +390,3 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
     def __repr__(self) -> str:
         return (f"keras_ext.LossScaleOptimizer(inner={type(self.inner_optimizer).__name__}, "
                 f"scale={self.current_scale:g}, master_weights={self.master_weights}, recipe={self.recipe.name!r})")
-
-
-def master_optimizer(inner_optimizer: keras.optimizers.Optimizer, recipe: Recipe | str = "bf16-master", *,
-                     scaler: ScalerConfig | str | Mapping[str, Any] | None = None, **kwargs: Any) -> LossScaleOptimizer:
-    """The optimizer a recipe asks for: loss scaling per the recipe, FP32 masters for ``*-master``.
-
-    ``recipe`` is a :class:`mp_callbacks.Recipe` or a name (``"bf16-master"``,
-    ``"16-master"``, ``"16-mixed"``...); ``scaler`` overrides the recipe's
-    scaler; ``kwargs`` are :class:`LossScaleOptimizer`'s (``count_overflows``,
-    ``divergence``, ``name``).  Build the
-    model with :func:`keras_ext.set_global_policy` / :func:`keras_ext.apply_policy`
-    for the same recipe so that its variables are stored in the recipe's
-    ``param_dtype``.
-    """
-    if isinstance(recipe, str):
-        recipe = get_recipe(recipe)
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a mp_callbacks.Recipe or a recipe name, not {type(recipe).__name__}")
-    check_supported(recipe)
-    return LossScaleOptimizer(inner_optimizer, scaler, recipe=recipe, **kwargs)

@@ -36,7 +36,7 @@ import keras
 from keras import ops
 
 from mp_callbacks.policy import PolicyError, PrecisionPolicy, class_names
-from mp_callbacks.recipes import Recipe, RecipeError, get_recipe
+from mp_callbacks.recipes import Recipe, get_recipe
 from mp_callbacks.scaler import ScalerConfig
 
 __all__ = [
@@ -67,23 +67,13 @@ _RECIPE_OF_DTYPES = {
 _ACTIVATION_OPS = {"softmax": "softmax", "log_softmax": "log_softmax", "exponential": "exp", "softplus": "softplus"}
 
 
-def check_supported(recipe: Recipe) -> Recipe:
-    """``recipe`` if keras_ext trains it; recipes that round updates without FP32 masters
-    (``bf16-kahan``, ``bf16-sr``) are Lightning-only for now: a ``RecipeError`` says so."""
-    if recipe.master.rounds_updates:
-        raise RecipeError(
-            f"keras_ext does not implement recipe {recipe.name!r} yet (update rounding without FP32 masters is "
-            "Lightning-only: lightning_ext.MixedPrecision); use 'bf16-master' for FP32 masters with bf16 weights")
-    return recipe
-
-
 def resolve_policy(recipe_or_policy: Any) -> tuple[PrecisionPolicy, Recipe | None]:
     """A :class:`PrecisionPolicy` (and the recipe, when one was named) from a recipe name
     (aliases such as ``"mixed_float16"`` included), a :class:`~mp_callbacks.Recipe`, a
     :class:`PrecisionPolicy`, a policy string (``"params=float32,compute=bfloat16"``), a
     policy dict, or a ``keras.DTypePolicy``."""
     if isinstance(recipe_or_policy, Recipe):
-        return recipe_or_policy.policy, check_supported(recipe_or_policy)
+        return recipe_or_policy.policy, recipe_or_policy
     if isinstance(recipe_or_policy, PrecisionPolicy):
         return recipe_or_policy, None
     if isinstance(recipe_or_policy, keras.DTypePolicy):
@@ -92,7 +82,7 @@ def resolve_policy(recipe_or_policy: Any) -> tuple[PrecisionPolicy, Recipe | Non
     if isinstance(recipe_or_policy, str):
         if "=" in recipe_or_policy:
             return PrecisionPolicy.parse(recipe_or_policy), None
-        recipe = check_supported(get_recipe(recipe_or_policy))
+        recipe = get_recipe(recipe_or_policy)
         return recipe.policy, recipe
     if isinstance(recipe_or_policy, Mapping):
         return PrecisionPolicy.from_dict(recipe_or_policy), None
@@ -165,11 +155,11 @@ def coerce_recipe(recipe: Recipe | str | Mapping[str, Any] | None) -> Recipe | N
     if recipe is None:
         return recipe
     if isinstance(recipe, Recipe):
-        return check_supported(recipe)
+        return recipe
     if isinstance(recipe, str):
-        return check_supported(get_recipe(recipe))
+        return get_recipe(recipe)
     if isinstance(recipe, Mapping):
-        return check_supported(Recipe.from_dict(recipe))
+        return Recipe.from_dict(recipe)
     raise TypeError(f"recipe must be a mp_callbacks.Recipe, a recipe name or its dict, not {type(recipe).__name__}")
 
 
@@ -180,7 +170,8 @@ def optimizer_recipe(given: Recipe | None, scaler: ScalerConfig, master_weights:
     A master choice the base recipe does not make picks the recipe of the same compute dtype that
     does (``bf16-mixed`` + masters -> ``bf16-master``, ``16-master`` without -> ``16-mixed``);
     float32 compute + masters -> ``bf16-master`` (the variables' own storage dtypes decide which
-    get a master), float32 compute without -> ``32-true``.
+    get a master), float32 compute without -> ``32-true``.  ``bf16-kahan``/``bf16-sr`` without
+    masters stay themselves (their update rounding takes the masters' place).
     """
     base = given if given is not None else get_global_recipe()
     if base.master.master_weights != master_weights:

@@ -44,11 +44,26 @@ The random source (framework-free, bit-identical in NumPy, torch, ``keras.ops``)
     weight's position among the optimizer's parameters (param-group order);
     ``step`` the number of updates already applied (skipped steps do not
     count); ``i`` the element's row-major flat index in the weight's canonical
-    layout (an adapter whose layout differs, e.g. Keras's ``(in, out)``
-    kernels against torch's ``(out, in)`` weights, passes the indices of the
-    other layout to draw the same numbers for the same element).  The key is
-    computed once per tensor and step (Python integers, :func:`sr_key`); an
-    element costs one ``mix32``.
+    layout.  The key is computed once per tensor and step (Python integers,
+    :func:`sr_key`); an element costs one ``mix32``.
+
+The element layout (so that both adapters draw the same number for corresponding elements)
+    The canonical layout of a weight is torch's: ``(out, in, *spatial)`` for
+    dense and convolution weights, the stored shape for every other tensor.
+    Keras stores kernels as ``(*spatial, in, out)`` (``Dense``: ``(in, out)``;
+    ``Conv2D``: ``(kh, kw, in, out)``; ``Conv2DTranspose``'s ``(kh, kw, out,
+    in)`` is torch's ``(in, out, kh, kw)`` the same way): the Keras adapter
+    indexes a variable named ``kernel`` with two or more dimensions through
+    :func:`keras_kernel_to_canonical` (``transpose(kernel, perm)`` is the
+    torch weight); biases, normalization scales and embeddings (``(vocab,
+    dim)`` in both) are canonical as stored.  :func:`index_strides` gives, per
+    axis of the stored array, the step of the canonical index along it, so
+    that an adapter builds the index array by broadcasting ``arange``s
+    (:func:`layout_index` is the NumPy reference).  The tensor index is the
+    position in the list of parameters the optimizer updates, FP32 ones
+    included (torch: param-group order; Keras: the optimizer's variable list,
+    i.e. ``model.trainable_variables``): models declared layer by layer in the
+    same order (weight, then bias) agree.
 
 Every rule is written once over :class:`RoundingOps` (elementwise arrays)
 and evaluated by :class:`NumpyRoundingOps` (the reference), by the torch
@@ -198,6 +213,43 @@ def sr_thresholds(key: Any, index: Any, ops: Any) -> Any:
     before it (three elementwise operations fewer, the same numbers).
     """
     return ops.shr(_mix32_head(ops.xor(ops.u32(key), index), ops), 16)
+
+
+def keras_kernel_to_canonical(ndim: int) -> tuple[int, ...]:
+    """The permutation ``perm`` with ``transpose(keras_kernel, perm)`` = torch's weight: ``(*spatial, in, out)``
+    -> ``(out, in, *spatial)``, i.e. ``(ndim - 1, ndim - 2, 0, ..., ndim - 3)`` (the identity below 2 dimensions)."""
+    if ndim < 2:
+        return tuple(range(ndim))
+    return (ndim - 1, ndim - 2, *range(ndim - 2))
+
+
+def index_strides(shape: Any, to_canonical: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+    """Per axis of a stored array of ``shape``, the step of the canonical row-major flat index along it.
+
+    The canonical array is ``transpose(stored, to_canonical)`` (None: the stored layout is canonical); the
+    canonical index of stored element ``e`` is ``sum(e[a] * strides[a])``.
+    """
+    shape = tuple(int(n) for n in shape)
+    perm = tuple(range(len(shape))) if to_canonical is None else tuple(int(a) for a in to_canonical)
+    if sorted(perm) != list(range(len(shape))):
+        raise ValueError(f"to_canonical={to_canonical!r} is not a permutation of the {len(shape)} axes of {shape}")
+    canonical = [shape[a] for a in perm]
+    strides = [0] * len(shape)
+    step = 1
+    for k in reversed(range(len(perm))):
+        strides[perm[k]] = step
+        step *= canonical[k]
+    return tuple(strides)
+
+
+def layout_index(shape: Any, to_canonical: Optional[tuple[int, ...]] = None) -> np.ndarray:
+    """NumPy reference: the u32 canonical flat indices of a stored array of ``shape`` (:func:`index_strides`)."""
+    shape = tuple(int(n) for n in shape)
+    index = np.zeros(shape, dtype=np.uint64)
+    for axis, (n, stride) in enumerate(zip(shape, index_strides(shape, to_canonical))):
+        index = index + (np.arange(n, dtype=np.uint64) * np.uint64(stride)).reshape(
+            [1] * axis + [n] + [1] * (len(shape) - axis - 1))
+    return (index & np.uint64(MASK32)).astype(np.uint32)
 
 
 BF16_NAN_BITS = 0x7FC00000

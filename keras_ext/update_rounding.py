@@ -1,0 +1,380 @@
+"""``bf16-kahan`` and ``bf16-sr`` in Keras: the user's optimizer, bf16 variables, no FP32 masters.
+
+The twin of :mod:`lightning_ext.update_rounding`.  The core's rules
+(:mod:`mp_callbacks.rounding`) decide how an update is written into a bf16
+variable; :class:`UpdateRounding` takes the place of
+:class:`~keras_ext.masters.MasterWeights` inside :class:`keras_ext.LossScaleOptimizer`
+so that the wrapped optimizer (AdamW, SGD with momentum, any Keras optimizer
+whose ``update_step`` writes through ``self.assign*``) computes each update in
+FP32 with FP32 slots:
+
+* the inner optimizer is built on a *working variable* per bf16 variable
+  (:class:`WorkingVariable`: shape, name and path of the variable, dtype
+  ``float32``, no storage of its own), so its slots are FP32 (``state_dtype``
+  ``bfloat16``: bf16 slots, Keras' own arithmetic on them);
+* each applied step gives every working variable an FP32 value for the
+  duration of the step (``f32(w) + f32(c)`` under Kahan, ``f32(w)`` under SR),
+  the inner optimizer's ordinary ``apply`` (weight decay, clipping, its
+  ``update_step``, ``iterations``) updates it, and the rule writes the result
+  back (:func:`~mp_callbacks.rounding.kahan_apply` /
+  :func:`~mp_callbacks.rounding.stochastic_round`); the value is dropped;
+* persistent state: a compensation buffer per bf16 variable under Kahan (in the
+  variable's dtype), the stream's ``seed`` and update ``counter``: variables of
+  the optimizer, so ``model.save`` / ``save_weights`` / ``load_model`` carry them;
+* a step therefore holds the core estimate (bf16 weights and gradients,
+  compensation, slots: :func:`mp_callbacks.master.estimate_memory`) in variables,
+  plus the step's FP32 temporaries inside the traced function;
+* stochastic rounding draws the core's counter-based stream: the tensor index
+  is the variable's position in the optimizer's variable list, the element
+  index the canonical (torch) layout's (kernels through
+  :func:`~mp_callbacks.rounding.keras_kernel_to_canonical`), so Lightning and
+  Keras draw the same number for corresponding elements.
+
+The optimizer calls :meth:`UpdateRounding.write_back` only on applied steps
+(inside its ``ops.cond``): a skipped step leaves weights, compensation,
+counter, slots and ``iterations`` as they were.  Works in ``tf.function``,
+under XLA and on Keras' torch backend; one replica only (a ``tf.distribute``
+strategy with several replicas is refused at build).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import keras
+from keras import ops
+
+from mp_callbacks.master import MasterPlan
+from mp_callbacks.recipes import Recipe
+from mp_callbacks.rounding import (
+    MASK32,
+    compensated_value,
+    index_strides,
+    initial_compensation,
+    kahan_apply,
+    keras_kernel_to_canonical,
+    round_with_thresholds,
+    sr_key,
+    sr_thresholds,
+)
+
+from .keras_ops import dtype_name, is_tf
+from .masters import LOW_PRECISION, MasterWeights, _label
+
+__all__ = ["KERAS_ROUNDING_OPS", "KerasRoundingOps", "UpdateRounding", "WorkingVariable", "element_index",
+           "weight_store"]
+
+KERNEL_NAMES = ("kernel",)
+"""Keras variable names stored as ``(*spatial, in, out)`` (indexed through the torch layout)."""
+
+
+def _s32(value: int) -> int:
+    value = int(value) & MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+class KerasRoundingOps:
+    """:class:`mp_callbacks.rounding.RoundingOps` over ``keras.ops`` (any backend, traced or eager).
+
+    u32 values live in int32 tensors (the same bits: multiplication and addition wrap modulo ``2**32``;
+    ``shr`` masks the sign extension of the arithmetic shift); bf16 arithmetic is the backend's (computed
+    in float32, rounded once to nearest even: TensorFlow, XLA and torch alike)."""
+
+    def to_f32(self, a: Any) -> Any:
+        return ops.cast(a, "float32")
+
+    def to_like(self, x: Any, like: Any) -> Any:
+        return ops.cast(x, dtype_name(like))
+
+    def add(self, a: Any, b: Any) -> Any:
+        return ops.add(a, b)
+
+    def sub(self, a: Any, b: Any) -> Any:
+        return ops.subtract(a, b)
+
+    def isnan(self, a: Any) -> Any:
+        return ops.isnan(a)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return ops.where(cond, a, b)
+
+    def u32(self, value: Any) -> Any:
+        if isinstance(value, int):
+            return ops.convert_to_tensor(_s32(value), dtype="int32")
+        value = ops.convert_to_tensor(value)
+        return value if dtype_name(value) == "int32" else ops.cast(value, "int32")
+
+    def index(self, like: Any) -> Any:
+        return element_index(tuple(like.shape))
+
+    def xor(self, a: Any, b: Any) -> Any:
+        return ops.bitwise_xor(self.u32(a), self.u32(b))
+
+    def shr(self, a: Any, k: int) -> Any:
+        return ops.bitwise_and(ops.right_shift(self.u32(a), k), (1 << (32 - k)) - 1)
+
+    def mul(self, a: Any, k: int) -> Any:
+        return ops.multiply(self.u32(a), self.u32(k))
+
+    def add_u32(self, a: Any, b: Any) -> Any:
+        return ops.add(self.u32(a), self.u32(b))
+
+    def f32_bits(self, x: Any) -> Any:
+        return ops.view(ops.cast(x, "float32"), "int32")
+
+    def bf16_from_bits(self, bits: Any) -> Any:
+        # arithmetic shift then int16: the upper 16 bits, exactly
+        return ops.view(ops.cast(ops.right_shift(self.u32(bits), 16), "int16"), "bfloat16")
+
+
+KERAS_ROUNDING_OPS = KerasRoundingOps()
+
+
+def element_index(shape: Sequence[int], to_canonical: Optional[tuple[int, ...]] = None) -> Any:
+    """int32 (u32 bits) canonical flat indices of a stored array of ``shape`` (broadcast ``arange``s with
+    :func:`~mp_callbacks.rounding.index_strides`; equals :func:`~mp_callbacks.rounding.layout_index`)."""
+    shape = tuple(int(n) for n in shape)
+    index = ops.zeros(shape, dtype="int32")
+    for axis, (n, stride) in enumerate(zip(shape, index_strides(shape, to_canonical))):
+        step = ops.multiply(ops.arange(n, dtype="int32"), ops.convert_to_tensor(_s32(stride), dtype="int32"))
+        index = ops.add(index, ops.reshape(step, [1] * axis + [n] + [1] * (len(shape) - axis - 1)))
+    return index
+
+
+def canonical_perm(variable: Any) -> Optional[tuple[int, ...]]:
+    """The permutation to the canonical layout: a Keras kernel's (:data:`KERNEL_NAMES`, 2+ dims), else None."""
+    name = str(getattr(variable, "name", "")).split("/")[-1].split(":")[0]
+    ndim = len(variable.shape)
+    return keras_kernel_to_canonical(ndim) if name in KERNEL_NAMES and ndim >= 2 else None
+
+
+class WorkingVariable:
+    """What the inner optimizer updates in place of a bf16 variable: an FP32 value during a step.
+
+    It is built on (slots are created from its shape, name, path and dtype) and keyed like a variable;
+    :attr:`value` holds the step's FP32 tensor, which the optimizer's ``assign``/``assign_add``/
+    ``assign_sub`` (and weight decay's arithmetic) replace.  No storage between steps.
+    """
+
+    _count = 0
+
+    def __init__(self, variable: Any, dtype: str = "float32") -> None:
+        WorkingVariable._count += 1
+        self.shape = tuple(variable.shape)
+        self.name = getattr(variable, "name", "var")
+        self.path = getattr(variable, "path", None) or self.name
+        self.dtype = dtype
+        self.trainable = True
+        self.constraint = None
+        self.overwrite_with_gradient = False
+        self._layout = None
+        self._unique_id = f"keras_ext_working_{WorkingVariable._count}"  # TensorFlow's optimizer key
+        self.value: Any = None
+
+    def assign(self, value: Any) -> "WorkingVariable":
+        self.value = ops.cast(value, "float32")
+        return self
+
+    def assign_add(self, value: Any) -> "WorkingVariable":
+        return self.assign(ops.add(self.value, ops.cast(value, "float32")))
+
+    def assign_sub(self, value: Any) -> "WorkingVariable":
+        return self.assign(ops.subtract(self.value, ops.cast(value, "float32")))
+
+    def numpy(self) -> Any:
+        return ops.convert_to_numpy(self.value)
+
+    def __mul__(self, other: Any) -> Any:
+        return ops.multiply(self.value, other)
+
+    __rmul__ = __mul__
+
+    def __add__(self, other: Any) -> Any:
+        return ops.add(self.value, other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> Any:
+        return ops.subtract(self.value, other)
+
+    def __rsub__(self, other: Any) -> Any:
+        return ops.subtract(other, self.value)
+
+    def __truediv__(self, other: Any) -> Any:
+        return ops.divide(self.value, other)
+
+    def __neg__(self) -> Any:
+        return ops.negative(self.value)
+
+    def __repr__(self) -> str:
+        return f"<WorkingVariable path={self.path!r} shape={self.shape} dtype={self.dtype}>"
+
+
+def _register_tf_conversion() -> None:
+    """TensorFlow: a :class:`WorkingVariable` converts to its value (``ops.*`` accept it, as a variable)."""
+    import tensorflow as tf
+
+    def convert(value: WorkingVariable, dtype: Any = None, name: Any = None, as_ref: bool = False) -> Any:
+        return tf.convert_to_tensor(value.value, dtype=dtype, name=name)
+
+    tf.register_tensor_conversion_function(WorkingVariable, convert)
+
+
+if is_tf():
+    _register_tf_conversion()
+
+
+class UpdateRounding:
+    """Kahan-compensated or stochastically rounded updates of bf16 variables, around the inner optimizer.
+
+    The same interface as :class:`~keras_ext.masters.MasterWeights` (``build``, ``targets``,
+    ``write_back``, ``variables``, ``enabled``: False, there are no masters), which
+    :class:`keras_ext.LossScaleOptimizer` drives.
+
+    Args:
+      plan: the recipe's :class:`~mp_callbacks.master.MasterPlan` (``update_rounding`` ``kahan`` or
+        ``stochastic``; ``state_dtype``).
+      seed: the stochastic-rounding seed (an integer >= 0, used mod ``2**32``); a checkpoint's wins.
+    """
+
+    enabled = False  # no FP32 masters
+
+    def __init__(self, plan: MasterPlan, seed: int = 0) -> None:
+        if not plan.rounds_updates:
+            raise ValueError(f"UpdateRounding needs update_rounding 'kahan' or 'stochastic', "
+                             f"not {plan.update_rounding!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"stochastic rounding seed={seed!r} must be an integer >= 0")
+        self.plan, self.mode, self.seed = plan, plan.update_rounding, seed
+        self._working: list[Optional[WorkingVariable]] = []
+        self._comp: list[Any] = []
+        self._counter: Any = None
+        self._seed: Any = None
+
+    @property
+    def kahan(self) -> bool:
+        """True under Kahan compensation (else stochastic rounding)."""
+        return self.mode == "kahan"
+
+    @property
+    def variables(self) -> list[Any]:
+        """No masters: ``None`` for every variable (each is its own master)."""
+        return [None] * len(self._working)
+
+    @property
+    def compensation_variables(self) -> list[Any]:
+        """The compensation buffers, aligned with the optimizer's variables (None: not rounded, or SR)."""
+        return list(self._comp)
+
+    @property
+    def working_variables(self) -> list[Optional[WorkingVariable]]:
+        """What the inner optimizer updates in place of each variable (None: the variable itself)."""
+        return list(self._working)
+
+    @property
+    def counter(self) -> int:
+        """Updates applied so far (the stream's step; one host read)."""
+        return int(ops.convert_to_numpy(self._counter))
+
+    @property
+    def stream_seed(self) -> int:
+        """The stream's seed (after a checkpoint load: the checkpoint's; one host read)."""
+        return int(ops.convert_to_numpy(self._seed))
+
+    # -------------------------------------------------------------- build
+    def build(self, optimizer: keras.optimizers.Optimizer, var_list: Sequence[Any]) -> list[Any]:
+        """Create the compensation buffers, the stream's variables and the working variables on ``optimizer``;
+        return what the inner optimizer is built on (the working variable, or the FP32 variable itself)."""
+        if is_tf():
+            import tensorflow as tf
+
+            if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+                raise NotImplementedError(f"recipe update rounding {self.mode!r} runs on one replica only (no "
+                                          "tf.distribute strategy with several replicas yet); use 'bf16-master'")
+        self._seed = optimizer.add_variable(shape=(), dtype="int64", name="rounding_seed", aggregation="none",
+                                            initializer=keras.initializers.Constant(self.seed & MASK32))
+        self._counter = optimizer.add_variable(shape=(), dtype="int64", name="rounding_counter",
+                                               aggregation="none", initializer="zeros")
+        self._working, self._comp = [], []
+        for v in var_list:
+            dtype = dtype_name(v)
+            if dtype not in LOW_PRECISION:
+                self._working.append(None)
+                self._comp.append(None)
+                continue
+            if not self.kahan and dtype != "bfloat16":
+                raise ValueError(f"stochastic rounding writes bfloat16; variable {_label(v)!r} is {dtype}")
+            working = WorkingVariable(v, dtype=self.plan.state_dtype)  # the slots are built in the state dtype
+            working.value = v  # until the first step: what TensorFlow colocates the slots with
+            self._working.append(working)
+            self._comp.append(optimizer.add_variable(shape=v.shape, dtype=dtype, initializer="zeros",
+                                                     aggregation="none", name=f"{_label(v)}_compensation")
+                              if self.kahan else None)
+        targets = [v if w is None else w for v, w in zip(var_list, self._working)]
+        return targets
+
+    def start_from(self, variable: Any, fp32_value: Any, index: Callable[[Any], int]) -> None:
+        """``variable`` = the bf16 rounding of ``fp32_value``; under Kahan its compensation starts with the
+        rounding error (``low(x - f32(w))``), as Lightning's plugin does for the model's FP32 values."""
+        x = ops.cast(ops.convert_to_tensor(fp32_value), "float32")
+        variable.assign(ops.cast(x, variable.dtype))
+        comp = self._comp[index(variable)] if self._comp else None
+        if comp is not None:
+            comp.assign(initial_compensation(x, variable.value, KERAS_ROUNDING_OPS))
+
+    # --------------------------------------------------------------- step
+    def targets(self, grads: Sequence[Any], tvs: Sequence[Any],
+                index: Callable[[Any], int]) -> tuple[list[Any], list[Any]]:
+        """``(grads, targets)`` for the inner optimizer: each rounded variable's working variable, holding
+        ``f32(w) + f32(c)`` (Kahan) or ``f32(w)`` (SR) for this step, with its gradient in FP32."""
+        out_grads, out_targets = [], []
+        for g, v in zip(grads, tvs):
+            i = index(v)
+            w = self._working[i]
+            if w is None:
+                out_grads.append(g)
+                out_targets.append(v)
+                continue
+            comp = self._comp[i]
+            w.dtype = "float32"  # built in the state dtype (the slots'); computes in FP32
+            if g is None:  # not updated (the inner optimizer skips it): nothing to write back
+                w.value = None
+            else:
+                w.value = (compensated_value(v.value, comp.value, KERAS_ROUNDING_OPS) if comp is not None
+                           else ops.cast(v.value, "float32"))
+                g = ops.cast(g, "float32")
+            out_grads.append(g)
+            out_targets.append(w)
+        return out_grads, out_targets
+
+    def write_back(self, tvs: Sequence[Any], index: Callable[[Any], int]) -> None:
+        """The rule: ``w, c <- kahan_apply(w, c, t)`` or ``w <- stochastic_round(t)`` for every rounded
+        variable the inner optimizer updated; then the stream's counter advances."""
+        ops_ = KERAS_ROUNDING_OPS
+        step = None
+        for v in tvs:
+            i = index(v)
+            w = self._working[i]
+            if w is None or w.value is None:
+                continue
+            t_new, w.value = w.value, None
+            comp = self._comp[i]
+            if comp is not None:
+                new, c = kahan_apply(v.value, comp.value, t_new, ops_)
+                comp.assign(c)
+            else:
+                if step is None:
+                    step = ops.cast(self._counter.value, "int32"), ops.cast(self._seed.value, "int32")
+                key = sr_key(step[1], i, step[0], ops_)
+                thresholds = sr_thresholds(key, element_index(v.shape, canonical_perm(v)), ops_)
+                new = round_with_thresholds(t_new, thresholds, ops_)
+            v.assign(new)
+        self._counter.assign_add(ops.convert_to_tensor(1, dtype="int64"))
+
+
+def weight_store(recipe: Optional[Recipe], master_weights: bool, seed: int = 0) -> Any:
+    """What keeps the optimizer's weights right: :class:`UpdateRounding` for a ``bf16-kahan``/``bf16-sr``
+    recipe without ``master_weights``, else :class:`~keras_ext.masters.MasterWeights`."""
+    if recipe is not None and recipe.master.rounds_updates and not master_weights:
+        return UpdateRounding(recipe.master, seed)
+    return MasterWeights(master_weights)
