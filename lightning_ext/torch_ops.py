@@ -4,6 +4,12 @@
 training device: every value is a 0-d tensor (float32 scale, int32 trackers and
 counters, boolean predicates) and no method reads a value back to the host, so
 one scaler transition costs a handful of tiny kernels and no synchronisation.
+
+It also provides the five vector ops of :class:`mp_callbacks.fp8.FP8ArrayOps`
+(``divide``, ``reduce_max``, ``roll_left``, ``set_first``, ``zeros``), so the
+FP8 scaling transition (:func:`mp_callbacks.fp8.next_fp8_state`) runs on the
+device too, for one tensor's state or for a batch of them (leading axes on
+every field; a condition with fewer axes selects along the leading ones).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ class TorchOps:
         if isinstance(value, torch.Tensor):
             if value.dtype == dtype and value.dim() == 0 and value.device == self.device:
                 return value
-            return value.to(device=self.device, dtype=dtype).reshape(())
+            value = value.to(device=self.device, dtype=dtype)
+            return value.reshape(()) if value.numel() == 1 else value  # a batch (FP8 states) keeps its shape
         key = (dtype, type(value), repr(value))  # repr keeps -0.0 apart from 0.0
         constant = self._constants.get(key)
         if constant is None:
@@ -72,9 +79,17 @@ class TorchOps:
 
     # -- arithmetic and selection ---------------------------------------------------
     def where(self, cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a`` where ``cond`` else ``b``, in ``a``'s dtype."""
+        """``a`` where ``cond`` else ``b``, in ``a``'s dtype.
+
+        A condition with fewer axes than ``a`` (batched FP8 states) selects along ``a``'s leading axes.
+        """
         if not isinstance(a, torch.Tensor):
             a = torch.as_tensor(a, device=self.device)
+        if isinstance(cond, torch.Tensor) and 0 < cond.dim():
+            cond = cond.to(device=self.device, dtype=torch.bool)
+            if cond.dim() < a.dim():
+                cond = cond.reshape(cond.shape + (1,) * (a.dim() - cond.dim()))
+            return torch.where(cond, a, self._like(b, a))
         return torch.where(self.boolean(cond), a, self._like(b, a))
 
     def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -121,3 +136,27 @@ class TorchOps:
     def not_equal(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a != b``."""
         return torch.not_equal(a, b)
+
+    # -- the FP8 vector ops (mp_callbacks.fp8.FP8ArrayOps) -----------------------------
+    def divide(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a / b`` in ``a``'s dtype (IEEE: ``x / 0`` is inf, ``0 / 0`` NaN, overflow inf)."""
+        return torch.div(a, self._like(b, a))
+
+    def reduce_max(self, v: torch.Tensor) -> torch.Tensor:
+        """The largest element along the last axis."""
+        return torch.amax(v, dim=-1)
+
+    def roll_left(self, v: torch.Tensor) -> torch.Tensor:
+        """``[v1, ..., v(n-1), v0]`` along the last axis."""
+        return torch.roll(v, -1, dims=-1)
+
+    def set_first(self, v: torch.Tensor, value: Any) -> torch.Tensor:
+        """A new tensor: ``v`` with element 0 of its last axis replaced by ``value`` (no in-place write)."""
+        first = self._like(value, v)
+        first = first.expand(v.shape[:-1]).unsqueeze(-1) if first.dim() == 0 else first.reshape(
+            v.shape[:-1] + (1,))
+        return torch.cat([first, v[..., 1:]], dim=-1)
+
+    def zeros(self, length: int) -> torch.Tensor:
+        """A float32 vector of ``length`` zeros on this device."""
+        return torch.zeros(int(length), dtype=torch.float32, device=self.device)

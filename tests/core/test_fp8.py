@@ -513,28 +513,10 @@ def test_select_fp8_state_keeps_the_scaling_and_advances_the_counters():
 
 
 def _keras_ops_with_fp8():
-    """KerasOps plus the five FP8 ops: what keras_ext/keras_ops.py needs to add."""
-    from keras import ops
+    """keras_ext's KerasOps, which implements the five FP8 ops (tests/keras/test_fp8_ops.py tests them one by one)."""
+    from keras_ext.keras_ops import KERAS_OPS
 
-    from keras_ext.keras_ops import KerasOps
-
-    class KerasFP8Ops(KerasOps):
-        def divide(self, a, b):
-            return ops.divide(a, b)
-
-        def reduce_max(self, v):
-            return ops.max(v, axis=-1)
-
-        def roll_left(self, v):
-            return ops.roll(v, shift=-1, axis=-1)
-
-        def set_first(self, v, value):
-            return ops.concatenate([ops.reshape(ops.cast(value, v.dtype), (1,)), v[1:]], axis=0)
-
-        def zeros(self, length):
-            return ops.zeros((int(length),), dtype="float32")
-
-    return KerasFP8Ops()
+    return KERAS_OPS
 
 
 def _keras_tf():
@@ -649,28 +631,10 @@ def _torch_ops_module():
 
 
 def test_transition_runs_with_torch_tensors():
-    """The five FP8 ops over torch tensors (what lightning_ext/torch_ops.py needs to add) give the
-    NumPy reference's states bit for bit."""
+    """lightning_ext's TorchOps (the five FP8 ops over torch tensors) gives the NumPy reference's
+    states bit for bit (tests/lightning/test_fp8_ops.py tests the ops one by one and batched)."""
     torch = pytest.importorskip("torch")
-    TorchOps = _torch_ops_module().TorchOps
-
-    class TorchFP8Ops(TorchOps):
-        def divide(self, a, b):
-            return torch.div(a, self._like(b, a))
-
-        def reduce_max(self, v):
-            return torch.amax(v, dim=-1)
-
-        def roll_left(self, v):
-            return torch.roll(v, -1, dims=-1)
-
-        def set_first(self, v, value):
-            return torch.cat([self._like(value, v).reshape(1), v[1:]])
-
-        def zeros(self, length):
-            return torch.zeros(int(length), dtype=torch.float32, device=self.device)
-
-    ops = TorchFP8Ops("cpu")
+    ops = _torch_ops_module().TorchOps("cpu")
     assert isinstance(ops, FP8ArrayOps)
     amaxes = amax_sequences(500, 3, 120)
     for name in FP8_PRESETS:
