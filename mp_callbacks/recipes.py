@@ -9,6 +9,7 @@
 | ``bf16-master`` | bf16   | bf16          | fp32 in optim. | off (opt-in)  |
 | ``bf16-kahan``  | bf16   | bf16          | - (bf16 compensation buffer) | off (opt-in) |
 | ``bf16-sr``     | bf16   | bf16          | - (stochastic rounding, seeded) | off (opt-in) |
+| ``fp8-mixed``   | bf16   | bf16; FP8 matmuls (e4m3 fwd, e5m2 bwd) | fp32 in optim. | off; FP8 per-tensor scaling |
 
 Optimizer states are FP32 in every recipe (``bf16-kahan`` and ``bf16-sr``
 offer bf16 states: ``get_recipe(name, state_dtype="bfloat16")``; the update
@@ -21,6 +22,11 @@ Resuming under another recipe (:func:`plan_resume`) is opt-in: weights come
 from the checkpoint's FP32 values (the masters under ``*-master``), masters
 carry over between ``*-master`` recipes, optimizer state and schedules carry
 over, and the scaler restarts from its config.
+
+``fp8-mixed`` is ``bf16-master`` whose linear/dense matmuls (attention
+projections included) run on FP8 inputs with per-tensor scales
+(:mod:`mp_callbacks.fp8_recipe`; knobs: ``get_recipe("fp8-mixed", fp8={...})``,
+an :class:`~mp_callbacks.fp8_recipe.FP8Recipe`).
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .dtypes import canonical_dtype
+from .fp8_recipe import FP8Recipe
 from .master import MasterPlan
 from .policy import PrecisionPolicy
 from .scaler import ScalerConfig, StateDictError
 
-RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master", "bf16-kahan", "bf16-sr")
+RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master", "bf16-kahan", "bf16-sr",
+                "fp8-mixed")
 """The recipe names, baseline first."""
 
 RECIPE_ALIASES = {
@@ -46,7 +54,9 @@ RECIPE_ALIASES = {
 _DID_YOU_MEAN = {
     "16": "16-mixed", "fp16": "16-mixed", "float16": "16-master", "half": "16-mixed", "16-true": "16-master",
     "bf16": "bf16-mixed", "bfloat16": "bf16-master", "bf16-true": "bf16-master", "32": "32-true",
-    "fp32": "32-true", "64": "32-true", "64-true": "32-true", "fp8": None, "8": None, "fp8-mixed": None,
+    "fp32": "32-true", "64": "32-true", "64-true": "32-true", "fp8": "fp8-mixed", "8": "fp8-mixed",
+    "fp8-master": "fp8-mixed", "fp8-true": "fp8-mixed", "8-mixed": "fp8-mixed", "float8": "fp8-mixed",
+    "e4m3": "fp8-mixed", "float8_e4m3fn": "fp8-mixed", "fp8-hybrid": "fp8-mixed",
     "kahan": "bf16-kahan", "16-kahan": "bf16-kahan", "sr": "bf16-sr", "stochastic": "bf16-sr",
     "bf16-stochastic": "bf16-sr", "16-sr": "bf16-sr",
 }
@@ -71,6 +81,9 @@ class Recipe:
     all-reduce, FSDP's reduce-scatter); ``float32`` (default), ``bfloat16``
     or ``float16``.  Under loss scaling the overflow check runs on the
     reduced gradients, so an overflow of the reduction itself skips the step.
+
+    ``fp8``: the FP8 matmul settings of ``fp8-mixed``
+    (:class:`~mp_callbacks.fp8_recipe.FP8Recipe`); None for every other recipe.
     """
 
     name: str
@@ -78,6 +91,7 @@ class Recipe:
     scaler: ScalerConfig
     master: MasterPlan
     comm_dtype: str = "float32"
+    fp8: FP8Recipe | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -111,6 +125,15 @@ class Recipe:
         except ValueError as exc:
             raise RecipeError(f"recipe {self.name!r}: {exc}") from None
 
+    def with_fp8(self, fp8: FP8Recipe | str | Mapping[str, Any] | None) -> "Recipe":
+        """A copy with other FP8 settings (``fp8-mixed`` only; a preset name or a dict of
+        :class:`~mp_callbacks.fp8_recipe.FP8Recipe` settings); None keeps them."""
+        if fp8 is None:
+            return self
+        if self.fp8 is None:
+            raise RecipeError(f"recipe {self.name!r} has no FP8 matmuls; fp8 settings need recipe 'fp8-mixed'")
+        return replace(self, fp8=FP8Recipe.coerce(fp8))
+
     def with_comm_dtype(self, comm_dtype: str | None) -> "Recipe":
         """A copy reducing gradients across ranks in ``comm_dtype`` (:data:`COMM_DTYPES`); None keeps it."""
         return self if comm_dtype is None else replace(self, comm_dtype=comm_dtype)
@@ -138,9 +161,12 @@ class Recipe:
         return replace(self, policy=policy)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: name, policy, scaler config, master plan and communication dtype."""
-        return {"name": self.name, "policy": self.policy.to_dict(), "scaler": self.scaler.to_dict(),
+        """Plain data: name, policy, scaler config, master plan, communication dtype (and ``fp8`` settings)."""
+        data = {"name": self.name, "policy": self.policy.to_dict(), "scaler": self.scaler.to_dict(),
                 "master": self.master.to_dict(), "comm_dtype": self.comm_dtype}
+        if self.fp8 is not None:
+            data["fp8"] = self.fp8.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Recipe":
@@ -149,7 +175,8 @@ class Recipe:
                    policy=PrecisionPolicy.from_dict(data["policy"]),
                    scaler=ScalerConfig.from_dict(data["scaler"]),
                    master=MasterPlan.from_dict(data["master"]),
-                   comm_dtype=data.get("comm_dtype", "float32"))
+                   comm_dtype=data.get("comm_dtype", "float32"),
+                   fp8=FP8Recipe.from_dict(data["fp8"]) if data.get("fp8") is not None else None)
 
 
 def canonical_recipe_name(name: Any) -> str:
@@ -171,10 +198,19 @@ def canonical_recipe_name(name: Any) -> str:
 
 
 def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype: str | None = None,
-               comm_dtype: str | None = None) -> Recipe:
+               comm_dtype: str | None = None, fp8: Any = None) -> Recipe:
     """The named recipe, optionally with another scaler config/preset, policy, (``bf16-kahan``,
-    ``bf16-sr``) optimizer-state dtype or communication dtype (:attr:`Recipe.comm_dtype`)."""
+    ``bf16-sr``) optimizer-state dtype, communication dtype (:attr:`Recipe.comm_dtype`) or
+    (``fp8-mixed``) FP8 settings (:class:`~mp_callbacks.fp8_recipe.FP8Recipe`)."""
     name = canonical_recipe_name(name)
+    if name == "fp8-mixed":  # bf16-master + FP8 matmuls; per-tensor FP8 scaling instead of loss scaling
+        recipe = Recipe(name, PrecisionPolicy(params="bfloat16", compute="bfloat16", output="float32"),
+                        ScalerConfig(enabled=False), MasterPlan(param_dtype="bfloat16", master_weights=True),
+                        fp8=FP8Recipe())
+        return recipe.with_scaler(scaler).with_policy(policy).with_state_dtype(state_dtype) \
+            .with_comm_dtype(comm_dtype).with_fp8(fp8)
+    if fp8 is not None:
+        raise RecipeError(f"recipe {name!r} has no FP8 matmuls; fp8 settings need recipe 'fp8-mixed'")
     prefix, suffix = name.split("-")
     low = {"16": "float16", "bf16": "bfloat16"}.get(prefix)
     if low is None:

@@ -18,7 +18,7 @@ from mp_callbacks.scaler import FLOAT32_TINY, state_to_dict
 
 def test_bad_recipe_names_list_the_valid_ones():
     with pytest.raises(RecipeError, match="valid recipes: 32-true, 16-mixed, bf16-mixed, 16-master, bf16-master"):
-        MixedPrecision("fp8-mixed")
+        MixedPrecision("int8-mixed")
     with pytest.raises(RecipeError, match="did you mean 'bf16-master'.*Trainer\\(precision='bf16-true'\\)"):
         MixedPrecision("bf16-true")
     # Lightning's own plugin refuses "16"; so do we, naming the recipe meant. No suggestion is a fake recipe.
