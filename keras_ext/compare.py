@@ -15,9 +15,11 @@ an injected ``inf`` weight overflows the step exactly as in the Lightning runner
 What is measured:
 
 * step time: wall time from ``on_train_batch_begin`` to ``on_train_batch_end``
-  (after the step's loss is on the host), the first 10% of the steps excluded
-  (tracing / warm-up), median reported; samples/s from the mean;
-* peak RSS above the process baseline (:class:`mp_callbacks.compare.PeakRSS`);
+  (after the step's loss is on the host), summarised by
+  :func:`mp_callbacks.compare.step_timing` (warm-up left out, median of timed
+  windows with their min and max); samples/s from the median;
+* peak anonymous resident memory above the run's start
+  (:class:`mp_callbacks.compare.PeakRSS`; ``mpx compare`` gives each run a process of its own);
 * bytes/param actually held after training: model variables, FP32 masters,
   the inner optimizer's per-parameter slots (scalars such as ``iterations``
   excluded) and one gradient per trainable variable at the variable's dtype.
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import statistics
 import time
 import warnings
 from typing import Any, Callable, Iterator
@@ -47,7 +48,7 @@ import numpy as np
 from keras import ops
 
 from mp_callbacks.compare import (
-    PeakRSS, RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for,
+    PeakRSS, RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields,
 )
 from mp_callbacks.diagnostics import History, StepStats
 from mp_callbacks.master import estimate_memory, is_optimizer_state
@@ -260,13 +261,11 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     storage = [(int(np.prod(v.shape)), keras.backend.standardize_dtype(v.dtype)) for v in trainables]
     name = get_recipe(recipe).name
     estimate = estimate_memory(get_recipe(name).master, "adamw", storage, fp32_master_grads=True)
-    timed = recorder.timed()
     losses = [s.loss for s in recorder.history if s.loss is not None and np.isfinite(s.loss)]
     tail = losses[-10:] or [float("nan")]
     return RunResult(
         framework="keras", recipe=name, params=n_params,
-        samples_per_s=spec.batch_size / statistics.median(timed),
-        step_time_ms=1000 * statistics.median(timed), peak_rss_mb=rss.peak_mb,
+        **timing_fields(recorder.times, spec.batch_size), peak_rss_mb=rss.peak_mb,
         state_bytes_per_param=state_bytes(model, opt) / n_params,
         estimate_bytes_per_param=estimate.bytes_per_param,
         final_loss=float(np.mean(tail)), accuracy=accuracy,

@@ -9,7 +9,6 @@ injected ``inf`` weight overflows the step exactly as in the Keras runner.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any, Callable, Sequence
 
@@ -21,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mp_callbacks.compare import (
-    PeakRSS, RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for,
+    PeakRSS, RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields,
 )
 from mp_callbacks.diagnostics import History, StepStats
 from mp_callbacks.master import estimate_memory
@@ -116,15 +115,25 @@ class _Batches(Dataset):
 
 
 class _Recorder(pl.Callback):
-    """Per-step wall time, loss, scale and overflow flag; model-state bytes at the last step."""
+    """Per-step wall time, loss, scale and overflow flag; model-state bytes at the optimizer step.
+
+    ``state_bytes``: the most held when ``optimizer.step()`` starts and when it ends (pre/post step
+    hooks), over the first ``MEASURED_STEPS`` steps the optimizer applies: from the end of the first
+    one the optimizer state exists (AdamW creates m and v there); ``bf16-kahan``/``bf16-sr`` hold
+    most at the start (their bf16 gradients are spent inside the step).  None: no step was applied.
+    The hooks are removed once measured, so later steps run without them.
+    """
+
+    MEASURED_STEPS = 2
 
     def __init__(self, plugin: Any, steps: int, progress: Callable[[int], None] | None) -> None:
         self.plugin, self.steps, self.progress = plugin, steps, progress
         self.record = isinstance(plugin, MixedPrecision)  # native plugins: times only
         self.times: list[float] = []
         self.history = History()
-        self.state_bytes = 0
+        self.state_bytes: int | None = None
         self._t0 = 0.0
+        self._hooks: list[Any] = []
 
     clocked = False  # True when a _Clock placed before other callbacks starts the step's timer
 
@@ -140,20 +149,31 @@ class _Recorder(pl.Callback):
         if not self.record:
             return
         raw = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
+        applied: list[int] = []
 
-        def measure(optimizer: Any, args: Any, kwargs: Any) -> None:
-            # Inside optimizer.step() of the last step: grads, masters and slots all alive,
-            # measured when the update runs (what the recipe's memory budget is about).
-            if trainer.global_step == self.steps - 1:
-                rounding = getattr(self.plugin, "rounding", None)
-                self.state_bytes = state_bytes(pl_module, optimizer, rounding.buffers() if rounding else ())
+        def measure(optimizer: Any) -> None:
+            rounding = getattr(self.plugin, "rounding", None)
+            held = state_bytes(pl_module, optimizer, rounding.buffers() if rounding else ())
+            self.state_bytes = max(held, self.state_bytes or 0)
 
-        self._hook = raw.register_step_pre_hook(measure)
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            measure(optimizer)
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            measure(optimizer)
+            applied.append(1)
+            if len(applied) >= self.MEASURED_STEPS:
+                self._remove_hooks()
+
+        self._hooks = [raw.register_step_pre_hook(pre), raw.register_step_post_hook(post)]
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        hook = getattr(self, "_hook", None)
-        if hook is not None:
-            hook.remove()
+        self._remove_hooks()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -232,15 +252,13 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     storage = [(p.numel(), str(p.dtype).replace("torch.", "")) for p in module.parameters()]
     estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage, fp32_master_grads=True,
                                weights_released=plugin.free_weights_during_step)
-    timed = recorder.timed()
     losses = [s.loss for s in recorder.history if s.loss is not None and np.isfinite(s.loss)]
     tail = losses[-10:] or [float("nan")]
     view = plugin.scaler
     return RunResult(
         framework="lightning", recipe=get_recipe(recipe).name, params=n_params,
-        samples_per_s=spec.batch_size / statistics.median(timed),
-        step_time_ms=1000 * statistics.median(timed), peak_rss_mb=rss.peak_mb,
-        state_bytes_per_param=recorder.state_bytes / n_params,
+        **timing_fields(recorder.times, spec.batch_size), peak_rss_mb=rss.peak_mb,
+        state_bytes_per_param=None if recorder.state_bytes is None else recorder.state_bytes / n_params,
         estimate_bytes_per_param=estimate.bytes_per_param,
         final_loss=float(np.mean(tail)), accuracy=accuracy,
         overflows=view.overflows, skipped=view.skipped, history=recorder.history,

@@ -1,9 +1,11 @@
 """Command line: ``python -m mp_callbacks`` (also installed as ``mpx``).
 
 Subcommands:
-  compare  train the same model under each recipe in Lightning and/or Keras
-           and print/write the comparison (samples/s, speed-up, peak memory,
-           bytes/param, final loss and accuracy, overflows, skipped steps).
+  compare  train the same model under each recipe in Lightning and/or Keras,
+           each run in a process of its own, and print/write the comparison
+           (samples/s, speed-up, step time with its spread, peak memory split
+           into model state and the rest, bytes/param, final loss and accuracy,
+           overflows, skipped steps, a 32-true control run, the CPU's features).
   presets  the scale trajectory of every preset on one overflow pattern,
            the recipes table and the bytes/param estimate (core only).
   demo     ``make demo``: a short ``compare`` of every recipe in both
@@ -107,10 +109,11 @@ def _load_runner(framework: str):
         ) from None
 
 
-def compare(args: argparse.Namespace) -> int:
+def compare(args: argparse.Namespace, slowdown: dict[str, float] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .compare import RunSpec, format_table, write_report
+    from .compare import RunSpec, can_isolate, control_ratios, format_table, run_isolated, write_report
+    from .machine import cpu_model, features, recipe_notes
     from .recipes import canonical_recipe_name
 
     try:
@@ -129,20 +132,41 @@ def compare(args: argparse.Namespace) -> int:
     frameworks = list(dict.fromkeys(args.frameworks))
     runners = {framework: _load_runner(framework) for framework in frameworks}
     _quiet_frameworks()  # again: Lightning resets its logger level when it is imported
+    isolate = can_isolate() and not args.in_process
+    call = run_isolated if isolate else (lambda fn, *a, progress=None: fn(*a, progress))
+    if slowdown is None:
+        slowdown = call(_probe)  # in a child too: this process runs nothing before the runs fork
+    found = features()
+    machine = {"cpu": cpu_model() or "unknown CPU", "features": found, "matmul_slowdown_vs_float32": slowdown,
+               "isolated_runs": isolate}
+    notes = [f"CPU: {machine['cpu']}", *recipe_notes(found, slowdown)]
+    print("\n".join(notes))
+    plan = [(framework, recipe, False) for framework in frameworks for recipe in recipes]
+    # the control: 32-true again, last in each framework's series (run-to-run noise, order independence)
+    plan = [item for framework in frameworks
+            for item in [p for p in plan if p[0] == framework] + [(framework, "32-true", True)]]
     results, unsupported = [], []
     with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=True, disable=args.quiet) as progress:
-        for framework in frameworks:
+                  TimeElapsedColumn(), transient=True, disable=args.quiet, auto_refresh=False) as progress:
+        for framework, recipe, control in plan:
             run = runners[framework]
-            for recipe in recipes:
-                if not getattr(run, "supports", lambda _: True)(recipe):
-                    unsupported.append(f"{framework} {recipe}")
-                    continue
-                task = progress.add_task(f"{framework} {recipe}", total=spec.steps)
-                results.append(run(recipe, spec, lambda n, t=task: progress.update(t, completed=n)))
-                progress.remove_task(task)
+            if not getattr(run, "supports", lambda _: True)(recipe):
+                unsupported.append(f"{framework} {recipe}")
+                continue
+            label = f"{framework} {recipe}" + (" (control)" if control else "")
+            task = progress.add_task(label, total=spec.steps)
+            result = call(run, recipe, spec, progress=_throttled(progress, task))
+            result.control, result.isolated = control, isolate
+            results.append(result)
+            progress.remove_task(task)
     print(format_table(results))
-    out = write_report(results, spec, args.out)
+    ratios = control_ratios(results)
+    if ratios:
+        print("control: 32-true(ctl) step time / 32-true's: " + ", ".join(f"{fw} {v:.3f}" for fw, v in ratios.items())
+              + " (32-true run again, last; 1 = no run-to-run noise: every speed-up above carries this much)")
+    if not isolate:
+        print("note: every run shared this process (--in-process or no fork here): memory figures depend on run order")
+    out = write_report(results, spec, args.out, machine=machine, notes=notes)
     if unsupported:
         note = f"not run (the adapter does not implement the recipe yet): {', '.join(unsupported)}"
         print(f"\nnote: {note}")
@@ -154,6 +178,28 @@ def compare(args: argparse.Namespace) -> int:
             fh.write(f"\nNote: {KERAS_TF_NOTE}\n")
     print(f"\nreport written to {out}/ (README.md, results.json, *.jsonl, *.png)")
     return 0
+
+
+def _throttled(progress: Any, task: Any, every: float = 0.1) -> Callable[[int], None]:
+    """``progress.update(task, completed=n)``, redrawn at most every ``every`` seconds (no refresh thread:
+    the runs fork from this process)."""
+    import time
+
+    last = [0.0]
+
+    def update(n: int) -> None:
+        now = time.monotonic()
+        draw = now - last[0] >= every
+        if draw:
+            last[0] = now
+        progress.update(task, completed=n, refresh=draw)
+
+    return update
+
+
+def _probe(progress: Any = None) -> dict[str, float]:
+    """:func:`matmul_slowdown` with the signature :func:`~mp_callbacks.compare.run_isolated` calls."""
+    return matmul_slowdown()
 
 
 def _keras_backend() -> str:
@@ -223,25 +269,16 @@ def demo_args(slowdown: dict[str, float]) -> tuple[list[str], str | None]:
 
 
 def demo(args: argparse.Namespace) -> int:
-    import platform
+    from .compare import can_isolate, run_isolated
 
-    slowdown = matmul_slowdown()
+    slowdown = run_isolated(_probe) if can_isolate() else matmul_slowdown()  # the runs fork from this process
     argv, note = demo_args(slowdown)
-    cpu = _cpu_model() or platform.processor() or "unknown CPU"
-    print(f"CPU: {cpu}; matmul time vs float32: "
+    print("matmul time vs float32: "
           + (", ".join(f"{k} {v:.1f}x" for k, v in slowdown.items()) or "not probed (no torch)"))
     if note:
         print(f"note: {note}")
     return compare(build_parser().parse_args(["compare", *argv, "--out", args.out]
-                                             + (["--quiet"] if args.quiet else [])))
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            return next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "")
-    except OSError:  # pragma: no cover
-        return ""
+                                             + (["--quiet"] if args.quiet else [])), slowdown=slowdown)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let recipes without loss scaling apply non-finite steps (see the NaNs)")
     p.add_argument("--out", default="mp_report", help="report folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every recipe in this process instead of one process each (memory then depends on order)")
     p.set_defaults(func=compare)
 
     p = sub.add_parser("presets", help="scale trajectories of every preset on one overflow pattern")

@@ -5,6 +5,19 @@ steps and batch; record samples/s, step time, peak memory, final metric,
 overflow and skip counts, and the scale curve.  Framework runners live in the
 adapters (``lightning_ext.compare``, ``keras_ext.compare``) and return a
 :class:`RunResult`; this module orchestrates them and writes the report.
+
+How it measures (the same for every run, so that no figure depends on run order):
+
+* each run goes in a fresh process (:func:`run_isolated`: a fork of the CLI, which has imported
+  the frameworks but run nothing), so memory is never reused from an earlier run;
+* memory: peak anonymous resident memory above the run's start (:class:`PeakRSS`), split into
+  model state (weights, gradients, FP32 masters, optimizer state: the bytes the runner counts at
+  the optimizer step) and the rest (activations, temporaries, framework buffers);
+* step time: the steps after warm-up are cut into consecutive windows; a window's figure is
+  its mean step, the run's figure the median window, with the min and max window as spread
+  (:func:`step_timing`);
+* a control: ``32-true`` runs again, last (``control=True``): its ratio to the first
+  ``32-true`` run is the noise every ratio of the report carries.
 """
 
 from __future__ import annotations
@@ -13,8 +26,12 @@ import dataclasses
 import importlib
 import json
 import os
+import pickle
+import statistics
+import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -60,9 +77,58 @@ def scaler_for(recipe: str, spec: RunSpec) -> ScalerConfig | None:
     return None
 
 
+WARMUP_FRACTION = 0.1
+"""Share of a run's first steps left out of the timing (tracing, allocator warm-up); at least one step."""
+WINDOWS = 5
+"""Timed windows per run (fewer when there are fewer timed steps)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """Step time of a run: the median of its timed windows' mean steps, and the spread of the windows."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    windows_ms: tuple[float, ...]
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the windows."""
+        return (self.max_ms - self.min_ms) / self.median_ms if self.median_ms else float("nan")
+
+
+def step_timing(seconds: Sequence[float], windows: int = WINDOWS,
+                warmup: float = WARMUP_FRACTION) -> StepTiming:
+    """:class:`StepTiming` of per-step wall times (seconds, in step order).
+
+    The first ``warmup`` share of the steps (at least one, when there are two or more) is left out;
+    the rest is cut into up to ``windows`` consecutive windows of (nearly) equal size.
+    """
+    times = list(seconds)
+    if not times:
+        raise ValueError("no step times")
+    skip = max(1, int(len(times) * warmup)) if len(times) > 1 else 0
+    timed = times[skip:]
+    k = max(1, min(windows, len(timed)))
+    bounds = [round(i * len(timed) / k) for i in range(k + 1)]
+    means = tuple(1000 * statistics.fmean(timed[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return StepTiming(statistics.median(means), min(means), max(means), means)
+
+
 @dataclasses.dataclass
 class RunResult:
-    """What one (framework, recipe) run measured."""
+    """What one (framework, recipe) run measured.
+
+    ``step_time_ms`` is the median window (:func:`step_timing`), ``step_time_min_ms`` /
+    ``step_time_max_ms`` the fastest and slowest window; ``samples_per_s`` follows the median.
+    ``peak_rss_mb``: peak anonymous resident memory above the run's start, in its own process;
+    ``model_state_mb`` (in :meth:`row`): the model state the runner counted at the optimizer step
+    (``state_bytes_per_param * params``), ``other_mb`` the rest of the peak.
+    ``state_bytes_per_param`` is None when no optimizer step ran (every step skipped).
+    ``control``: a second run of the baseline, made last (the report's noise figure).
+    ``isolated``: whether the run had a process of its own.
+    """
 
     framework: str
     recipe: str
@@ -70,18 +136,48 @@ class RunResult:
     samples_per_s: float
     step_time_ms: float
     peak_rss_mb: float
-    state_bytes_per_param: float
+    state_bytes_per_param: float | None
     estimate_bytes_per_param: float
     final_loss: float
     accuracy: float
     overflows: int
     skipped: int
+    step_time_min_ms: float = float("nan")
+    step_time_max_ms: float = float("nan")
+    step_windows_ms: tuple[float, ...] = ()
+    control: bool = False
+    isolated: bool = False
     history: History = dataclasses.field(default_factory=History, repr=False)
+
+    @property
+    def label(self) -> str:
+        """The recipe as the table shows it (``32-true(ctl)`` for the control)."""
+        return f"{self.recipe}(ctl)" if self.control else self.recipe
+
+    @property
+    def model_state_mb(self) -> float | None:
+        if self.state_bytes_per_param is None:
+            return None
+        return self.state_bytes_per_param * self.params / 2**20
+
+    @property
+    def other_mb(self) -> float | None:
+        state = self.model_state_mb
+        return None if state is None else self.peak_rss_mb - state
 
     def row(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("history")
+        d["step_windows_ms"] = list(self.step_windows_ms)
+        d["model_state_mb"], d["other_mb"] = self.model_state_mb, self.other_mb
         return d
+
+
+def timing_fields(seconds: Sequence[float], batch_size: int) -> dict[str, Any]:
+    """The :class:`RunResult` timing fields of per-step wall times."""
+    t = step_timing(seconds)
+    return {"samples_per_s": 1000 * batch_size / t.median_ms, "step_time_ms": t.median_ms,
+            "step_time_min_ms": t.min_ms, "step_time_max_ms": t.max_ms, "step_windows_ms": t.windows_ms}
 
 
 def digits_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -114,7 +210,11 @@ def sample_weights(spec: RunSpec) -> np.ndarray:
 
 
 class PeakRSS:
-    """Samples this process's resident memory in a thread; ``peak_mb`` above the start."""
+    """Samples this process's anonymous resident memory in a thread; ``peak_mb`` above the start.
+
+    Anonymous memory (heap, tensors, arrays) only: file-backed pages (the frameworks' libraries,
+    paged in as code runs) are not the run's data.
+    """
 
     def __init__(self, interval: float = 0.005) -> None:
         self.interval = interval
@@ -144,11 +244,71 @@ class PeakRSS:
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            fields = fh.read().split()
+        return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")  # resident - file-backed/shared
     except OSError:  # not Linux: fall back to the high-water mark
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def can_isolate() -> bool:
+    """Whether :func:`run_isolated` gives each run a process of its own (POSIX fork, not macOS)."""
+    return hasattr(os, "fork") and sys.platform != "darwin"
+
+
+def run_isolated(fn: Callable[..., Any], *args: Any, progress: Callable[[int], None] | None = None) -> Any:
+    """``fn(*args, progress)`` in a forked child process; returns its result (pickled back).
+
+    The child starts from the caller's memory (frameworks imported, nothing run: the caller must not
+    have started thread pools) and leaves with ``os._exit``, so nothing it allocated or cached reaches
+    the next run.  ``progress(n)`` calls are forwarded to the caller's ``progress``.  An exception in
+    the child is raised here as ``RuntimeError`` with the child's traceback.  Without fork
+    (:func:`can_isolate` false) it runs ``fn`` in this process.
+    """
+    if not can_isolate():
+        return fn(*args, progress)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        code = 0
+        try:
+            with os.fdopen(write, "wb") as out:
+                def send(n: int) -> None:
+                    pickle.dump(("progress", n), out)
+                    out.flush()
+                try:
+                    message: tuple[str, Any] = ("result", fn(*args, send))
+                except BaseException:  # noqa: BLE001 - everything goes back to the parent
+                    message = ("error", traceback.format_exc())
+                pickle.dump(message, out)
+        except BaseException:  # noqa: BLE001 - the pipe is gone: nothing to report to
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    result: tuple[str, Any] | None = None
+    with os.fdopen(read, "rb") as inp:
+        while True:
+            try:
+                kind, value = pickle.load(inp)
+            except EOFError:
+                break
+            if kind == "progress":
+                if progress is not None:
+                    progress(value)
+            else:
+                result = (kind, value)
+    _, status = os.waitpid(pid, 0)
+    if result is None:
+        raise RuntimeError(f"the isolated run {getattr(fn, '__qualname__', fn)}{args!r} died "
+                           f"(wait status {status}) without a result")
+    if result[0] == "error":
+        raise RuntimeError(f"the isolated run failed:\n{result[1]}")
+    return result[1]
 
 
 def runner(framework: str) -> Callable[[str, RunSpec, Callable[[int], None] | None], RunResult]:
@@ -158,28 +318,71 @@ def runner(framework: str) -> Callable[[str, RunSpec, Callable[[int], None] | No
     return importlib.import_module(FRAMEWORKS[framework]).run
 
 
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def control_ratios(results: Sequence[RunResult]) -> dict[str, float]:
+    """``{framework: step time of its control run / its 32-true run}`` (1.0: no run-to-run noise)."""
+    base = {r.framework: r for r in results if r.recipe == "32-true" and not r.control}
+    return {r.framework: r.step_time_ms / base[r.framework].step_time_ms
+            for r in results if r.control and r.framework in base}
+
+
 def format_table(results: Sequence[RunResult]) -> str:
-    """The comparison table; speed-up and metric deltas are against each framework's ``32-true``."""
-    base = {r.framework: r for r in results if r.recipe == "32-true"}
-    head = (f"{'framework':<10} {'recipe':<12} {'samples/s':>10} {'speed-up':>8} {'step ms':>8} "
-            f"{'peak MB':>8} {'B/param':>8} {'est.':>5} {'loss':>8} {'d loss':>8} {'acc':>6} "
-            f"{'d acc':>7} {'overfl.':>7} {'skipped':>7}")
+    """The comparison table; speed-up and metric deltas are against each framework's ``32-true``.
+
+    ``step ms`` is the median timed window, ``min-max`` the fastest and slowest window; ``peak MB``
+    the run's peak memory above its start, split into ``state`` (weights, grads, masters, optimizer
+    state) and ``other``."""
+    base = {r.framework: r for r in results if r.recipe == "32-true" and not r.control}
+    head = (f"{'framework':<10} {'recipe':<13} {'samples/s':>9} {'speed-up':>8} {'step ms':>8} {'min-max':>15} "
+            f"{'peak MB':>8} {'state':>7} {'other':>7} {'B/param':>7} {'est.':>5} {'loss':>8} {'d loss':>8} "
+            f"{'acc':>6} {'d acc':>7} {'overfl.':>7} {'skipped':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         b = base.get(r.framework)
         speed = f"{r.samples_per_s / b.samples_per_s:.2f}x" if b else "-"
         dloss = f"{r.final_loss - b.final_loss:+.4f}" if b else "-"
         dacc = f"{r.accuracy - b.accuracy:+.3f}" if b else "-"
+        spread = f"{_ms(r.step_time_min_ms)}-{_ms(r.step_time_max_ms)}"
         lines.append(
-            f"{r.framework:<10} {r.recipe:<12} {r.samples_per_s:>10.0f} {speed:>8} {r.step_time_ms:>8.2f} "
-            f"{r.peak_rss_mb:>8.1f} {r.state_bytes_per_param:>8.1f} {r.estimate_bytes_per_param:>5.0f} "
+            f"{r.framework:<10} {r.label:<13} {r.samples_per_s:>9.0f} {speed:>8} {_ms(r.step_time_ms):>8} "
+            f"{spread:>15} {r.peak_rss_mb:>8.1f} {_num(r.model_state_mb, '.1f'):>7} {_num(r.other_mb, '.1f'):>7} "
+            f"{_num(r.state_bytes_per_param, '.1f'):>7} {r.estimate_bytes_per_param:>5.0f} "
             f"{r.final_loss:>8.4f} {dloss:>8} {r.accuracy:>6.3f} {dacc:>7} {r.overflows:>7} {r.skipped:>7}"
         )
     return "\n".join(lines)
 
 
-def write_report(results: Sequence[RunResult], spec: RunSpec, out: str | os.PathLike[str]) -> Path:
-    """Markdown summary, JSONL histories, PNG plots and results.json under ``out``."""
+def _ms(value: float) -> str:
+    """A step time in ms with 3 significant digits at least (0.123, 1.23, 12.3 -> 12.30, 123.4)."""
+    if value != value:  # NaN
+        return "-"
+    return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 100 else f"{value:.1f}"
+
+
+TABLE_NOTES = (
+    "Speed-up, loss and accuracy deltas are against the same framework's `32-true`. "
+    "Each run had a process of its own (a fork of the CLI: nothing allocated by an earlier run is reused). "
+    "step ms: the median of {windows} consecutive timed windows (mean step in each) after the first "
+    "{warmup:.0%} of the steps; min-max: the fastest and slowest window. "
+    "32-true(ctl) is 32-true run again, last: its speed-up is the run-to-run noise of this machine, and its "
+    "memory equals 32-true's when the measurement does not depend on run order. "
+    "peak MB: peak anonymous resident memory above the run's start, split into state (weights, grads, masters, "
+    "optimizer state: the bytes held at the optimizer step, B/param x params) and other (activations, "
+    "temporaries, framework buffers). B/param is measured after the optimizer state exists (Lightning: the most "
+    "held when optimizer.step() starts and ends, over the first two applied steps; Keras: variables, masters and "
+    "slots, plus one gradient per variable); est. is the core's estimate."
+)
+
+
+def write_report(results: Sequence[RunResult], spec: RunSpec, out: str | os.PathLike[str],
+                 machine: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> Path:
+    """Markdown summary, JSONL histories, PNG plots and results.json under ``out``.
+
+    ``machine``: what the CLI found about the CPU (model, features, probe), written to results.json;
+    ``notes``: lines for the README (what the features mean per recipe)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,13 +390,14 @@ def write_report(results: Sequence[RunResult], spec: RunSpec, out: str | os.Path
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for r in results:
+    runs = [r for r in results if not r.control]
+    for r in runs:
         stem = f"{r.framework}_{r.recipe}"
         r.history.to_jsonl(out / f"{stem}.jsonl")
         if len(r.history):
             plot(r.history, out / f"{stem}_scale.png", title=f"{r.framework} {r.recipe}")
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in results:
+    for r in runs:
         xs = [s.step for s in r.history if s.loss is not None and np.isfinite(s.loss)]
         ys = [s.loss for s in r.history if s.loss is not None and np.isfinite(s.loss)]
         ax.plot(xs, ys, label=f"{r.framework} {r.recipe}", linewidth=1)
@@ -205,7 +409,10 @@ def write_report(results: Sequence[RunResult], spec: RunSpec, out: str | os.Path
     fig.savefig(out / "loss_curves.png", dpi=100)
     plt.close(fig)
     (out / "results.json").write_text(json.dumps(
-        {"spec": dataclasses.asdict(spec), "results": [r.row() for r in results]}, indent=2))
+        {"spec": dataclasses.asdict(spec), "machine": machine or {},
+         "timing": {"windows": WINDOWS, "warmup_fraction": WARMUP_FRACTION},
+         "control_step_time_ratio": control_ratios(results),
+         "results": [r.row() for r in results]}, indent=2))
     md = [
         "# Mixed-precision comparison", "",
         f"Same seed ({spec.seed}), data (scikit-learn digits), {spec.steps} steps of batch "
@@ -213,13 +420,17 @@ def write_report(results: Sequence[RunResult], spec: RunSpec, out: str | os.Path
         f"injected overflow steps: {list(spec.inject) or 'none'}"
         + (" (recipes without loss scaling skip non-finite steps at a static scale of 1)."
            if spec.inject and spec.skip_nonfinite else "."), "",
+    ]
+    if machine and machine.get("cpu"):
+        md += [f"CPU: {machine['cpu']}", ""]
+    if notes:
+        md += ["```", *notes, "```", ""]
+    md += [
         "```", format_table(results), "```", "",
-        "Speed-up, loss and accuracy deltas are against the same framework's `32-true`. "
-        "B/param is measured from the tensors held (weights, grads, masters, optimizer state); "
-        "est. is the core's estimate. Peak MB is resident memory above the process baseline.", "",
+        TABLE_NOTES.format(windows=WINDOWS, warmup=WARMUP_FRACTION), "",
         "![loss curves](loss_curves.png)", "",
     ]
-    for r in results:
+    for r in runs:
         if len(r.history):
             md += [f"## {r.framework} {r.recipe}", "", f"![scale](" + f"{r.framework}_{r.recipe}_scale.png)", ""]
     (out / "README.md").write_text("\n".join(md))

@@ -47,13 +47,24 @@ def report(tmp_path_factory):
 def results(report):
     out, _ = report
     data = json.loads((out / "results.json").read_text())
-    return data, {(r["framework"], r["recipe"]): r for r in data["results"]}
+    return data, {(r["framework"], r["recipe"]): r for r in data["results"] if not r["control"]}
+
+
+@pytest.fixture(scope="module")
+def controls(report):
+    out, _ = report
+    data = json.loads((out / "results.json").read_text())
+    return {r["framework"]: r for r in data["results"] if r["control"]}
+
+
+# each framework's series ends with its control: 32-true run again
+ROWS = [(fw, rc) for fw in FRAMEWORKS for rc in [r for f, r in PAIRS if f == fw] + ["32-true(ctl)"]]
 
 
 def test_table_and_report_files(report):
     out, stdout = report
     rows = [line.split() for line in stdout.splitlines() if line.startswith(tuple(f"{fw} " for fw in FRAMEWORKS))]
-    assert [r[:2] for r in rows] == [list(pair) for pair in PAIRS]
+    assert [r[:2] for r in rows] == [list(pair) for pair in ROWS]
     assert f"report written to {out}" in stdout
     for name in ("README.md", "results.json", "loss_curves.png"):
         assert (out / name).stat().st_size > 0, name
@@ -112,6 +123,53 @@ def test_memory_per_param(results, framework):
         assert master["estimate_bytes_per_param"] == pytest.approx(expected), (framework, master)
 
 
+def test_step_times_come_with_their_spread(results):
+    data, results = results
+    assert data["timing"]["windows"] >= 3
+    for key, r in results.items():
+        windows = r["step_windows_ms"]
+        assert len(windows) == data["timing"]["windows"], key  # 40 steps: enough for every window
+        assert r["step_time_min_ms"] == min(windows) and r["step_time_max_ms"] == max(windows), key
+        assert r["step_time_min_ms"] <= r["step_time_ms"] <= r["step_time_max_ms"], key
+        assert r["samples_per_s"] == pytest.approx(1000 * BATCH / r["step_time_ms"]), key
+
+
+def test_a_control_run_per_framework(report, results, controls):
+    """32-true runs again, last: the report shows its ratio (the noise) and results.json keeps it."""
+    data, results = results
+    _, stdout = report
+    assert set(controls) == set(FRAMEWORKS)
+    for fw, ctl in controls.items():
+        base = results[(fw, "32-true")]
+        assert ctl["recipe"] == "32-true" and ctl["isolated"] and base["isolated"]
+        assert data["control_step_time_ratio"][fw] == pytest.approx(ctl["step_time_ms"] / base["step_time_ms"])
+        # same seed, data and steps: the same training, step for step
+        assert ctl["final_loss"] == base["final_loss"] and ctl["accuracy"] == base["accuracy"]
+    assert "control: 32-true(ctl) step time / 32-true's:" in stdout
+
+
+def test_memory_does_not_depend_on_run_order(results, controls):
+    """32-true runs first and last: each in a process of its own, so both hold the same model state and
+    about the same peak (run in one process, the second run reused the first one's memory: ~0 MB)."""
+    _, results = results
+    for fw, ctl in controls.items():
+        base = results[(fw, "32-true")]
+        assert ctl["model_state_mb"] == base["model_state_mb"] > 0
+        assert ctl["model_state_mb"] + ctl["other_mb"] == pytest.approx(ctl["peak_rss_mb"])
+        assert abs(ctl["peak_rss_mb"] - base["peak_rss_mb"]) <= 0.25 * base["peak_rss_mb"] + 1.0, (fw, ctl, base)
+
+
+def test_the_report_names_the_cpu_and_its_features(report):
+    out, stdout = report
+    data = json.loads((out / "results.json").read_text())
+    machine = data["machine"]
+    assert machine["cpu"] and machine["isolated_runs"] is True
+    assert {"amx_bf16", "avx512_bf16", "avx512_fp16"} <= set(machine["features"])
+    assert set(machine["matmul_slowdown_vs_float32"]) == {"float16", "bfloat16"}
+    assert "CPU features: " in stdout and "  bfloat16: " in stdout and "  float16: " in stdout
+    assert f"CPU: {machine['cpu']}" in (out / "README.md").read_text()
+
+
 def test_history_records_the_skip(report):
     out, _ = report
     for fw, recipe in PAIRS:
@@ -152,5 +210,5 @@ def test_demo_runs_every_recipe_in_both_frameworks(tmp_path):
     proc = _run("demo", "--quiet", "--out", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("lightning ", "keras "))]
-    assert len(rows) == 10 and all(int(r[-1]) >= 1 for r in rows)  # the injected overflow skipped everywhere
+    assert len(rows) == len(ROWS) and all(int(r[-1]) >= 1 for r in rows)  # the injected overflow skipped everywhere
     assert (tmp_path / "README.md").exists()
