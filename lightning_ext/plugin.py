@@ -7,7 +7,8 @@ holds the Lightning hooks and hands off: the loss scaler to
 always, it counts overflows for monitors), FP32 masters to :class:`~lightning_ext.masters.MasterWeights`,
 update rounding (``bf16-kahan``, ``bf16-sr``) to :class:`~lightning_ext.update_rounding.UpdateRounding`,
 the LR-scheduler hold to :class:`~lightning_ext.scheduler_hold.SchedulerHold`, FP32 regions and storage
-to :mod:`~lightning_ext.module_policy`, what it trains with to :mod:`~lightning_ext.support`.
+to :mod:`~lightning_ext.module_policy`, what it trains with to :mod:`~lightning_ext.support`, FP8
+matmuls and their per-tensor scaling (``fp8-mixed``) to :class:`~lightning_ext.fp8.TorchFP8` (``plugin.fp8``).
 
 One optimizer step: the closure runs the backward of ``loss * scale``; the
 scaler unscales (grads move to the masters first) and checks; hooks and
@@ -33,6 +34,7 @@ from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
 from mp_callbacks.recipes import Recipe, get_recipe, plan_resume
 from mp_callbacks.scaler import ScalerConfig, StateDictError, check_state_dict
 
+from .fp8 import TorchFP8
 from .masters import MasterWeights
 from .module_policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
 from .scheduler_hold import SchedulerHold
@@ -73,6 +75,9 @@ class MixedPrecision(Precision):
         (:class:`~mp_callbacks.divergence.DivergenceRule`; None: the default rule, False: never).
       state_dtype: ``bf16-kahan``/``bf16-sr`` only: ``"bfloat16"`` optimizer states (None: FP32).
       seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.rounding`).
+      fp8: ``fp8-mixed`` only: the FP8 scaling settings (a preset name, ``"transformer-engine"``
+        default, ``"keras"``, ``"torchao"``, or a dict such as ``{"mode": "current"}``,
+        ``{"history_len": 16, "margin": 1}``: :class:`~mp_callbacks.fp8_recipe.FP8Recipe`).
 
     Raises:
       RecipeError: an unknown recipe name (the message lists the valid ones).
@@ -89,9 +94,11 @@ class MixedPrecision(Precision):
         allow_recipe_change: bool = False,
         divergence: Any = None,
         state_dtype: Optional[str] = None, seed: int = 0,
+        fp8: Any = None,
     ) -> None:
         self.recipe: Recipe = get_recipe(recipe_name(precision), scaler=scaler_config_from(scaler), policy=policy,
                                          state_dtype=state_dtype)
+        self.recipe = self.recipe.with_fp8(fp8)
         self.precision = self.recipe.name  # type: ignore[assignment]
         self.device = str(device)
         self.allow_recipe_change = bool(allow_recipe_change)
@@ -99,6 +106,7 @@ class MixedPrecision(Precision):
         self.masters: Optional[MasterWeights] = (
             MasterWeights(free_weights_during_step) if self.recipe.master.master_weights else None)
         self.rounding: Optional[UpdateRounding] = UpdateRounding.for_recipe(self.recipe, seed)
+        self.fp8: Optional[TorchFP8] = TorchFP8.for_recipe(self.recipe)  # fp8-mixed: FP8 matmuls, their scales
         self.loss_scaler = TorchLossScaler(self.recipe.scaler, self.masters, count_overflows, divergence, self.rounding)
         self._hold = SchedulerHold(self.loss_scaler.last_step_skipped)
         self._policy_handle: Optional[ModulePolicyHandle] = None
@@ -172,6 +180,8 @@ class MixedPrecision(Precision):
                 self._policy_handle.remove()
             self._policy_handle = apply_module_policy(module, self.policy, self._device_type)
             self._hooked_module = module
+        if self.fp8 is not None:
+            self.fp8.install(module, self.policy)
         return module
 
     def connect(
@@ -210,11 +220,17 @@ class MixedPrecision(Precision):
         if closure_result is None and getattr(model, "automatic_optimization", True):
             self._after_closure(model, raw)  # training_step returned None: no backward, no update
             self.loss_scaler.forget_step(raw)
+            if self.fp8 is not None:
+                self.fp8.discard_step()
             return None
-        self.loss_scaler.unscale_once(raw)
+        found_inf = self.loss_scaler.unscale_once(raw)
+        if self.fp8 is not None:  # a non-finite FP8 amax skips the step like an overflow
+            self.fp8.before_step(found_inf)
         self._after_closure(model, raw)
         step_output = self.loss_scaler.step(raw, **kwargs)
         self.loss_scaler.update()
+        if self.fp8 is not None:  # the FP8 scales move on applied steps only (no host read)
+            self.fp8.after_step(not self.loss_scaler.last_step_skipped(raw))
         return step_output
 
     def unscale_gradients(self, optimizer: Any) -> Tensor:
@@ -273,6 +289,8 @@ class MixedPrecision(Precision):
         for store in (self.masters, self.rounding):
             if store is not None:  # low-precision parameters re-stored in FP32 (from masters / w + c)
                 store.store_fp32(module)
+        if self.fp8 is not None:  # an FP32 region has no FP8 matmuls
+            self.fp8.remove(path)
         return self.policy
 
     def _restore_policy(self, saved: Any) -> None:
@@ -301,7 +319,8 @@ class MixedPrecision(Precision):
         """Plain data: recipe name, scaler record (config + state + counters), FP32 masters, policy, rounding."""
         return {"schema": PLUGIN_SCHEMA, "schema_version": PLUGIN_SCHEMA_VERSION, "recipe": self.recipe.name,
                 "scaler": self.loss_scaler.state_dict(), "masters": self.master_state_dict(),
-                "policy": self.recipe.policy.to_dict(), **rounding_record(self.rounding)}
+                "policy": self.recipe.policy.to_dict(), **rounding_record(self.rounding),
+                **({"fp8": self.fp8.state_dict()} if self.fp8 is not None else {})}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; another schema, recipe or scaler config is an error naming both."""
@@ -326,6 +345,8 @@ class MixedPrecision(Precision):
             self.masters.load_state_dict(state_dict.get("masters") or {})
         if self.rounding is not None and not plan.changes_recipe:
             self.rounding.load_state_dict(state_dict.get("rounding"))
+        if self.fp8 is not None and not plan.changes_recipe and state_dict.get("fp8") is not None:
+            self.fp8.load_state_dict(state_dict["fp8"])
         if plan.changes_recipe:
             warnings.warn(f"lightning_ext.MixedPrecision: {plan.warning()}", stacklevel=2)
 
@@ -345,6 +366,8 @@ class MixedPrecision(Precision):
             self._policy_handle = None
         self._hooked_module = None
         self._hold.remove()
+        if self.fp8 is not None:
+            self.fp8.remove()
         self._lightning_module = None
         if self.masters is not None:
             self.masters.clear_cache()

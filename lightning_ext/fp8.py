@@ -1,0 +1,384 @@
+"""``fp8-mixed`` in torch: FP8 matmuls with per-tensor scaling, the states stepped on the device.
+
+:class:`TorchFP8` is what :class:`lightning_ext.MixedPrecision` holds under
+``fp8-mixed`` (``plugin.fp8``).  It
+
+* replaces the ``forward`` of every ``nn.Linear`` the policy runs in low
+  precision (not inside an FP32 region) and of every ``nn.MultiheadAttention``
+  (its in/out projections, :mod:`lightning_ext.fp8_attention`) by an FP8
+  matmul (:class:`_FP8Matmul`): inputs and weights quantize-dequantize to
+  e4m3 with their own scales, the output gradient to e5m2 in the backward,
+  as :mod:`mp_callbacks.fp8_recipe` describes (the matmul of the dequantized
+  values in float32, the output in the autocast dtype);
+* keeps, for the three tensors of every FP8 matmul, the core's
+  :class:`~mp_callbacks.fp8.FP8State` as batched device tensors (one batch per
+  tensor role), records each tensor's amax during the step (a running max,
+  no host read) and steps the states with the core's
+  :func:`~mp_callbacks.fp8.next_fp8_state` evaluated with
+  :class:`~lightning_ext.torch_ops.TorchOps` after the optimizer step:
+  3 batched transitions per step, no host synchronisation;
+* folds "an amax was not finite" into the step's ``found_inf`` before the
+  plugin's skip decision (:meth:`before_step`), so such a step is skipped
+  like any overflow; a skipped step keeps every FP8 state as it was
+  (:meth:`after_step`), so nothing non-finite enters a history.
+
+Delayed scaling (default) quantizes with the scale of the last committed
+state; current scaling steps a copy of the tensor's state with this call's
+amax first and quantizes with that scale.  Under DDP the recorded amaxes are
+all-reduced (MAX) before the decision, so every rank takes the same scales.
+
+On a CUDA device with FP8 tensor cores (compute capability >= 8.9) the
+forward matmul runs as ``torch._scaled_mm`` when the shapes allow it (both
+dimensions multiples of 16); this path is gated and untested here (no such
+device in CI); everywhere else the emulation above runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mp_callbacks.fp8 import FP8State, fp8_state_from_dict, fp8_state_to_dict, next_fp8_state
+from mp_callbacks.fp8_recipe import FP8_ROLES, FP8Recipe
+from mp_callbacks.policy import PrecisionPolicy
+from mp_callbacks.scaler import StateDictError
+
+from .fp8_attention import mha_forward, mha_matmuls
+from .module_policy import fp32_compute_modules
+from .torch_ops import TorchOps
+
+__all__ = ["TorchFP8", "fp8_modules", "fp8_linear"]
+
+FP8_SCHEMA_VERSION = 1
+"""Version of :meth:`TorchFP8.state_dict`'s record."""
+
+
+def fp8_modules(root: nn.Module, policy: PrecisionPolicy) -> Iterator[tuple[str, nn.Module]]:
+    """``(path, module)`` of every ``nn.Linear`` / ``nn.MultiheadAttention`` of ``root`` that runs as
+    FP8 matmuls: the policy computes it in low precision and no FP32 region contains it (Linear
+    layers owned by a MultiheadAttention are its projections, handled with it)."""
+    regions = [p for p, _ in fp32_compute_modules(root, policy)]
+
+    def in_region(path: str) -> bool:
+        return any(r == "" or path == r or path.startswith(r + ".") for r in regions)
+
+    owned: set[int] = set()
+    for path, module in root.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            owned.update(id(m) for m in module.modules() if m is not module)
+        if id(module) in owned or in_region(path) or policy.keeps_fp32(module, path):
+            continue
+        if isinstance(module, (nn.Linear, nn.MultiheadAttention)):
+            yield path, module
+
+
+def _scaled_mm_ok(x: Tensor, weight: Tensor) -> bool:
+    """The gated FP8 tensor-core path: CUDA, compute capability >= 8.9, dims multiples of 16."""
+    if x.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    return x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0
+
+
+class _FP8Matmul(torch.autograd.Function):
+    """``y = qdq(x) @ qdq(W)^T + b`` in float32, cast to ``out_dtype``; backward with ``qdq(dy)`` (e5m2).
+
+    The FP8 operands (not dequantized copies) are kept for the backward, as on FP8 hardware.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], fp8: "TorchFP8", index: int,
+                out_dtype: torch.dtype, record: bool) -> Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            xq, x_inv = fp8.quantize("inputs", index, x, record)
+            wq, w_inv = fp8.quantize("weights", index, weight, record)
+            b32 = None if bias is None else bias.float()
+            if _scaled_mm_ok(x, weight):  # untested here: needs an FP8 tensor-core GPU
+                out = torch._scaled_mm(xq.reshape(-1, xq.shape[-1]), wq.t(), scale_a=x_inv.reshape(()),
+                                       scale_b=w_inv.reshape(()), out_dtype=torch.float32)
+                out = (out if b32 is None else out + b32).reshape(*x.shape[:-1], weight.shape[0])
+            else:
+                out = F.linear(xq.float() * x_inv, wq.float() * w_inv, b32)
+        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        ctx.fp8, ctx.index, ctx.has_bias = fp8, index, bias is not None
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        with torch.autocast(grad.device.type, enabled=False):
+            g32 = grad.float()
+            gq, g_inv = ctx.fp8.quantize("grad_outputs", ctx.index, g32, True)
+            g = gq.float() * g_inv
+            w = wq.float() * w_inv
+            dx = dw = db = None
+            if ctx.needs_input_grad[0]:
+                dx = (g @ w).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                x = xq.float() * x_inv
+                dw = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(w_dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = g32.reshape(-1, g32.shape[-1]).sum(0).to(b_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], fp8: "TorchFP8", index: int) -> Tensor:
+    """The FP8 matmul of entry ``index`` of ``fp8``; the output in the autocast dtype (else ``x``'s).
+
+    Amaxes are recorded while grad is enabled (a training step), not in evaluation passes."""
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return _FP8Matmul.apply(x, weight, bias, fp8, index, out_dtype, torch.is_grad_enabled())
+
+
+class TorchFP8:
+    """The FP8 matmuls of one model and their per-tensor scaling states (see the module docstring).
+
+    Args:
+      recipe: the :class:`~mp_callbacks.fp8_recipe.FP8Recipe` (``plugin.recipe.fp8``).
+    """
+
+    def __init__(self, recipe: FP8Recipe) -> None:
+        self.recipe = recipe
+        self.configs = recipe.configs
+        self.names: list[str] = []
+        self._index: dict[str, int] = {}
+        self.states: Optional[dict[str, FP8State]] = None
+        self._ops: Optional[TorchOps] = None
+        self._amax: dict[str, list[Optional[Tensor]]] = {r: [] for r in FP8_ROLES}
+        self._counts: dict[str, list[Optional[Tensor]]] = {r: [] for r in FP8_ROLES}
+        self._wrapped: list[tuple[nn.Module, Any, str]] = []
+        self._step: Optional[tuple[dict[str, Tensor], dict[str, Tensor]]] = None
+        self._fp8_dtypes = {r: getattr(torch, c.format) for r, c in self.configs.items()}
+        self._max = {r: c.fmt.max for r, c in self.configs.items()}
+        self.measure = False
+        self.latest: dict[str, Any] = {}
+
+    @classmethod
+    def for_recipe(cls, recipe: Any) -> Optional["TorchFP8"]:
+        """A :class:`TorchFP8` for a recipe with FP8 settings (``fp8-mixed``), else None."""
+        return cls(recipe.fp8) if getattr(recipe, "fp8", None) is not None else None
+
+    def __repr__(self) -> str:
+        return f"TorchFP8(preset={self.recipe.preset!r}, mode={self.recipe.mode!r}, matmuls={len(self.names)})"
+
+    # ------------------------------------------------------------ modules
+    def install(self, root: nn.Module, policy: PrecisionPolicy) -> list[str]:
+        """Make every FP8-eligible module of ``root`` (:func:`fp8_modules`) run FP8 matmuls.
+
+        Returns the matmul names (``path`` for a Linear; ``path.in_proj`` / ``.q_proj`` / ``.k_proj``
+        / ``.v_proj`` / ``.out_proj`` for attention).  A second call with the same tree changes nothing.
+        """
+        done = {id(m) for m, _, _ in self._wrapped}
+        for path, module in fp8_modules(root, policy):
+            if id(module) in done:
+                continue
+            if isinstance(module, nn.MultiheadAttention):
+                indices = {part: self._add(f"{path}.{part}" if path else part) for part in mha_matmuls(module)}
+                forward = functools.partial(mha_forward, module, self._matmul_by_name(indices), module.forward)
+            else:
+                index = self._add(path)
+                forward = functools.partial(self._linear_forward, module, index)
+            self._wrapped.append((module, module.__dict__.get("forward"), path))
+            module.forward = functools.wraps(type(module).forward)(forward)  # type: ignore[method-assign]
+        return list(self.names)
+
+    def _add(self, name: str) -> int:
+        if name in self._index:  # installed again (a new fit): same state
+            return self._index[name]
+        if self.states is not None:
+            self._grow(1)
+        self.names.append(name)
+        self._index[name] = len(self.names) - 1
+        for role in FP8_ROLES:
+            self._amax[role].append(None)
+            self._counts[role].append(None)
+        return len(self.names) - 1
+
+    def _linear_forward(self, module: nn.Linear, index: int, input: Tensor) -> Tensor:
+        return fp8_linear(input, module.weight, module.bias, self, index)
+
+    def _matmul_by_name(self, indices: Mapping[str, int]) -> Callable[..., Tensor]:
+        def matmul(part: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+            return fp8_linear(x, weight, bias, self, indices[part])
+        return matmul
+
+    def remove(self, path: Optional[str] = None) -> None:
+        """Restore the own ``forward`` of every wrapped module (or of those at/under ``path``);
+        their states stay (unused)."""
+        keep = []
+        for module, previous, p in reversed(self._wrapped):
+            if path is not None and not (p == path or p.startswith(path + ".") or path == ""):
+                keep.append((module, previous, p))
+                continue
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous  # type: ignore[method-assign]
+        self._wrapped = list(reversed(keep))
+
+    # ------------------------------------------------------------- states
+    def _ensure(self, device: torch.device) -> TorchOps:
+        if self._ops is None or self._ops.device != device:
+            self._ops = TorchOps(device)
+            if self.states is None:
+                self.states = {r: self._initial(c, len(self.names), self._ops) for r, c in self.configs.items()}
+            else:
+                self.states = {r: FP8State(*(t.to(device) for t in s)) for r, s in self.states.items()}
+        return self._ops
+
+    @staticmethod
+    def _initial(config: Any, n: int, ops: TorchOps) -> FP8State:
+        dev = ops.device
+        return FP8State(torch.zeros(n, config.history_len, device=dev), torch.ones(n, device=dev),
+                        torch.ones(n, device=dev), torch.zeros(n, dtype=torch.int32, device=dev),
+                        torch.zeros(n, dtype=torch.int32, device=dev))
+
+    def _grow(self, extra: int) -> None:
+        assert self.states is not None and self._ops is not None
+        more = {r: self._initial(c, extra, self._ops) for r, c in self.configs.items()}
+        self.states = {r: FP8State(*(torch.cat([a, b]) for a, b in zip(self.states[r], more[r])))
+                       for r in self.states}
+
+    def state_of(self, role: str, index: int) -> FP8State:
+        """One tensor's committed state (0-d / 1-d views of the batched device tensors)."""
+        assert self.states is not None
+        return FP8State(*(t[index] for t in self.states[role]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the scaling states (0 before the first step)."""
+        return sum(t.nbytes for s in (self.states or {}).values() for t in s)
+
+    # -------------------------------------------------------------- a call
+    def quantize(self, role: str, index: int, x: Tensor, record: bool = True) -> tuple[Tensor, Tensor]:
+        """``(q, scale_inv)``: ``x`` cast to the role's FP8 dtype with its scale (saturating), and the
+        float32 factor that dequantizes it.  ``record``: keep the amax for this step's transition."""
+        ops = self._ensure(x.device)
+        config = self.configs[role]
+        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        state = self.state_of(role, index)
+        if config.mode == "current":
+            state, _ = next_fp8_state(config, state, amax, ops)
+        x32 = x.detach().float() if x.requires_grad else x.float()
+        y = x32 / state.scale_inv if config.stored == "scale_inv" else x32 * state.scale
+        fmax = self._max[role]
+        q = y.clamp(-fmax, fmax).to(self._fp8_dtypes[role])
+        if record:
+            self._record(role, index, amax)
+            if self.measure:
+                counts = torch.stack([(y.abs() > fmax).sum(), ((x32 != 0) & (q.float() == 0)).sum(),
+                                      torch.tensor(x.numel(), device=x.device)]).float()
+                prev = self._counts[role][index]
+                self._counts[role][index] = counts if prev is None else prev + counts
+        return q, state.scale_inv.reshape(())
+
+    def _record(self, role: str, index: int, amax: Tensor) -> None:
+        prev = self._amax[role][index]
+        self._amax[role][index] = amax if prev is None else torch.maximum(prev, amax)  # NaN propagates
+
+    # -------------------------------------------------------------- a step
+    def recorded(self) -> bool:
+        """True when this step recorded an amax (a training forward ran)."""
+        return any(a is not None for r in FP8_ROLES for a in self._amax[r])
+
+    def before_step(self, found_inf: Optional[Tensor]) -> Optional[Tensor]:
+        """Gather this step's amaxes (all-reduced MAX over DDP ranks; NaN counts as inf) and OR
+        "not all finite" into ``found_inf`` in place (before the plugin reads it).  Returns the flag."""
+        if not self.recorded() or self.states is None:
+            self._step = None
+            return None
+        device = self.states["inputs"].scale.device
+        amax, used = {}, {}
+        for role in FP8_ROLES:
+            zero = torch.zeros((), device=device)
+            amax[role] = torch.stack([zero if a is None else a.to(device) for a in self._amax[role]])
+            used[role] = torch.tensor([a is not None for a in self._amax[role]], device=device)
+        flat = torch.cat([amax[r] for r in FP8_ROLES])
+        flat = torch.where(torch.isnan(flat), torch.full_like(flat, float("inf")), flat)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            mask = torch.cat([used[r] for r in FP8_ROLES]).float()
+            both = torch.cat([flat, mask])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            flat, mask = both[: flat.numel()], both[flat.numel():] > 0
+            n = len(self.names)
+            used = {r: mask[i * n:(i + 1) * n] for i, r in enumerate(FP8_ROLES)}
+        n = len(self.names)
+        amax = {r: flat[i * n:(i + 1) * n] for i, r in enumerate(FP8_ROLES)}
+        bad = torch.logical_not(torch.isfinite(torch.cat([torch.where(used[r], amax[r], 0.0) for r in FP8_ROLES])))
+        flag = bad.any()
+        if found_inf is not None:
+            found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.dtype)))
+        self._step = (amax, used)
+        return flag
+
+    def after_step(self, applied: bool) -> None:
+        """Step every recorded tensor's state with its amax (the core transition, batched per role);
+        keep the old state where the step was not applied or the matmul did not run."""
+        if self._step is None:
+            self.discard_step()
+            return
+        amax, used = self._step
+        ops = self._ensure(amax["inputs"].device)
+        assert self.states is not None
+        latest: dict[str, Any] = {"names": list(self.names), "amax": amax, "used": used, "applied": applied}
+        for role in FP8_ROLES:
+            old = self.states[role]
+            new, _ = next_fp8_state(self.configs[role], old, amax[role], ops)
+            cond = used[role] if applied else torch.zeros_like(used[role])
+            self.states[role] = FP8State(*(ops.where(cond, n, o) for n, o in zip(new, old)))
+        latest["scale"] = {r: self.states[r].scale for r in FP8_ROLES}
+        latest["scale_inv"] = {r: self.states[r].scale_inv for r in FP8_ROLES}
+        if any(c is not None for r in FP8_ROLES for c in self._counts[r]):
+            zero = torch.zeros(3, device=amax["inputs"].device)
+            latest["counts"] = {r: torch.stack([zero if c is None else c for c in self._counts[r]])
+                                for r in FP8_ROLES}
+        self.latest = latest
+        self.discard_step()
+
+    def discard_step(self) -> None:
+        """Forget this step's records (no backward ran, or after :meth:`after_step`)."""
+        for role in FP8_ROLES:
+            self._amax[role] = [None] * len(self.names)
+            self._counts[role] = [None] * len(self.names)
+        self._step = None
+
+    # --------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: the recipe's settings, the matmul names and every tensor's state (one host read)."""
+        states = {}
+        if self.states is not None:
+            for role in FP8_ROLES:
+                states[role] = [fp8_state_to_dict(FP8State(*(t[i].cpu() for t in self.states[role])))
+                                for i in range(len(self.names))]
+        return {"schema_version": FP8_SCHEMA_VERSION, "fp8": self.recipe.to_dict(), "names": list(self.names),
+                "states": states}
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; other settings or other matmuls are a ``StateDictError``."""
+        if not isinstance(data, Mapping) or data.get("schema_version") != FP8_SCHEMA_VERSION:
+            raise StateDictError(f"FP8 state: expected schema_version {FP8_SCHEMA_VERSION}, got "
+                                 f"{data.get('schema_version') if isinstance(data, Mapping) else data!r}")
+        if FP8Recipe.from_dict(data["fp8"]) != self.recipe:
+            raise StateDictError(f"the checkpoint's FP8 settings {data['fp8']} differ from this run's "
+                                 f"{self.recipe.to_dict()}")
+        if list(data["names"]) != self.names:
+            raise StateDictError(f"the checkpoint has FP8 matmuls {list(data['names'])}; this model has {self.names}")
+        if not data["states"]:
+            return
+        device = self.states["inputs"].scale.device if self.states is not None else torch.device("cpu")
+        ops = self._ensure(device)
+        restored = {}
+        for role in FP8_ROLES:
+            rows = [fp8_state_from_dict(self.configs[role], d) for d in data["states"][role]]
+            restored[role] = FP8State(*(torch.stack([torch.from_numpy(getattr(r, f).copy()) for r in rows])
+                                        .to(ops.device) for f in FP8State._fields))
+        self.states = restored
