@@ -271,7 +271,7 @@ def is_optimizer_state(shape: Iterable[int]) -> bool:
 
 def memory_report(
     recipe: str, plan: MasterPlan, optimizers: Iterable[tuple[str, float, Iterable[tuple[int, str]]]],
-    actual: MemoryEstimate, weights_released: bool = False,
+    actual: MemoryEstimate, weights_released: bool = False, n_shards: int | None = None,
 ) -> dict[str, Any]:
     """What both monitors report: bytes of model state held, next to :func:`estimate_memory`.
 
@@ -280,6 +280,7 @@ def memory_report(
     (``optimizer_state`` per :func:`is_optimizer_state`).  The estimate is taken
     at the optimizer step (``fp32_master_grads=True``, ``weights_released`` as
     the adapter does) and is None when an optimizer is unknown to the core.
+    ``n_shards``: sharded training, one rank's share (:func:`estimate_memory`).
 
     Returns plain data: ``{"recipe", "master_weights", "optimizers": [kind...],
     "actual": actual.to_dict(), "estimate": dict | None}``.
@@ -294,7 +295,9 @@ def memory_report(
             known = False
             continue
         names.append(kind)
-        part = estimate_memory(plan, kind, list(params), fp32_master_grads=True, weights_released=weights_released)
+        part = (estimate_memory(plan, kind, list(params), n_shards=n_shards) if n_shards is not None else
+                estimate_memory(plan, kind, list(params), fp32_master_grads=True, weights_released=weights_released))
         estimate = part if estimate is None else estimate + part
-    return {"recipe": recipe, "master_weights": plan.master_weights, "optimizers": names,
+    sharding = {} if n_shards is None else {"n_shards": int(n_shards)}
+    return {"recipe": recipe, "master_weights": plan.master_weights, "optimizers": names, **sharding,
             "actual": actual.to_dict(), "estimate": estimate.to_dict() if known and estimate is not None else None}

@@ -46,7 +46,7 @@ class ShardedDtypes:
                 "output_dtype": self.output_dtype}
 
 
-def sharded_dtypes(recipe: Any, keeps_fp32: bool = False) -> ShardedDtypes:
+def sharded_dtypes(recipe: Any, keeps_fp32: bool = False, root: bool = True) -> ShardedDtypes:
     """The sharded policy of ``recipe`` (a :class:`~mp_callbacks.recipes.Recipe`).
 
     ==============  ============  ==============  ==============
@@ -59,9 +59,10 @@ def sharded_dtypes(recipe: Any, keeps_fp32: bool = False) -> ShardedDtypes:
 
     ``keeps_fp32``: the module is one the policy keeps in FP32 (norms,
     losses...): its parameters gather in FP32 (``param_dtype`` None) under
-    every recipe.  ``bf16-kahan`` / ``bf16-sr`` keep low-precision weights
-    without masters, which sharding does not: a ``ValueError`` says to use
-    ``bf16-master``.
+    every recipe.  ``root=False``: an inner sharded unit, whose outputs stay
+    in the compute dtype (``output_dtype`` None; only the root's are cast).
+    ``bf16-kahan`` / ``bf16-sr`` keep low-precision weights without masters,
+    which sharding does not: a ``ValueError`` says to use ``bf16-master``.
     """
     plan = recipe.master
     if plan.rounds_updates:
@@ -69,7 +70,8 @@ def sharded_dtypes(recipe: Any, keeps_fp32: bool = False) -> ShardedDtypes:
                          "shards, so it has no sharded form. Use 'bf16-master' (the FP32 shards are the masters)")
     reduce = canonical_dtype(getattr(recipe, "comm_dtype", "float32"), "comm_dtype")
     if plan.master_weights and not keeps_fp32:
-        return ShardedDtypes(plan.param_dtype, reduce, canonical_dtype(recipe.policy.output, "output"))
+        output = canonical_dtype(recipe.policy.output, "output") if root else None
+        return ShardedDtypes(plan.param_dtype, reduce, output)
     return ShardedDtypes(None, reduce, None)
 
 

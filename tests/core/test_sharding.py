@@ -42,6 +42,8 @@ def test_sharded_dtypes_of_each_recipe(name, param, output, comm):
     assert sharded_dtypes(recipe) == ShardedDtypes(param, comm, output)
     # a module the policy keeps in FP32 (a norm) gathers its FP32 shards as they are
     assert sharded_dtypes(recipe, keeps_fp32=True) == ShardedDtypes(None, comm, None)
+    # an inner unit: outputs stay in the compute dtype, only the root casts them
+    assert sharded_dtypes(recipe, root=False) == ShardedDtypes(param, comm, None)
 
 
 @pytest.mark.parametrize("name", ["bf16-kahan", "bf16-sr"])
