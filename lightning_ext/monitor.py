@@ -179,7 +179,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         for opt in trainer.optimizers:
             for p in _opt_params(opt):
                 low = low_of.get(id(p), p)
-                stored = canonical_dtype(low.dtype)
+                stored = canonical_dtype((plugin.sharded.gather_dtypes if plugin.sharded else {}).get(id(p), low.dtype))
                 out[id(p)] = (stored, swamp_storage_dtype(plugin.recipe, stored, kept.get(id(low), False)))
         return out
 
@@ -197,6 +197,8 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         that do not exist yet (before the first step) are not counted in ``actual``.
         """
         plugin = self._plugin(trainer)
+        if plugin.sharded is not None:  # FSDP2: this rank's shards, estimate with n_shards
+            return plugin.sharded.memory_report(plugin.recipe, trainer.lightning_module, trainer.optimizers)
         params = list({id(p): p for p in trainer.lightning_module.parameters()}.values())
         own = {id(p) for p in params}
         grads = sum(p.grad.nbytes for p in params if p.grad is not None)
@@ -348,6 +350,8 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
             add("swamp_total", total)
         if loss is not None and loss.numel() == 1:
             add("loss", loss.detach())
+        if plugin.sharded is not None:  # FSDP2: meters of the local shards, made global (one all-reduce)
+            values = plugin.sharded.reduce_meters(layout.names, values)
         device = values[0].device
         got = layout.unpack(torch.stack([v.detach().reshape(()).to(device=device, dtype=torch.float64)
                                          for v in values]).tolist())

@@ -34,11 +34,13 @@ from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
 from mp_callbacks.recipes import Recipe, get_recipe, plan_resume
 from mp_callbacks.scaler import ScalerConfig, StateDictError, check_state_dict
 
+from .comm import CommCounter, register_comm_hook
+from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
 from .fp8 import TorchFP8
 from .masters import MasterWeights
 from .module_policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
 from .scheduler_hold import SchedulerHold
-from .support import check_optimizer, check_strategy, recipe_name
+from .support import check_optimizer, check_strategy, is_sharded, recipe_name
 from .torch_scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
 from .update_rounding import UpdateRounding, rounding_record
 
@@ -78,6 +80,9 @@ class MixedPrecision(Precision):
       fp8: ``fp8-mixed`` only: the FP8 scaling settings (a preset name, ``"transformer-engine"``
         default, ``"keras"``, ``"torchao"``, or a dict such as ``{"mode": "current"}``,
         ``{"history_len": 16, "margin": 1}``: :class:`~mp_callbacks.fp8_recipe.FP8Recipe`).
+      comm_dtype: the dtype gradients are reduced across ranks in (``"float32"`` default,
+        ``"bfloat16"``, ``"float16"``): a DDP communication hook (:mod:`lightning_ext.comm`),
+        FSDP2's ``reduce_dtype`` (:meth:`fsdp_policy`).
 
     Raises:
       RecipeError: an unknown recipe name (the message lists the valid ones).
@@ -93,11 +98,11 @@ class MixedPrecision(Precision):
         free_weights_during_step: bool = True,
         allow_recipe_change: bool = False,
         divergence: Any = None,
-        state_dtype: Optional[str] = None, seed: int = 0,
+        state_dtype: Optional[str] = None, seed: int = 0, comm_dtype: Optional[str] = None,
         fp8: Any = None,
     ) -> None:
         self.recipe: Recipe = get_recipe(recipe_name(precision), scaler=scaler_config_from(scaler), policy=policy,
-                                         state_dtype=state_dtype)
+                                         state_dtype=state_dtype, comm_dtype=comm_dtype)
         self.recipe = self.recipe.with_fp8(fp8)
         self.precision = self.recipe.name  # type: ignore[assignment]
         self.device = str(device)
@@ -113,6 +118,8 @@ class MixedPrecision(Precision):
         self._hooked_module: Optional[nn.Module] = None
         self._lightning_module: Any = None
         self._pending_fp32_paths: list[str] = []
+        self.sharded: Optional[ShardedLayout] = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
+        self.comm_counter: Optional[CommCounter] = None  # set one to count DDP all-reduce bytes (lightning_ext.comm)
 
     @property
     def scaler(self) -> Optional[TorchLossScaler]:
@@ -157,6 +164,11 @@ class MixedPrecision(Precision):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, device={self.device!r})"
 
+    def fsdp_policy(self, module: Optional[nn.Module] = None, path: str = "") -> Any:
+        """torch FSDP2's ``MixedPrecisionPolicy`` for this recipe (for ``module``: FP32 for one the
+        policy keeps in FP32), for ``fully_shard(..., mp_policy=...)`` in ``configure_model``."""
+        return fsdp_policy(self.recipe, module, path)
+
     # ---------------------------------------------------------- module / setup
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Apply the recipe to the model: parameter storage (``*-master``, ``bf16-kahan``/``-sr``), FP32-op hooks."""
@@ -164,6 +176,7 @@ class MixedPrecision(Precision):
         strategy = getattr(trainer, "strategy", None) if trainer is not None else None
         if strategy is not None:
             check_strategy(strategy)
+            self.sharded = inspect_sharded(module, self.recipe) if is_sharded(strategy) else None
             root = getattr(strategy, "root_device", None)
             if isinstance(root, torch.device) and root.type != self._device_type and self.recipe.low_precision:
                 warnings.warn(
@@ -173,7 +186,7 @@ class MixedPrecision(Precision):
                 self._device_type = root.type
         self._lightning_module = module
         store = self.masters if self.masters is not None else self.rounding
-        if store is not None:
+        if store is not None and self.sharded is None:  # sharded: the FP32 shards are the masters
             store.record_originals(module, cast_module_storage(module, self.policy, self.compute_dtype))
         if self.recipe.low_precision and self._hooked_module is not module:
             if self._policy_handle is not None:
@@ -191,13 +204,14 @@ class MixedPrecision(Precision):
         for opt in optimizers:
             check_optimizer(unwrap_optimizer(opt), self.recipe.name)
         root = self._lightning_module if self._lightning_module is not None else model
-        if self.masters is not None:
+        if self.masters is not None and self.sharded is None:
             self.masters.install(root, [unwrap_optimizer(o) for o in optimizers])
             for path in self._pending_fp32_paths:
                 self.keep_in_fp32(path)
             self._pending_fp32_paths = []
         if self.rounding is not None:
             self.rounding.install(root, [unwrap_optimizer(o) for o in optimizers])
+        register_comm_hook(model, self.recipe.comm_dtype, self.comm_counter)
         if self._lightning_module is not None and lr_schedulers:
             self._hold.install(self._lightning_module)
         return model, optimizers, lr_schedulers

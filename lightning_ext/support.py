@@ -1,10 +1,13 @@
 """What the plugin trains with: recipe names, strategies and optimizers.
 
-Supported: single-device strategies and DDP (``ddp``, ``ddp_spawn``...), and
-first-order optimizers.  Strategies that shard parameters or optimizer state,
-or bring their own precision handling, are refused with the setting to use
-instead; so is LBFGS under any recipe but ``32-true`` (it re-evaluates the
-closure inside ``step()``, which loss scaling, skipping and masters cannot wrap).
+Supported: single-device strategies, DDP (``ddp``, ``ddp_spawn``...),
+``ModelParallelStrategy`` (FSDP2 ``fully_shard``, :mod:`lightning_ext.fsdp`),
+and first-order optimizers.  FSDP1 (``FSDPStrategy``) takes
+:class:`lightning_ext.fsdp1.FSDPMixedPrecision` instead; other strategies that
+shard state or bring their own precision handling are refused with the
+setting to use instead; so is LBFGS under any recipe but ``32-true`` (it
+re-evaluates the closure inside ``step()``, which loss scaling, skipping and
+masters cannot wrap).
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mp_callbacks.recipes import RecipeError, canonical_recipe_name
 
-__all__ = ["check_optimizer", "check_strategy", "recipe_name"]
+__all__ = ["check_optimizer", "check_strategy", "is_sharded", "recipe_name"]
 
 _UNSUPPORTED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed's own fp16/bf16 config: Trainer(strategy='deepspeed', precision='16-mixed')",
-    "FSDPStrategy": "FSDP's mixed precision: Trainer(strategy='fsdp', precision='bf16-mixed')",
-    "ModelParallelStrategy": "the strategy's own precision settings (torch FSDP2 MixedPrecisionPolicy)",
+    "FSDPStrategy": "lightning_ext.fsdp1.FSDPMixedPrecision(recipe) as the FSDP strategy's precision plugin, or "
+                    "FSDP's mixed precision: Trainer(strategy='fsdp', precision='bf16-mixed')",
     "XLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
     "SingleDeviceXLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
 }
@@ -38,9 +41,14 @@ def recipe_name(precision: Any) -> str:
                           f"'bf16-mixed', or another lightning_ext recipe: {exc}.{hint}") from None
 
 
+def is_sharded(strategy: Any) -> bool:
+    """True under ``ModelParallelStrategy`` (FSDP2: the plugin follows :mod:`lightning_ext.fsdp`)."""
+    return any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__)
+
+
 def check_strategy(strategy: Any) -> None:
     """Raise ``MisconfigurationException`` when ``strategy`` shards or re-implements precision handling."""
-    if strategy is None:
+    if strategy is None or is_sharded(strategy):
         return
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -53,7 +61,7 @@ def check_strategy(strategy: Any) -> None:
             )
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         raise MisconfigurationException(
-            f"lightning_ext.MixedPrecision supports single-device and DDP strategies, not "
+            f"lightning_ext.MixedPrecision supports single-device, DDP and ModelParallelStrategy (FSDP2), not "
             f"{type(strategy).__name__}. Use strategy='ddp' (or 'ddp_spawn'), or the strategy's own precision."
         )
 

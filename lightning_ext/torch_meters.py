@@ -31,6 +31,8 @@ __all__ = [
 
 
 def _dense(t: Tensor) -> Tensor:
+    if hasattr(t, "device_mesh") and hasattr(t, "to_local"):  # a DTensor (FSDP2): this rank's shard
+        t = t.to_local()
     return t.coalesce()._values() if t.is_sparse else t
 
 

@@ -21,7 +21,8 @@ step is an error, as in torch.  Rules:
   :func:`~mp_callbacks.scaler.checks_overflow`), torch's fused
   ``_amp_foreach_non_finite_check_and_unscale_`` unscales by ``1/scale``
   (computed in float64, as ``GradScaler``) and sets ``found_inf``, which is
-  all-reduced (MAX) over the process group so every rank decides alike.
+  all-reduced (MAX) over the process group so every rank decides alike
+  (under FSDP2 each rank checks its local gradient shards: ``ShardedGradScaler``'s semantics).
 * ``step``: one host read of ``found_inf`` when scaling is on (as
   ``GradScaler.step``); a skipped step calls nothing, so parameters, masters,
   compensation buffers, the rounding stream, optimizer state and the
@@ -339,6 +340,8 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
                     if grad.dtype is torch.float16:
                         p.grad = grad = grad.coalesce()
                     grad = grad._values()
+                if hasattr(grad, "device_mesh"):  # a DTensor (FSDP2 shard): check the local shard; the one
+                    grad = grad.to_local()        # all-reduce below makes the flag global
                 groups[(grad.device, grad.dtype)].append(grad)
         if self.config.enabled:
             inv_scale = self.grad_scale.double().reciprocal().float()

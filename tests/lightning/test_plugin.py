@@ -56,18 +56,10 @@ def test_lbfgs_runs_under_32_true():
     assert trainer.global_step == 2
 
 
-class ShardedRegressor(TinyRegressor):
-    def configure_model(self):  # what ModelParallelStrategy asks for (the user would fully_shard here)
-        pass
-
-
 def test_unsupported_strategies_are_refused_through_the_trainer():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
-    trainer = pl.Trainer(plugins=[MixedPrecision("bf16-mixed")], strategy=ModelParallelStrategy(), max_steps=1,
-                         **trainer_kwargs())
-    with pytest.raises(MisconfigurationException, match="ModelParallelStrategy.*FSDP2 MixedPrecisionPolicy"):
-        trainer.fit(ShardedRegressor(), loader())
+    check_strategy(ModelParallelStrategy())  # FSDP2: supported (tests/lightning/test_scale_out.py)
 
     class DeepSpeedStrategy(DDPStrategy):  # stands in for lightning's (deepspeed is not installed)
         pass
@@ -77,7 +69,7 @@ def test_unsupported_strategies_are_refused_through_the_trainer():
     with pytest.raises(MisconfigurationException, match="DeepSpeedStrategy.*DeepSpeed's own fp16/bf16"):
         trainer.fit(TinyRegressor(), loader())
     # FSDP (FSDP1) refuses the CPU itself; the plugin's message is checked on the object
-    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*precision='bf16-mixed'"):
+    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*FSDPMixedPrecision.*precision='bf16-mixed'"):
         check_strategy(FSDPStrategy())
 
 
