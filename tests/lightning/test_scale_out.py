@@ -69,6 +69,12 @@ def test_fsdp2_overflow_on_one_rank_skips_everywhere_like_sharded_grad_scaler(ra
     assert results[0]["scale"] == results[1]["scale"]
 
 
+def test_overflow_consensus_is_one_all_reduce_of_one_value(ranks):
+    for r in ranks("fsdp_skip"):
+        # per step the scaler's check issues one all-reduce of one float32 flag (4 bytes), nothing else
+        assert r["consensus"] == [[("all_reduce", 4)]] * STEPS
+
+
 def test_fsdp2_monitor_logs_once_with_meters_reduced_over_ranks(ranks):
     results = ranks("fsdp_skip")
     for r in results:
@@ -133,8 +139,13 @@ def test_ddp_comm_dtype_counted_bytes_and_hooks(ranks):
             assert counted["bytes"] == 4 * counted["numel"] * size  # 4 steps x 161 elements x bytes in comm_dtype
         for comm in ("bfloat16", "float16"):  # low-precision communication stays close to FP32's
             assert r[(comm, False, None)]["losses"] == pytest.approx(r[("float32", False, None)]["losses"], rel=1e-3)
-    for a, b in zip(*(list(r.values()) for r in results)):
+        for comm in ("float32", "bfloat16"):  # bf16-master: bf16 buckets, reduced in comm_dtype (FP32 by default)
+            run = r[("bf16-master", comm)]
+            assert run["by_dtype"] == {comm: 2 * run["numel"] * (4 if comm == "float32" else 2)}  # 2 steps
+    for a, b in zip(*([v for k, v in r.items() if k[0] != "bf16-master"] for r in results)):
         assert _equal(a["params"], b["params"]) and a["skips"] == b["skips"]  # ranks agree everywhere
+    for comm in ("float32", "bfloat16"):
+        assert _equal(results[0][("bf16-master", comm)]["masters"], results[1][("bf16-master", comm)]["masters"])
 
 
 def test_ddp_fp16_reduction_overflow_is_caught_after_the_reduction(ranks):

@@ -119,16 +119,47 @@ def fsdp_trainer(plugin, out: Path, **kw) -> pl.Trainer:
                       **trainer_kwargs(devices=2, **kw))
 
 
+def count_collectives(scaler) -> list:
+    """Wrap the scaler's overflow check: per step, the (collective, bytes) it issues (dist and DTensor's funcol)."""
+    import torch.distributed._functional_collectives as funcol
+
+    per_step: list = []
+    check = scaler._check_and_unscale
+
+    def counted(*args, **kwargs):
+        calls: list = []
+        originals = (dist.all_reduce, funcol.all_reduce)
+
+        def spy(name, fn):
+            def wrapper(tensor, *a, **k):
+                calls.append((name, tensor.numel() * tensor.element_size()))
+                return fn(tensor, *a, **k)
+            return wrapper
+
+        dist.all_reduce, funcol.all_reduce = spy("all_reduce", originals[0]), spy("funcol.all_reduce", originals[1])
+        try:
+            return check(*args, **kwargs)
+        finally:
+            dist.all_reduce, funcol.all_reduce = originals
+            per_step.append(calls)
+
+    scaler._check_and_unscale = counted
+    return per_step
+
+
 def fsdp_skip(out: Path) -> dict:
     record = Record()
     monitor = MixedPrecisionMonitor(log_every_n_steps=1, meter_samples=None, log_memory=False)
     model = Sharded(inf_steps={INF_STEP})
-    trainer = fsdp_trainer(MixedPrecision("16-master", scaler=SCALER), out, max_steps=STEPS,
-                           callbacks=[monitor, record], logger=CSVLogger(str(out / "logs"), name="fsdp"))
+    plugin = MixedPrecision("16-master", scaler=SCALER)
+    collectives = count_collectives(plugin.loss_scaler)
+    trainer = fsdp_trainer(plugin, out, max_steps=STEPS, callbacks=[monitor, record],
+                           logger=CSVLogger(str(out / "logs"), name="fsdp"))
     trainer.fit(model, loader())
     scaler = trainer.precision_plugin.loss_scaler
     return {"steps": record.steps, "history": [s.metrics() | {"step": s.step} for s in monitor.history],
             "skipped": scaler.skipped, "overflows": scaler.overflows, "scale": scaler.get_scale(),
+            "consensus": collectives,
             "reference": sharded_grad_scaler_reference(trainer.precision_plugin, model.net[0].weight.device_mesh)}
 
 
@@ -254,6 +285,15 @@ def ddp_comm(out: Path) -> dict:
                 "bytes": None if not counted else plugin.comm_counter.total_bytes,
                 "by_dtype": None if not counted else plugin.comm_counter.by_dtype,
                 "numel": sum(p.numel() for p in model.parameters())}
+    for comm in ("float32", "bfloat16"):  # *-master: DDP's buckets hold bf16 gradients
+        plugin = MixedPrecision("bf16-master", comm_dtype=comm)
+        plugin.comm_counter = CommCounter()
+        model = Plain()
+        pl.Trainer(plugins=[plugin], strategy=DDPStrategy(), max_steps=2, use_distributed_sampler=False,
+                   **trainer_kwargs(devices=2)).fit(model, loader())
+        results[("bf16-master", comm)] = {"by_dtype": plugin.comm_counter.by_dtype,
+                                          "numel": sum(p.numel() for p in model.parameters()),
+                                          "masters": {k: v.clone() for k, v in plugin.master_state_dict().items()}}
     return results
 
 
