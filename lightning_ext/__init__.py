@@ -9,10 +9,15 @@ operator policy, FP32 master weights (:class:`MasterWeights`) and, for
 
 Modules, one job each: ``plugin`` (Lightning hooks), ``torch_scaler``,
 ``masters``, ``update_rounding``, ``scheduler_hold``, ``support``, ``module_policy``,
-``attribution``, ``monitor``, ``torch_meters``, ``torch_ops``, ``compare``.
+``attribution``, ``monitor``, ``torch_meters``, ``torch_ops``, ``compare``; scaling out:
+``fsdp`` (ModelParallelStrategy / FSDP2), ``fsdp1`` (:class:`FSDPMixedPrecision` for FSDPStrategy),
+``comm`` (the recipe's ``comm_dtype`` as a DDP communication hook, :class:`CommCounter`).
 """
 
 from .attribution import OverflowTracer
+from .comm import CommCounter
+from .fsdp import fully_shard_model
+from .fsdp1 import FSDPMixedPrecision
 from .masters import MasterWeights
 from .module_policy import apply_module_policy, cast_module_storage
 from .monitor import MixedPrecisionMonitor
@@ -22,6 +27,6 @@ from .torch_ops import TorchOps
 from .torch_scaler import OptState, TorchLossScaler
 from .update_rounding import TorchRoundingOps, UpdateRounding
 
-__all__ = ["MasterWeights", "MixedPrecision", "MixedPrecisionMonitor", "OptState", "OverflowTracer",
+__all__ = ["CommCounter", "FSDPMixedPrecision", "MasterWeights", "MixedPrecision", "MixedPrecisionMonitor", "OptState", "OverflowTracer",
            "TorchLossScaler", "TorchOps", "TorchRoundingOps", "UpdateRounding", "apply_module_policy",
-           "cast_module_storage", "check_strategy"]
+           "cast_module_storage", "check_strategy", "fully_shard_model"]
