@@ -13,9 +13,11 @@ their own master.  :class:`MasterWeights` is that rule in torch:
 * :meth:`grads_to_masters` makes each low-precision gradient its master's FP32
   gradient and releases the low one;
 * :meth:`updating` wraps ``optimizer.step()``: the low-precision weights'
-  storage is released while the step runs (nothing reads them), the spent FP32
-  gradients are dropped after it, and the weights are rebuilt from the masters,
-  also when the step raises;
+  storage is released while the step runs (nothing reads them), the step runs
+  torch's fused kernel where the user left the implementation to torch
+  (:mod:`lightning_ext.fused_step`; ``fused_step=False`` keeps torch's default),
+  the spent FP32 gradients are dropped after it, and the weights are rebuilt
+  from the masters, also when the step raises;
 * :meth:`state_dict` / :meth:`load_state_dict`: ``{parameter name: master}``.
 """
 
@@ -29,6 +31,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from mp_callbacks.scaler import StateDictError
+
+from .fused_step import fused_implementation
 
 __all__ = ["MasterEntry", "MasterWeights"]
 
@@ -47,10 +51,13 @@ class MasterWeights:
     Args:
       free_weights_during_step: release the low-precision weights' storage
         while the optimizer steps (see :meth:`updating`).
+      fused_step: step the masters with torch's fused kernel where the user left
+        the implementation to torch (:func:`~lightning_ext.fused_step.fused_implementation`).
     """
 
-    def __init__(self, free_weights_during_step: bool = True) -> None:
+    def __init__(self, free_weights_during_step: bool = True, fused_step: bool = True) -> None:
         self.free_weights_during_step = bool(free_weights_during_step)
+        self.fused_step = bool(fused_step)
         self._entries: dict[int, MasterEntry] = {}  # id(low-precision param) -> entry
         self._by_optimizer: dict[int, tuple[Any, list[MasterEntry]]] = {}
         self._originals: dict[str, Tensor] = {}
@@ -180,7 +187,8 @@ class MasterWeights:
         entries = self.for_optimizer(optimizer)
         released = _release(entries) if self.free_weights_during_step else []
         try:
-            yield
+            with fused_implementation(optimizer) if self.fused_step else contextlib.nullcontext():
+                yield
         finally:
             if released:  # the step's end holds no more than its middle
                 for entry in entries:
