@@ -34,11 +34,12 @@ fused AdamW on the master          16 read (grad, master, m, v) + 12 written
 FP32 master -> bf16 weight         4 read + 2 written (one fused copy)
 =================================  =========================================
 
-40 bytes in three vectorized passes, where the single-tensor loop moves ~100.
-A single pass that reads the bf16 gradient and writes the bf16 weight itself
-(28 bytes: a ``torch.compile``'d update) was measured slower on CPU than these
-three passes (``benchmarks/bench_fused_step.py``), and it needs a C++
-compiler and a compile per process, so it is not used.
+40 bytes in three vectorized passes, where the single-tensor loop moves ~100
+and allocates temporaries.  A single pass that reads the bf16 gradient and
+writes the bf16 weight itself (28 bytes, no FP32 gradient) is measured next to
+these in ``benchmarks/bench_lightning_fused_step.py`` (a ``torch.compile``'d
+update, and eager chunks through the same fused kernel); see
+benchmarks/README.md for the figures and why the plugin keeps the three passes.
 """
 
 from __future__ import annotations
