@@ -52,17 +52,73 @@ def with_controls(variants: Mapping[str, Callable[[], float]], natives: list[str
     return out
 
 
-def print_table(title: str, times: Mapping[str, list[float]], pairs: list[tuple[str, str, str]]) -> None:
-    """``pairs``: (ours, native, target text); a native with a control variant gets its control ratio beside."""
-    print(f"\n{title}")
+def ratios(times: Mapping[str, list[float]], ours: str, native: str) -> list[float]:
+    """The per-round ratios ours/native."""
+    return [a / b for a, b in zip(times[ours], times[native])]
+
+
+def summary(times: Mapping[str, list[float]], pairs: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """Per variant: median step over rounds with the min and max round; per pair: the median per-round ratio
+    with its min and max round, and the control's (the same native variant run twice) when there is one."""
+    out: dict[str, Any] = {"variants": {}, "ratios": []}
     for name, ts in times.items():
-        print(f"  {name:<42} median step {1000 * statistics.median(ts):8.3f} ms over {len(ts)} rounds")
+        out["variants"][name] = {"median_ms": 1000 * statistics.median(ts), "min_ms": 1000 * min(ts),
+                                 "max_ms": 1000 * max(ts), "rounds_ms": [1000 * t for t in ts]}
     for ours, native, target in pairs:
-        line = f"  ratio {ours} / {native}: {ratio(times, ours, native):.3f}   (target {target})"
+        rs = ratios(times, ours, native)
+        row: dict[str, Any] = {"ours": ours, "native": native, "target": target,
+                               "median": statistics.median(rs), "min": min(rs), "max": max(rs)}
         control = control_name(native)
         if control in times:
-            line += f"   control {control} / {native}: {ratio(times, control, native):.3f}"
+            cs = ratios(times, control, native)
+            row["control"] = {"median": statistics.median(cs), "min": min(cs), "max": max(cs)}
+        out["ratios"].append(row)
+    return out
+
+
+def print_table(title: str, times: Mapping[str, list[float]], pairs: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """``pairs``: (ours, native, target text); a native with a control variant gets its control ratio beside.
+    Spreads are the min-max over rounds.  Returns :func:`summary` (with the title)."""
+    data = summary(times, pairs)
+    data["title"] = title
+    print(f"\n{title}")
+    for name, v in data["variants"].items():
+        print(f"  {name:<46} median step {v['median_ms']:9.3f} ms  (rounds {v['min_ms']:.3f}-{v['max_ms']:.3f}, "
+              f"{len(v['rounds_ms'])} rounds)")
+    for row in data["ratios"]:
+        line = (f"  ratio {row['ours']} / {row['native']}: {row['median']:.3f} ({row['min']:.3f}-{row['max']:.3f})"
+                f"   target {row['target']}")
+        if "control" in row:
+            c = row["control"]
+            line += f"   control: {c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f})"
         print(line)
+    return data
+
+
+def machine_line(threads: int | None = None) -> str:
+    """CPU model, the low-precision features found (mp_callbacks.machine), torch's version, threads."""
+    from mp_callbacks.machine import cpu_model, features
+
+    found = [k for k, v in features().items() if v and k in ("amx_bf16", "amx_fp16", "avx512_bf16",
+                                                                  "avx512_fp16", "avx512f", "avx2")]
+    line = f"CPU: {cpu_model() or 'unknown'}; features: {', '.join(found) or 'none found'}"
+    try:
+        import torch
+
+        line += f"; torch {torch.__version__}"
+    except ImportError:  # pragma: no cover
+        pass
+    return line + (f"; {threads} thread(s)" if threads else "")
+
+
+def write_json(path: str | None, data: Any) -> None:
+    """Write ``data`` (with the machine line) to ``path`` as JSON, when a path was given."""
+    if path:
+        import json
+
+        with open(path, "w") as fh:
+            json.dump({"machine": machine_line(), "results": data}, fh, indent=2)
+        print(f"\nfigures written to {path}")
 
 
 def base_parser(doc: str | None, rounds: int = 7, steps: int = 40, hidden: int = 1024, depth: int = 3,
@@ -75,6 +131,7 @@ def base_parser(doc: str | None, rounds: int = 7, steps: int = 40, hidden: int =
     parser.add_argument("--hidden", type=int, default=hidden)
     parser.add_argument("--depth", type=int, default=depth)
     parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures to PATH (JSON)")
     return parser
 
 

@@ -67,7 +67,8 @@ def recipe_notes(found: dict[str, bool], slowdown: dict[str, float] | None = Non
     lines = ["CPU features: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in found.items())]
     for dtype, recipes in RECIPE_GROUPS.items():
         kernel = native_kernel(dtype, found)
-        probe = f"; probe: {dtype} matmul {slowdown[dtype]:.1f}x float32's time" if slowdown and dtype in slowdown else ""
+        probe = (f"; probe: {dtype} matmul {slowdown[dtype]:.1f}x float32's time"
+                 if slowdown and dtype in slowdown else "")
         if kernel == "none":
             meaning = (f"no native {dtype} matmul on this CPU: {', '.join(recipes)} compute through a slow fallback "
                        "(torch), expect them slower than 32-true; their bytes/param and accuracy still hold")

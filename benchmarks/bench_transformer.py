@@ -1,0 +1,260 @@
+"""Lightning on a small GPT-2-style transformer: every recipe, ours vs native, alternating, with controls.
+
+    python benchmarks/bench_transformer.py [--threads 1] [--rounds 4] [--steps 12] [--batch-size 4]
+        [--seq 32] [--d-model 128] [--layers 2] [--only TEXT ...] [--profile] [--json PATH]
+
+The MLP of bench_lightning.py has no attention, LayerNorm, GELU or embeddings,
+so it hides the cost of the policy's FP32 regions; this model has all of them
+(``bench_transformer_model.py``: GPT-2 as Hugging Face writes it, with its
+``NewGELUActivation`` module, which the op policy does not know).  Every
+variant trains the same model (same initial weights, same random-token
+batches, AdamW lr 1e-3) through ``Trainer``; variants alternate in one process
+(A B C / C B A), a fit's figure is its median timed window
+(:func:`mp_callbacks.compare.step_timing`), ratios are medians of per-round
+ratios with their min-max over rounds, and each native variant runs a second
+time as a control.
+
+Variants: native (Lightning's ``Precision``/``MixedPrecision``) and ours
+(``lightning_ext.MixedPrecision``) for 32-true, 16-mixed and bf16-mixed; ours
+bf16-mixed with ``NewGELUActivation`` declared low precision (a module rule:
+the price of the FP32 region of an unknown module); ours 16-master,
+bf16-master (fused master step, the default), bf16-master with torch's
+default step (``fused_step=False``), bf16-kahan, bf16-sr; native bf16-mixed
+with ``AdamW(fused=True)`` (what the fused kernel alone gives native).
+
+``--profile`` instead runs the torch profiler over a few steps of native and
+ours bf16-mixed (default and GELU declared) and ours bf16-master, prints the
+ops that take the time, and times the GELU module alone in an FP32 region vs
+in bf16 (forward and backward, the casts around it included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed  # noqa: E402
+from lightning.pytorch.plugins.precision import Precision  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from bench_transformer_model import GPTConfig, TinyGPT, lm_loss, token_batches  # noqa: E402
+from common import alternate, base_parser, machine_line, print_table, with_controls, write_json  # noqa: E402
+from lightning_ext import MixedPrecision  # noqa: E402
+from lightning_ext.compare import state_bytes  # noqa: E402
+from mp_callbacks.compare import step_timing  # noqa: E402
+from mp_callbacks.recipes import get_recipe  # noqa: E402
+
+GELU_RULE = ("NewGELUActivation", "bfloat16")
+
+
+class LM(pl.LightningModule):
+    def __init__(self, cfg: GPTConfig, seed: int, fused_adamw: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = TinyGPT(cfg)
+        self.fused_adamw = fused_adamw
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return lm_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True if self.fused_adamw else None)
+
+
+class _Timer(pl.Callback):
+    """Per-step wall time; bytes held at the optimizer step (start and end of the first two applied steps)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.held = 0
+        self._t0 = 0.0
+        self._hooks: list[Any] = []
+        self._applied = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        opt = trainer.optimizers[0]
+        plugin = trainer.precision_plugin
+        rounding = getattr(plugin, "rounding", None)
+
+        def measure(optimizer: Any, args: Any, kwargs: Any, post: bool = False) -> None:
+            self.held = max(self.held, state_bytes(pl_module, optimizer, rounding.buffers() if rounding else ()))
+            if post:
+                self._applied += 1
+                if self._applied >= 2:
+                    for h in self._hooks:
+                        h.remove()
+
+        self._hooks = [opt.register_step_pre_hook(measure),
+                       opt.register_step_post_hook(lambda o, a, k: measure(o, a, k, post=True))]
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._t0)
+
+
+def fit(plugin: Any, cfg: GPTConfig, batches: list, seed: int = 0, fused_adamw: bool = False) -> tuple[LM, _Timer]:
+    module = LM(cfg, seed, fused_adamw)
+    timer = _Timer()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_steps=len(batches), max_epochs=1,
+                         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    return module, timer
+
+
+def ours(recipe: str, gelu_low: bool = False, fused_step: bool = True) -> Callable[[], Any]:
+    def make() -> Any:
+        policy = get_recipe(recipe).policy
+        if gelu_low:
+            policy = dataclasses.replace(policy, module_rules=policy.module_rules + (GELU_RULE,))
+        plugin = MixedPrecision(recipe, "cpu", policy=policy)
+        if plugin.masters is not None:
+            plugin.masters.fused_step = fused_step
+        return plugin
+    return make
+
+
+VARIANTS: dict[str, tuple[Callable[[], Any], bool]] = {  # name -> (plugin factory, AdamW fused=True)
+    "native 32-true": (lambda: Precision(), False),
+    "ours 32-true": (ours("32-true"), False),
+    "native 16-mixed": (lambda: NativeMixed("16-mixed", "cpu", torch.amp.GradScaler("cpu")), False),
+    "ours 16-mixed": (ours("16-mixed"), False),
+    "native bf16-mixed": (lambda: NativeMixed("bf16-mixed", "cpu"), False),
+    "ours bf16-mixed": (ours("bf16-mixed"), False),
+    "ours bf16-mixed, GELU declared bf16": (ours("bf16-mixed", gelu_low=True), False),
+    "native bf16-mixed, AdamW(fused=True)": (lambda: NativeMixed("bf16-mixed", "cpu"), True),
+    "ours 16-master": (ours("16-master"), False),
+    "ours bf16-master": (ours("bf16-master"), False),
+    "ours bf16-master, torch's default step": (ours("bf16-master", fused_step=False), False),
+    "ours bf16-kahan": (ours("bf16-kahan"), False),
+    "ours bf16-sr": (ours("bf16-sr"), False),
+}
+PAIRS = [
+    ("ours 32-true", "native 32-true", "<= 1.03"),
+    ("ours 16-mixed", "native 16-mixed", "<= 1.03"),
+    ("ours bf16-mixed", "native bf16-mixed", "<= 1.03"),
+    ("ours bf16-mixed", "ours bf16-mixed, GELU declared bf16", "FP32 region of the unknown GELU module"),
+    ("ours 16-master", "native 16-mixed", "<= 0.95"),
+    ("ours bf16-master", "native bf16-mixed", "<= 0.95"),
+    ("ours bf16-master", "native bf16-mixed, AdamW(fused=True)", "reference"),
+    ("ours bf16-master", "ours bf16-master, torch's default step", "the fused step's gain"),
+    ("ours bf16-kahan", "native bf16-mixed", "none"),
+    ("ours bf16-sr", "native bf16-mixed", "none"),
+]
+NATIVES = ["native 32-true", "native 16-mixed", "native bf16-mixed"]
+
+
+def profile(cfg: GPTConfig, batches: list, threads: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    steps = len(batches) - 2
+    for name in ("native bf16-mixed", "ours bf16-mixed", "ours bf16-mixed, GELU declared bf16", "ours bf16-master"):
+        make, fused = VARIANTS[name]
+        fit(make(), cfg, batches[:2])  # warm-up
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            fit(make(), cfg, batches[2:], fused_adamw=fused)
+        rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in rows) / steps / 1000
+        print(f"\n{name}: {total:.1f} ms of op self time per step ({threads} thread(s)); top ops per step:")
+        for e in rows[:12]:
+            print(f"  {e.key:<44} {e.count / steps:7.1f} calls {e.self_cpu_time_total / steps / 1000:9.2f} ms")
+    print("\nThe GELU module alone, forward + backward on a (batch*seq, ff) activation, "
+          f"{threads} thread(s) (median of 20):")
+    from bench_transformer_model import NewGELUActivation
+
+    act = NewGELUActivation()
+    n = batches[0][0].numel()
+    x16 = torch.randn(n, cfg.ff).to(torch.bfloat16)
+    w = torch.randn(cfg.ff, cfg.d_model).to(torch.bfloat16)
+
+    def region_fp32() -> None:  # what the policy does: cast in, FP32 math, FP32 out, the next Linear casts back
+        x = x16.detach().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+            y = act(x.float())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (y @ w.float()).sum().backward()
+
+    def region_bf16() -> None:  # what autocast alone does: the elementwise ops follow their bf16 input
+        x = x16.detach().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (act(x) @ w.float()).sum().backward()
+
+    for label, fn in (("FP32 region (the default for an unknown module)", region_fp32),
+                      ("bf16, as autocast runs it", region_bf16)):
+        fn()
+        ts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        ts.sort()
+        print(f"  {label:<50} {1000 * ts[10]:8.3f} ms")
+
+
+def main() -> None:
+    parser = base_parser(__doc__, rounds=4, steps=12, batch_size=4)
+    parser.set_defaults(threads=[1])
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="run only the variants whose name contains one of these (and the natives they need)")
+    parser.add_argument("--profile", action="store_true", help="profile instead of timing the variants")
+    args = parser.parse_args()
+    import logging
+    import warnings
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=4, layers=args.layers,
+                    ff=4 * args.d_model)
+    batches = token_batches(cfg, args.steps, args.batch_size)
+    n_params = sum(p.numel() for p in TinyGPT(cfg).parameters())
+    summaries = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        print(machine_line(threads))
+        if args.profile:
+            profile(cfg, batches, threads)
+            continue
+        pairs = [p for p in PAIRS if args.only is None or any(t in p[0] for t in args.only)]
+        names = list(dict.fromkeys(n for p in pairs for n in p[:2]))
+        held: dict[str, float] = {}
+
+        def measure(name: str) -> Callable[[], float]:
+            make, fused = VARIANTS[name]
+
+            def once() -> float:
+                _, timer = fit(make(), cfg, batches, fused_adamw=fused)
+                held[name] = timer.held / n_params
+                return step_timing(timer.times).median_ms / 1000
+            return once
+
+        variants = with_controls({n: measure(n) for n in names}, [n for n in NATIVES if n in names])
+        times = alternate(variants, args.rounds)
+        data = print_table(
+            f"Lightning, GPT-2-style transformer ({args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
+            f"vocab {args.vocab}, {n_params} params), batch {args.batch_size}, {args.steps} steps/fit, "
+            f"{threads} thread(s), AdamW", times, pairs)
+        print("  model state at the optimizer step (B/param): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in held.items() if k.startswith("ours")))
+        data["held_bytes_per_param"] = held
+        summaries.append(data)
+    write_json(args.json, summaries)
+
+
+if __name__ == "__main__":
+    main()

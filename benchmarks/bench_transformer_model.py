@@ -1,0 +1,108 @@
+"""A small GPT-2-style language model for the transformer benchmarks (torch; imported by
+bench_transformer.py and bench_lightning_fused_step.py), written the way Hugging Face writes
+GPT-2: token and position embeddings, pre-LayerNorm blocks with causal self-attention
+(``scaled_dot_product_attention``) and an MLP whose activation is a module of plain tensor ops
+(``NewGELUActivation``, GPT-2's tanh GELU), a final LayerNorm and an (untied) output head.
+
+``NewGELUActivation`` is a class the op policy does not know: an *unknown leaf module*, which the
+policy runs in an FP32 region (autocast off, inputs cast to FP32) unless a module rule declares it
+(``{"NewGELUActivation": "bfloat16"}``).  ``transformers`` is not a dependency of this project, so the
+benchmark uses this hand-written twin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 512
+    seq: int = 32
+    d_model: int = 128
+    heads: int = 4
+    layers: int = 2
+    ff: int = 512
+
+
+class NewGELUActivation(nn.Module):
+    """GPT-2's GELU, tanh approximation, as ``transformers.activations.NewGELUActivation`` computes it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, ff: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, ff)
+        self.act = NewGELUActivation()
+        self.c_proj = nn.Linear(ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.heads)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg.d_model, cfg.ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq, cfg.d_model)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def token_batches(cfg: GPTConfig, steps: int, batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    """``steps`` batches of (inputs, next-token targets): random tokens, the same for every run."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.vocab, (batch_size, cfg.seq + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
