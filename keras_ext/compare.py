@@ -93,13 +93,17 @@ def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> in
 
     for v in model.variables:
         add(v)
-    masters = list(optimizer.master_variables) if isinstance(optimizer, LossScaleOptimizer) else []
+    masters = [m for m in optimizer.master_variables if m is not None] if isinstance(optimizer, LossScaleOptimizer) \
+        else []
     for v in model.trainable_variables:  # the gradients
         numel = int(np.prod(v.shape, dtype=np.int64))
         total += 4 * numel if (masters and _is_low(v)) else _nbytes(v)
     inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
     for m in masters:
         add(m)
+    rounding = optimizer.update_rounding if isinstance(optimizer, LossScaleOptimizer) else None
+    for c in rounding.compensation_variables if rounding is not None else []:  # bf16-kahan's buffers
+        add(c)
     for v in inner.variables:
         if is_optimizer_state(v.shape):  # not iterations, learning rate
             add(v)
@@ -271,11 +275,3 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
         final_loss=float(np.mean(tail)), accuracy=accuracy,
         overflows=opt.overflows, skipped=opt.skipped, history=recorder.history,
     )
-
-
-def supports(recipe: str) -> bool:
-    """Whether keras_ext trains ``recipe`` (:func:`keras_ext.policy.check_supported`)."""
-    return not get_recipe(recipe).master.rounds_updates
-
-
-run.supports = supports  # type: ignore[attr-defined]

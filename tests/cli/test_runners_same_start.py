@@ -20,7 +20,7 @@ import pytest
 from mp_callbacks.compare import RunSpec, scaler_for
 from mp_callbacks.recipes import RECIPE_NAMES, get_recipe
 
-KERAS_RECIPES = [r for r in RECIPE_NAMES if not get_recipe(r).master.rounds_updates]  # kahan/sr: Lightning only
+KERAS_RECIPES = list(RECIPE_NAMES)
 
 SPEC = RunSpec(steps=1, batch_size=8, hidden=8, depth=1, inject=(0,))
 
