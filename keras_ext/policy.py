@@ -315,6 +315,10 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     Module rules of the policy match a layer's class name (or one of its base
     classes') or its dotted path relative to ``model`` (``"encoder.dense_1"``;
     layer names joined by dots).
+
+    Under ``fp8-mixed`` (the recipe given, or the global one) the low-precision
+    ``Dense`` / ``EinsumDense`` layers then compute with FP8 matmuls
+    (:func:`keras_ext.fp8.install`).
     """
     plan = _plan(model, policy)
     rebuild = [
@@ -326,7 +330,7 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     if not rebuild:
         for _, layer, kp in plan:
             layer.dtype_policy = kp
-        return model
+        return _with_fp8(model, policy)
     if not is_clonable(model):
         raise PolicyError(
             f"layers {rebuild} are already built with other variable dtypes; a subclassed model cannot be "
@@ -335,7 +339,18 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     clone = clone_with_policies(model, {id(layer): kp for _, layer, kp in plan}, model.dtype_policy)
     for old, new in zip(model.weights, clone.weights):
         new.assign(ops.cast(old, new.dtype))
-    return clone
+    return _with_fp8(clone, policy)
+
+
+def _with_fp8(model: keras.Model, policy: Any) -> keras.Model:
+    """``fp8-mixed``: the low-precision Dense/EinsumDense layers get FP8 matmuls (:mod:`keras_ext.fp8`)."""
+    recipe = resolve_policy(policy)[1] if policy is not None else getattr(keras.config.dtype_policy(), RECIPE_ATTR,
+                                                                             None)
+    if recipe is not None and recipe.fp8 is not None:
+        from .fp8 import install
+
+        install(model, recipe.fp8)
+    return model
 
 
 def is_clonable(model: Any) -> bool:

@@ -1,0 +1,256 @@
+"""``fp8-mixed`` in Keras: FP8 ``Dense`` / ``EinsumDense`` with the core's per-tensor scaling.
+
+:func:`install` (called by :func:`keras_ext.apply_policy` when the recipe is
+``fp8-mixed``) gives every ``Dense`` and ``EinsumDense`` layer that computes
+in low precision (so not the FP32 output layers, norms or custom layers;
+``MultiHeadAttention``'s projections are ``EinsumDense`` layers) an FP8 call:
+
+    y = cast(qdq_g(qdq_x(x) @ qdq_w(kernel)) + bias, compute dtype)
+
+``qdq_x`` / ``qdq_w`` quantize-dequantize to e4m3 with their own scales,
+``qdq_g`` is the identity forward and quantize-dequantizes the output
+gradient to e5m2 in the backward (so the kernel and input gradients use it,
+the bias gradient does not), the matmul runs in float32 on the dequantized
+values: the arithmetic of :mod:`mp_callbacks.fp8_recipe`, the same as
+:mod:`lightning_ext.fp8`.  This is the structure of Keras's own float8 layers
+(``layer.quantize("float8")``), whose variables it mirrors, with the core's
+transition (:func:`mp_callbacks.fp8.next_fp8_state` evaluated with
+:class:`~keras_ext.keras_ops.KerasOps`) instead of Keras's rule.
+
+Per tensor role (``inputs``, ``weights``, ``grad_outputs``) a layer gets four
+float32 variables with ``overwrite_with_gradient=True`` (as Keras's float8
+layers): ``fp8_<role>_amax_history``, ``fp8_<role>_scale``,
+``fp8_<role>_scale_inv`` and ``fp8_<role>_nonfinite``.  Their "gradients"
+are the next state, so the optimizer writes them, and only on applied steps:
+under :class:`keras_ext.LossScaleOptimizer` a skipped step writes nothing, so
+the states keep their values, exactly like :func:`~mp_callbacks.fp8.select_fp8_state`.
+The ``nonfinite`` variable's "gradient" is NaN when the role's amax was not
+finite: the optimizer's finite check then skips the step like any overflow
+(the state itself stays clean: the core rule does not record the amax).  Use
+the recipe's optimizer (``keras_ext.master_optimizer(inner, "fp8-mixed")``);
+a plain Keras optimizer would train through such a step.
+
+Amaxes are recorded in training calls only (``training=True``); inference
+quantizes with the current scales.  A layer called more than once per step
+would sum its state "gradients" (as Keras's float8 layers): not supported.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator
+
+import keras
+import numpy as np
+from keras import ops
+
+from mp_callbacks.fp8 import FP8State, next_fp8_state
+from mp_callbacks.fp8_recipe import FP8_ROLES, FP8Recipe
+
+from .keras_ops import KERAS_OPS, is_tf
+
+__all__ = ["FP8_VARIABLE_FIELDS", "enable_fp8", "fp8_layers", "fp8_state", "install", "is_fp8_variable"]
+
+FP8_VARIABLE_FIELDS = ("amax_history", "scale", "scale_inv", "nonfinite")
+"""The variables of one tensor role, ``fp8_<role>_<field>``."""
+
+_ATTR = "_mp_fp8"
+
+
+def _is_fp8_layer_class(layer: Any) -> bool:
+    return isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+
+
+def is_fp8_variable(variable: Any) -> bool:
+    """True for the FP8 scaling variables of this module (not weights: the optimizer overwrites them)."""
+    return bool(getattr(variable, "overwrite_with_gradient", False)) and \
+        str(getattr(variable, "path", getattr(variable, "name", ""))).rsplit("/", 1)[-1].startswith("fp8_")
+
+
+def fp8_layers(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(path, layer)`` of every layer running FP8 matmuls (after :func:`install`)."""
+    from .policy import _layers
+
+    for path, layer in _layers(model):
+        if getattr(layer, _ATTR, None) is not None:
+            yield path, layer
+
+
+def install(model: Any, recipe: FP8Recipe) -> list[str]:
+    """Give every low-precision ``Dense``/``EinsumDense`` of ``model`` an FP8 call and its FP8 variables
+    (now if built, else when it builds).  Returns the layer paths.  Installing twice changes nothing."""
+    from .policy import _layers
+
+    paths = []
+    for path, layer in _layers(model):
+        if not _is_fp8_layer_class(layer) or keras.backend.standardize_dtype(
+                layer.dtype_policy.compute_dtype) == "float32":
+            continue
+        paths.append(path)
+        enable_fp8(layer, recipe)
+    return paths
+
+
+def enable_fp8(layer: Any, recipe: FP8Recipe) -> Any:
+    """Give one ``Dense``/``EinsumDense`` the FP8 call and variables, whatever its dtype policy (what
+    :func:`install` does to the low-precision ones; the side-by-side test uses it under ``float32``)."""
+    if not _is_fp8_layer_class(layer):
+        raise TypeError(f"FP8 matmuls are for Dense and EinsumDense layers, not {type(layer).__name__}")
+    if getattr(layer, _ATTR, None) is not None:
+        return layer
+    object.__setattr__(layer, _ATTR, _LayerFP8(recipe))
+    if layer.built:
+        _build_variables(layer)
+    else:
+        build = layer.build
+
+        def build_then_fp8(*args: Any, **kwargs: Any) -> Any:
+            out = build(*args, **kwargs)
+            _build_variables(layer)
+            return out
+
+        layer.build = build_then_fp8
+    layer.call = functools.partial(_fp8_call, layer)
+    return layer
+
+
+class _LayerFP8:
+    """The FP8 settings and variables of one layer."""
+
+    def __init__(self, recipe: FP8Recipe) -> None:
+        self.recipe = recipe
+        self.configs = recipe.configs
+        self.variables: dict[str, dict[str, Any]] = {}
+
+
+def _build_variables(layer: Any) -> None:
+    fp8 = getattr(layer, _ATTR)
+    if fp8.variables:
+        return
+    layer._tracker.unlock()
+    try:
+        for role in FP8_ROLES:
+            history = fp8.configs[role].history_len
+            shapes = {"amax_history": (history,), "scale": (), "scale_inv": (), "nonfinite": ()}
+            inits = {"amax_history": "zeros", "scale": "ones", "scale_inv": "ones", "nonfinite": "zeros"}
+            fp8.variables[role] = {
+                field: layer.add_weight(name=f"fp8_{role}_{field}", shape=shapes[field], initializer=inits[field],
+                                        dtype="float32", trainable=True, autocast=False, overwrite_with_gradient=True)
+                for field in FP8_VARIABLE_FIELDS}
+    finally:
+        layer._tracker.lock()
+
+
+def fp8_state(layer: Any, role: str) -> FP8State:
+    """The layer's committed state of ``role`` as NumPy values (counters are not kept in Keras: 0)."""
+    v = getattr(layer, _ATTR).variables[role]
+    zero = np.zeros((), np.int32)
+    return FP8State(*(np.asarray(ops.convert_to_numpy(v[f])) for f in ("amax_history", "scale", "scale_inv")),
+                    zero, zero)
+
+
+# -- the arithmetic --------------------------------------------------------------------------
+
+
+def _amax(x: Any) -> Any:
+    """max |x| as float32; NaN when any element is NaN (whatever the backend's max does with NaN)."""
+    x = ops.cast(x, "float32")
+    amax = ops.max(ops.abs(x))
+    return ops.where(ops.any(ops.isnan(x)), ops.convert_to_tensor(np.float32(np.nan)), amax)
+
+
+def _qdq(x32: Any, config: Any, scale: Any, scale_inv: Any) -> Any:
+    """The float32 value after the FP8 round trip (the core's :func:`~mp_callbacks.fp8_recipe.fp8_qdq`)."""
+    fmax = float(config.fmt.max)
+    y = ops.divide(x32, scale_inv) if config.stored == "scale_inv" else ops.multiply(x32, scale)
+    q = ops.cast(ops.clip(y, -fmax, fmax), config.format)
+    return ops.multiply(ops.cast(q, "float32"), scale_inv)
+
+
+def _read(variable: Any) -> Any:
+    """The variable's value as a tensor read outside the custom-gradient function (eager TensorFlow
+    would otherwise see the variable used inside it and ask for variable gradients)."""
+    value = ops.convert_to_tensor(variable)
+    if is_tf():
+        import tensorflow as tf
+
+        value = tf.convert_to_tensor(value)
+    return value
+
+
+def _state_of(values: list[Any]) -> FP8State:
+    zero = ops.convert_to_tensor(0, dtype="int32")
+    return FP8State(values[0], values[1], values[2], zero, zero)
+
+
+def _step(config: Any, values: list[Any], x: Any) -> tuple[FP8State, FP8State, Any]:
+    """``(state to quantize with, state to write, nonfinite flag value)`` for the tensor ``x``."""
+    state = _state_of(values)
+    new, ok = next_fp8_state(config, state, _amax(x), KERAS_OPS)
+    flag = ops.where(ok, ops.convert_to_tensor(np.float32(0)), ops.convert_to_tensor(np.float32(np.nan)))
+    return (new if config.mode == "current" else state), new, flag
+
+
+def _forward_qdq(config: Any, x32: Any, variables: dict[str, Any], training: bool) -> Any:
+    """qdq of an input or weight; while training, the next state is the variables' "gradient"."""
+    values = [_read(variables[f]) for f in FP8_VARIABLE_FIELDS]
+    if not training:
+        if config.mode == "current":
+            use, _, _ = _step(config, values, x32)
+        else:
+            use = _state_of(values)
+        return _qdq(x32, config, use.scale, use.scale_inv)
+
+    @ops.custom_gradient
+    def qdq(x, history, scale, scale_inv, nonfinite):
+        use, new, flag = _step(config, [history, scale, scale_inv], x)
+        out = _qdq(x, config, use.scale, use.scale_inv)
+
+        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
+            if upstream is None:
+                (upstream,) = args
+            return upstream, new.amax_history, new.scale, new.scale_inv, flag
+
+        return out, grad
+
+    return qdq(x32, *values)
+
+
+def _backward_qdq(config: Any, y32: Any, variables: dict[str, Any]) -> Any:
+    """Identity forward; the output gradient quantize-dequantizes (e5m2) in the backward."""
+    values = [_read(variables[f]) for f in FP8_VARIABLE_FIELDS]
+
+    @ops.custom_gradient
+    def qdq(y, history, scale, scale_inv, nonfinite):
+        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
+            if upstream is None:
+                (upstream,) = args
+            g32 = ops.cast(upstream, "float32")
+            use, new, flag = _step(config, [history, scale, scale_inv], g32)
+            return (ops.cast(_qdq(g32, config, use.scale, use.scale_inv), upstream.dtype), new.amax_history,
+                    new.scale, new.scale_inv, flag)
+
+        return y, grad
+
+    return qdq(y32, *values)
+
+
+def _fp8_call(layer: Any, inputs: Any, training: Any = None) -> Any:
+    """The FP8 call of a ``Dense`` or ``EinsumDense`` (see the module docstring)."""
+    fp8 = getattr(layer, _ATTR)
+    training = bool(training)
+    v, cfg = fp8.variables, fp8.configs
+    x = _forward_qdq(cfg["inputs"], ops.cast(inputs, "float32"), v["inputs"], training)
+    k = _forward_qdq(cfg["weights"], ops.cast(layer.kernel, "float32"), v["weights"], training)
+    if isinstance(layer, keras.layers.EinsumDense):
+        y = ops.einsum(layer.equation, x, k)
+    else:
+        y = ops.matmul(x, k)
+    if training:
+        y = _backward_qdq(cfg["grad_outputs"], y, v["grad_outputs"])
+    if layer.bias is not None:
+        y = ops.add(y, ops.cast(layer.bias, "float32"))
+    y = ops.cast(y, layer.compute_dtype)
+    if layer.activation is not None:
+        y = layer.activation(y)
+    return y
