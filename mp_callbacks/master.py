@@ -32,11 +32,18 @@ bf16 states 10 and 8.  The optimizer updates one parameter at a time on an
 FP32 copy of it, so beyond these figures a step holds the FP32 temporaries
 of one parameter (like the optimizer's own per-parameter temporaries, not
 counted).  Parameters the policy keeps in FP32 keep FP32 states.
+
+``fp8-mixed`` stores what ``bf16-master`` stores (bf16 weights, FP32 masters,
+FP32 states: AdamW 16 B/param at the step) plus the FP8 scaling state, which
+grows with the number of FP8 matmuls, not with their size (``fp8_state``:
+:func:`mp_callbacks.fp8_recipe.fp8_state_bytes`, ``3 * (4 * history_len + 16)``
+bytes per matmul).  The FP8 copies of weights and inputs are transient
+(activations, :func:`~mp_callbacks.fp8_recipe.fp8_transient_bytes`), not model state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 from .dtypes import canonical_dtype, dtype_bytes
@@ -149,11 +156,13 @@ class MemoryEstimate:
     masters: int
     optimizer_state: int
     compensation: int = 0
+    fp8_state: int = 0
 
     @property
     def total(self) -> int:
-        """All model-state bytes: weights + grads + masters + optimizer state + compensation buffers."""
-        return self.weights + self.grads + self.masters + self.optimizer_state + self.compensation
+        """All model-state bytes: weights + grads + masters + optimizer state + compensation buffers
+        + FP8 scaling state (``fp8-mixed``)."""
+        return self.weights + self.grads + self.masters + self.optimizer_state + self.compensation + self.fp8_state
 
     @property
     def bytes_per_param(self) -> float:
@@ -164,18 +173,20 @@ class MemoryEstimate:
         """Field-wise sum (the model state of two optimizers' parameters together)."""
         return MemoryEstimate(self.params + other.params, self.weights + other.weights, self.grads + other.grads,
                               self.masters + other.masters, self.optimizer_state + other.optimizer_state,
-                              self.compensation + other.compensation)
+                              self.compensation + other.compensation, self.fp8_state + other.fp8_state)
 
     def to_dict(self) -> dict[str, float]:
-        """Plain data: every field plus ``total`` and ``bytes_per_param``."""
+        """Plain data: every field (``fp8_state`` only when non-zero) plus ``total`` and ``bytes_per_param``."""
+        fp8 = {"fp8_state": self.fp8_state} if self.fp8_state else {}
         return {"params": self.params, "weights": self.weights, "grads": self.grads,
                 "masters": self.masters, "optimizer_state": self.optimizer_state,
-                "compensation": self.compensation, "total": self.total, "bytes_per_param": self.bytes_per_param}
+                "compensation": self.compensation, **fp8, "total": self.total, "bytes_per_param": self.bytes_per_param}
 
 
 def estimate_memory(
     plan: MasterPlan, optimizer: str, params: Iterable[tuple[int, str]] | int,
     fp32_master_grads: bool = False, weights_released: bool = False, n_shards: int | None = None,
+    fp8_state: int = 0,
 ) -> MemoryEstimate:
     """Bytes of model state for ``params``: an int (all stored in ``plan.param_dtype``)
     or ``(numel, storage_dtype)`` pairs (FP32-kept parameters included).
@@ -198,9 +209,12 @@ def estimate_memory(
     unit being computed and its unsharded gradient before the reduce-scatter.
     ``params`` stays the global count.  Update rounding (``bf16-kahan``,
     ``bf16-sr``) has no sharded form (``ValueError``).
+
+    ``fp8_state``: bytes of FP8 scaling state (``fp8-mixed``; every rank holds all of it), from
+    :func:`mp_callbacks.fp8_recipe.fp8_state_bytes`.
     """
     if n_shards is not None:
-        return _sharded_estimate(plan, optimizer, params, int(n_shards))
+        return replace(_sharded_estimate(plan, optimizer, params, int(n_shards)), fp8_state=int(fp8_state))
     if weights_released and not fp32_master_grads:
         raise ValueError("weights_released=True describes the optimizer step: pass fp32_master_grads=True too")
     if isinstance(params, int):
@@ -220,7 +234,8 @@ def estimate_memory(
         if plan.needs_compensation(dtype):
             c += numel * size
         s += numel * slots * plan.state_bytes(dtype)
-    return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s, compensation=c)
+    return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s, compensation=c,
+                          fp8_state=int(fp8_state))
 
 
 def _sharded_estimate(plan: MasterPlan, optimizer: str, params: Iterable[tuple[int, str]] | int,
@@ -271,7 +286,7 @@ def is_optimizer_state(shape: Iterable[int]) -> bool:
 
 def memory_report(
     recipe: str, plan: MasterPlan, optimizers: Iterable[tuple[str, float, Iterable[tuple[int, str]]]],
-    actual: MemoryEstimate, weights_released: bool = False, n_shards: int | None = None,
+    actual: MemoryEstimate, weights_released: bool = False, n_shards: int | None = None, fp8_state: int = 0,
 ) -> dict[str, Any]:
     """What both monitors report: bytes of model state held, next to :func:`estimate_memory`.
 
@@ -281,6 +296,7 @@ def memory_report(
     at the optimizer step (``fp32_master_grads=True``, ``weights_released`` as
     the adapter does) and is None when an optimizer is unknown to the core.
     ``n_shards``: sharded training, one rank's share (:func:`estimate_memory`).
+    ``fp8_state``: the FP8 scaling state's bytes (``fp8-mixed``), added once to the estimate.
 
     Returns plain data: ``{"recipe", "master_weights", "optimizers": [kind...],
     "actual": actual.to_dict(), "estimate": dict | None}``.
@@ -298,6 +314,8 @@ def memory_report(
         part = (estimate_memory(plan, kind, list(params), n_shards=n_shards) if n_shards is not None else
                 estimate_memory(plan, kind, list(params), fp32_master_grads=True, weights_released=weights_released))
         estimate = part if estimate is None else estimate + part
+    if estimate is not None and fp8_state:
+        estimate = replace(estimate, fp8_state=int(fp8_state))
     sharding = {} if n_shards is None else {"n_shards": int(n_shards)}
     return {"recipe": recipe, "master_weights": plan.master_weights, "optimizers": names, **sharding,
             "actual": actual.to_dict(), "estimate": estimate.to_dict() if known and estimate is not None else None}

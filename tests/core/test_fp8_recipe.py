@@ -99,3 +99,18 @@ def test_linear_reference_gradients_are_those_of_the_quantized_operands():
     np.testing.assert_allclose(out["dw"], np.einsum("bto,bti->oi", gq, xq), rtol=1e-5)
     np.testing.assert_array_equal(out["db"], dy.sum(axis=(0, 1)))
     assert out["amax"]["grad_outputs"] == np.abs(dy).max()
+
+
+def test_the_estimator_counts_the_fp8_state_once():
+    from mp_callbacks.master import estimate_memory, memory_report, MemoryEstimate
+
+    r = get_recipe("fp8-mixed")
+    fp8 = fp8_state_bytes(r.fp8, 3)
+    est = estimate_memory(r.master, "adamw", 1000, fp32_master_grads=True, weights_released=True, fp8_state=fp8)
+    assert (est.weights, est.grads, est.masters, est.optimizer_state, est.fp8_state) == (0, 4000, 4000, 8000, fp8)
+    assert est.total == 16_000 + fp8 and est.to_dict()["fp8_state"] == fp8
+    assert "fp8_state" not in estimate_memory(r.master, "adamw", 10).to_dict()  # records of other recipes unchanged
+    actual = MemoryEstimate(params=1000, weights=0, grads=4000, masters=4000, optimizer_state=8000, fp8_state=fp8)
+    report = memory_report("fp8-mixed", r.master, [("AdamW", 0.0, [(600, "bfloat16")]), ("AdamW", 0.0,
+                           [(400, "bfloat16")])], actual, weights_released=True, fp8_state=fp8)
+    assert report["estimate"] == actual.to_dict()  # added once, not per optimizer
