@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mp_callbacks.diagnostics import fp8_metrics
 from mp_callbacks.fp8 import FP8State, fp8_state_from_dict, fp8_state_to_dict, next_fp8_state
 from mp_callbacks.fp8_recipe import FP8_ROLES, FP8Recipe
 from mp_callbacks.policy import PrecisionPolicy
@@ -130,11 +131,15 @@ class _FP8Matmul(torch.autograd.Function):
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], fp8: "TorchFP8", index: int) -> Tensor:
-    """The FP8 matmul of entry ``index`` of ``fp8``; the output in the autocast dtype (else ``x``'s).
+    """The FP8 matmul of entry ``index`` of ``fp8``; under autocast the input is first cast to the
+    autocast dtype and the output is in it (else in ``x``'s dtype).
 
     Amaxes are recorded while grad is enabled (a training step), not in evaluation passes."""
     device = x.device.type
-    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    out_dtype = x.dtype
+    if torch.is_autocast_enabled(device):  # the input in the compute dtype, as autocast gives a Linear (and Keras)
+        out_dtype = torch.get_autocast_dtype(device)
+        x = x.to(out_dtype) if x.is_floating_point() else x
     return _FP8Matmul.apply(x, weight, bias, fp8, index, out_dtype, torch.is_grad_enabled())
 
 
@@ -342,7 +347,28 @@ class TorchFP8:
             latest["counts"] = {r: torch.stack([zero if c is None else c for c in self._counts[r]])
                                 for r in FP8_ROLES}
         self.latest = latest
+        self.measure = False  # the monitor asks again for its next logging step
         self.discard_step()
+
+    def host_metrics(self) -> Optional[dict[str, float]]:
+        """The latest step's ``mp/fp8_*`` metrics (:func:`mp_callbacks.diagnostics.fp8_metrics`): one host
+        read (the monitor's logging steps); None before the first step."""
+        latest = self.latest
+        if not latest or "scale" not in latest:
+            return None
+        n = len(latest["names"])
+        counts = latest.get("counts")
+        parts = [latest["amax"][r] for r in FP8_ROLES] + [latest["scale"][r] for r in FP8_ROLES]
+        if counts is not None:
+            parts += [counts[r] for r in FP8_ROLES]
+        flat = torch.cat([p.detach().float().reshape(-1) for p in parts]).tolist()
+        amax = {r: flat[i * n:(i + 1) * n] for i, r in enumerate(FP8_ROLES)}
+        scale = {r: flat[(3 + i) * n:(4 + i) * n] for i, r in enumerate(FP8_ROLES)}
+        by_role = None
+        if counts is not None:
+            rest = flat[6 * n:]
+            by_role = {r: [rest[(i * n + j) * 3:(i * n + j) * 3 + 3] for j in range(n)] for i, r in enumerate(FP8_ROLES)}
+        return fp8_metrics(latest["names"], FP8_ROLES, amax, scale, by_role)
 
     def discard_step(self) -> None:
         """Forget this step's records (no backward ran, or after :meth:`after_step`)."""

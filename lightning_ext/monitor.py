@@ -36,6 +36,9 @@ Host syncs (the point of the design):
   ``all_gather_object``, so every rank blames the same module).
 * train start / end: the plugin's step counter (start) and the memory report
   (tensor sizes: metadata, no sync).
+* ``fp8-mixed``: on logging steps the FP8 matmuls also count their saturated
+  and flushed elements, and one more read gets the ``mp/fp8_*`` metrics
+  (:meth:`lightning_ext.fp8.TorchFP8.host_metrics`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from torch import Tensor
 
 from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats, memory_metrics
 from mp_callbacks.dtypes import canonical_dtype
+from mp_callbacks.fp8_recipe import fp8_state_bytes
 from mp_callbacks.master import MemoryEstimate, is_optimizer_state, memory_report
 from mp_callbacks.meters import METER_SAMPLES
 from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade, PackedLayout  # version: re-exported
@@ -216,10 +220,13 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
             momentum = max((float(g.get("momentum", 0) or 0) for g in raw.param_groups), default=0.0)
             optimizers.append((type(raw).__name__, momentum, [(p.numel(), storage[id(p)][0]) for p in _opt_params(raw)]))
         comp = sum(c.nbytes for c in plugin.rounding.buffers()) if plugin.rounding is not None else 0
+        fp8 = plugin.fp8
         actual = MemoryEstimate(params=sum(p.numel() for p in params), weights=sum(p.nbytes for p in params),
-                                grads=grads, masters=masters, optimizer_state=state, compensation=comp)
+                                grads=grads, masters=masters, optimizer_state=state, compensation=comp,
+                                fp8_state=fp8.nbytes if fp8 is not None else 0)
         return memory_report(plugin.recipe.name, plugin.recipe.master, optimizers, actual,
-                             weights_released=plugin.free_weights_during_step)
+                             weights_released=plugin.free_weights_during_step,
+                             fp8_state=fp8_state_bytes(fp8.recipe, len(fp8.names)) if fp8 is not None else 0)
 
     # ------------------------------------------------------------- lifecycle
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -273,6 +280,9 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
                              batch_idx: int) -> None:
         """Start recording attribution flags for this batch's forward/backward."""
         self.tracer.active = self.attribute_overflows
+        fp8 = self._plugin(trainer).fp8
+        if fp8 is not None:  # fp8-mixed: count saturated / flushed elements on logging steps only
+            fp8.measure = self.core.should_log(self._step + 1)
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
         """Record whether the loss itself is non-finite (a device flag)."""
@@ -365,7 +375,8 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         stats = StepStats.from_counts(
             step, got["scale"], overflow, got["overflows_total"], got["skipped_total"], got["growths_total"],
             loss=got.get("loss"), grad_norm=got.get("grad_norm"), underflow=counts("underflow"),
-            swamped=counts("swamp"), overflow_module=module)
+            swamped=counts("swamp"), overflow_module=module,
+            fp8=plugin.fp8.host_metrics() if plugin.fp8 is not None else None)  # fp8-mixed: one more read
         try:
             moved = self.core.record(stats, plugin.recipe.scaler.min_scale)
         finally:

@@ -35,12 +35,51 @@ GRAD_UNDERFLOW_FRAC = "mp/grad_underflow_frac"
 UPDATE_SWAMPED_FRAC = "mp/update_swamped_frac"
 #: Text: the first non-finite module of an overflow step (history/checkpoint/text loggers, never a metric).
 OVERFLOW_MODULE = "mp/overflow_module"
+#: ``fp8-mixed``, per FP8 tensor (``mp/fp8_amax/<matmul>/<role>``): this step's max |x| of the tensor.
+FP8_AMAX = "mp/fp8_amax"
+#: ``fp8-mixed``, per FP8 tensor (``mp/fp8_scale/<matmul>/<role>``): its scale after the step (what the next
+#: step quantizes with under delayed scaling).
+FP8_SCALE = "mp/fp8_scale"
+#: ``fp8-mixed``: share of the FP8 tensors' elements clipped at the format's max this step (all tensors;
+#: per tensor under ``mp/fp8_saturated_frac/<matmul>/<role>``).
+FP8_SATURATED_FRAC = "mp/fp8_saturated_frac"
+#: ``fp8-mixed``: share of the FP8 tensors' non-zero elements that became 0 in FP8 this step (all tensors;
+#: per tensor under ``mp/fp8_underflow_frac/<matmul>/<role>``).
+FP8_UNDERFLOW_FRAC = "mp/fp8_underflow_frac"
 
 METRICS = (
     SCALE, OVERFLOW, OVERFLOWS_TOTAL, SKIPPED_TOTAL, GROWTHS_TOTAL, GRAD_NORM,
     GRAD_UNDERFLOW_FRAC, UPDATE_SWAMPED_FRAC, OVERFLOW_MODULE,
 )
 """Every shared metric name, in logging order."""
+
+FP8_METRICS = (FP8_AMAX, FP8_SCALE, FP8_SATURATED_FRAC, FP8_UNDERFLOW_FRAC)
+"""The ``fp8-mixed`` metric names (per tensor: ``<name>/<matmul>/<role>``; the fractions also bare)."""
+
+
+def fp8_metrics(names: list[str], roles: tuple[str, ...], amax: Any, scale: Any,
+                counts: Any = None) -> dict[str, float]:
+    """The FP8 metrics of one step from host arrays: ``amax[r][i]`` and ``scale[r][i]`` for role ``r`` of
+    matmul ``names[i]``; ``counts[r][i] = (saturated, flushed, total)`` element counts (None: not measured).
+
+    Per tensor ``mp/fp8_amax/<name>/<role>`` and ``mp/fp8_scale/<name>/<role>``; with counts, per tensor
+    fractions and the element-weighted shares over all tensors under the bare names.
+    """
+    out: dict[str, float] = {}
+    sat = flushed = total = 0.0
+    for role in roles:
+        for i, name in enumerate(names):
+            out[f"{FP8_AMAX}/{name}/{role}"] = float(amax[role][i])
+            out[f"{FP8_SCALE}/{name}/{role}"] = float(scale[role][i])
+            if counts is not None:
+                s, f, n = (float(v) for v in counts[role][i])
+                out[f"{FP8_SATURATED_FRAC}/{name}/{role}"] = fraction(s, n)
+                out[f"{FP8_UNDERFLOW_FRAC}/{name}/{role}"] = fraction(f, n)
+                sat, flushed, total = sat + s, flushed + f, total + n
+    if counts is not None:
+        out[FP8_SATURATED_FRAC] = fraction(sat, total)
+        out[FP8_UNDERFLOW_FRAC] = fraction(flushed, total)
+    return out
 
 #: Logged at train start and end: bytes of model state actually held per parameter (see :func:`memory_metrics`).
 MEMORY_BYTES_PER_PARAM = "mp/memory_bytes_per_param"
@@ -73,6 +112,7 @@ class StepStats:
     grad_underflow_frac: float | None = None
     update_swamped_frac: float | None = None
     overflow_module: str | None = None
+    fp8: dict[str, float] | None = None
 
     def metrics(self) -> dict[str, float | str]:
         """The shared metric names -> values (unmeasured ones left out)."""
@@ -87,6 +127,8 @@ class StepStats:
                 out[name] = float(value)
         if self.overflow_module is not None:
             out[OVERFLOW_MODULE] = self.overflow_module
+        if self.fp8:
+            out.update({k: float(v) for k, v in self.fp8.items()})
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,13 +142,14 @@ class StepStats:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown StepStats field(s) {unknown}; valid: {sorted(names)}")
-        return cls(**{k: _from_json_number(v) for k, v in data.items()})
+        return cls(**{k: ({n: _from_json_number(x) for n, x in v.items()} if isinstance(v, Mapping) else
+                          _from_json_number(v)) for k, v in data.items()})
 
     @classmethod
     def from_counts(cls, step: int, scale: float, overflow: bool, overflows_total: float, skipped_total: float,
                     growths_total: float, loss: float | None = None, grad_norm: float | None = None,
                     underflow: tuple[float, float] | None = None, swamped: tuple[float, float] | None = None,
-                    overflow_module: str | None = None) -> "StepStats":
+                    overflow_module: str | None = None, fp8: Mapping[str, float] | None = None) -> "StepStats":
         """A record from the numbers an adapter read back (host floats).
 
         ``underflow`` / ``swamped`` are the meters' ``(lost, total)`` counts
@@ -119,7 +162,7 @@ class StepStats:
                    grad_norm=None if grad_norm is None else float(grad_norm),
                    grad_underflow_frac=None if underflow is None else fraction(*underflow),
                    update_swamped_frac=None if swamped is None else fraction(*swamped),
-                   overflow_module=overflow_module)
+                   overflow_module=overflow_module, fp8=dict(fp8) if fp8 else None)
 
 
 def json_safe(value: Any) -> Any:
@@ -170,7 +213,10 @@ class History:
         return self._steps[index]
 
     def series(self, name: str) -> list[Any]:
-        """Values of a metric name (``mp/scale``) or a field (``loss``) in step order."""
+        """Values of a metric name (``mp/scale``, ``mp/fp8_scale/<matmul>/<role>``) or a field (``loss``) in
+        step order (None where a step did not log it)."""
+        if name.startswith("mp/fp8_"):
+            return [(s.fp8 or {}).get(name) for s in self._steps]
         field = name.removeprefix("mp/")
         return [getattr(s, field) for s in self._steps]
 

@@ -299,3 +299,42 @@ def test_attention_projections_train_in_fp8():
         assert all(used[r][i] > 0 for r in FP8_ROLES), part
     assert used["inputs"][names.index("attn.q_proj")] == 0  # self-attention: the packed projection only
     replay(model, plugin.recipe.fp8)
+
+
+# -- diagnostics -------------------------------------------------------------------------------
+
+
+def test_monitor_logs_the_fp8_metrics_and_memory():
+    from lightning_ext import MixedPrecisionMonitor
+    from mp_callbacks.diagnostics import FP8_AMAX, FP8_SATURATED_FRAC, FP8_SCALE, FP8_UNDERFLOW_FRAC
+    from mp_callbacks.fp8 import flushed_fraction, saturated_fraction
+    from mp_callbacks.fp8_recipe import fp8_state_bytes
+
+    plugin = MixedPrecision("fp8-mixed", fp8={"history_len": 4})
+    monitor = MixedPrecisionMonitor(log_every_n_steps=2)
+    model = Net()
+    batches = []
+
+    class Keep(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batches.append(batch[0].clone())
+
+    trainer = pl.Trainer(plugins=[plugin], max_steps=4, callbacks=[monitor, Keep()], **trainer_kwargs())
+    trainer.fit(model, loader())
+    logged = [s for s in monitor.history if s.fp8]
+    assert [s.step for s in logged] == [2, 4]
+    metrics = logged[-1].metrics()
+    for name in ("net.0", "net.3", "net.5"):
+        for role in FP8_ROLES:
+            i = plugin.fp8.names.index(name)
+            assert metrics[f"{FP8_AMAX}/{name}/{role}"] == float(model.seen[3]["amax"][role][i])
+            assert metrics[f"{FP8_SCALE}/{name}/{role}"] == float(model.seen[3]["states"][role].scale[i])
+    # the first layer's input fractions against the core's NumPy meters, at the scale the step used
+    x = batches[3].to(torch.bfloat16).float().numpy()
+    scale = float(model.seen[2]["states"]["inputs"].scale[0])
+    assert metrics[f"{FP8_SATURATED_FRAC}/net.0/inputs"] == saturated_fraction(x, scale)
+    assert metrics[f"{FP8_UNDERFLOW_FRAC}/net.0/inputs"] == flushed_fraction(x, scale)
+    assert 0 <= metrics[FP8_SATURATED_FRAC] <= 1 and 0 <= metrics[FP8_UNDERFLOW_FRAC] <= 1
+    end = monitor.memory_reports[-1]
+    assert end["actual"]["fp8_state"] == end["estimate"]["fp8_state"] == fp8_state_bytes(plugin.recipe.fp8, 3)
+    assert end["actual"]["masters"] == end["estimate"]["masters"]  # bf16-master's model state otherwise
