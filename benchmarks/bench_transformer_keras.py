@@ -1,0 +1,222 @@
+"""Keras on a small GPT-2-style transformer: every recipe, ours vs native, alternating, with controls.
+
+    python benchmarks/bench_transformer_keras.py [--threads 1] [--rounds 4] [--steps 12] [--batch-size 4]
+        [--seq 32] [--d-model 128] [--layers 2] [--only TEXT ...] [--json PATH]
+
+The Keras twin of bench_transformer.py (KerasHub is not installed here, so the
+model is written out): token and position ``Embedding``, pre-LayerNorm blocks
+with causal ``MultiHeadAttention`` and an MLP whose activation is a custom
+layer of plain ops (``NewGELU``, GPT-2's tanh GELU: a layer the op policy does
+not know, so keras_ext runs it in FP32 unless a module rule declares it), a
+final ``LayerNormalization`` and a ``Dense`` head; random-token batches,
+``model.fit``, AdamW lr 1e-3, ``jit_compile=False``, Grappler's remapper off
+for every variant (``keras_ext.compare.graph_options``).
+
+* native: Keras' own global policy (``float32``, ``mixed_float16``,
+  ``mixed_bfloat16``), AdamW, ``keras.optimizers.LossScaleOptimizer`` under
+  ``mixed_float16`` (as ``model.compile`` would add it);
+* ours: the model built in FP32, ``keras_ext.set_global_policy(recipe)`` +
+  ``keras_ext.apply_policy``, ``keras_ext.master_optimizer(AdamW, recipe)``
+  (``*-master``: bf16/fp16 variables with FP32 masters); ours bf16-mixed also
+  with ``NewGELU`` declared low precision.
+
+Step time: ``on_train_batch_begin`` to ``on_train_batch_end``, a fit's figure
+the median of its timed windows; ratios are medians of per-round ratios with
+their min-max; TensorFlow's thread pools are fixed at its start, so each
+thread count runs in a subprocess of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import base_parser  # noqa: E402
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+PAIRS = [
+    ("ours 32-true", "native 32-true", "<= 1.03"),
+    ("ours 16-mixed", "native 16-mixed", "<= 1.03"),
+    ("ours bf16-mixed", "native bf16-mixed", "<= 1.03"),
+    ("ours bf16-mixed", "ours bf16-mixed, NewGELU declared bf16", "FP32 region of the unknown GELU layer"),
+    ("ours 16-master", "native 16-mixed", "<= 0.95"),
+    ("ours bf16-master", "native bf16-mixed", "<= 0.95"),
+    ("ours bf16-kahan", "native bf16-mixed", "none"),
+    ("ours bf16-sr", "native bf16-mixed", "none"),
+]
+NATIVES = ["native 32-true", "native 16-mixed", "native bf16-mixed"]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import math
+
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+
+    import keras
+    import numpy as np
+    from keras import ops
+
+    import keras_ext
+    from common import alternate, machine_line, print_table, with_controls
+    from keras_ext.compare import graph_options
+    from keras_ext.compare import run as keras_run
+    from mp_callbacks.compare import step_timing
+    from mp_callbacks.recipes import get_recipe
+
+    @keras.saving.register_keras_serializable(package="bench")
+    class NewGELU(keras.layers.Layer):
+        """GPT-2's GELU (tanh approximation) as a layer of plain ops."""
+
+        def call(self, x):  # noqa: ANN001
+            return 0.5 * x * (1.0 + ops.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * ops.power(x, 3.0))))
+
+    d, heads, seq, vocab = args.d_model, 4, args.seq, args.vocab
+
+    def build() -> keras.Model:
+        idx = keras.Input((seq,), dtype="int32")
+        pos = keras.Input((seq,), dtype="int32")  # 0..seq-1 (an input, so the position embedding is trained)
+        x = keras.layers.Embedding(vocab, d, name="wte")(idx)
+        x = x + keras.layers.Embedding(seq, d, name="wpe")(pos)
+        for i in range(args.layers):
+            h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_1_{i}")(x)
+            h = keras.layers.MultiHeadAttention(heads, d // heads, name=f"attn_{i}")(h, h, use_causal_mask=True)
+            x = x + h
+            h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_2_{i}")(x)
+            h = keras.layers.Dense(4 * d, name=f"c_fc_{i}")(h)
+            h = NewGELU(name=f"act_{i}")(h)
+            x = x + keras.layers.Dense(d, name=f"c_proj_{i}")(h)
+        x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(x)
+        return keras.Model([idx, pos], keras.layers.Dense(vocab, use_bias=False, name="lm_head")(x))
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (args.steps * args.batch_size, seq + 1)).astype("int32")
+    xs, ys = [tokens[:, :-1], np.tile(np.arange(seq, dtype="int32"), (len(tokens), 1))], tokens[:, 1:]
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
+        def on_train_batch_begin(self, batch, logs=None):  # noqa: ANN001
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):  # noqa: ANN001
+            ops.convert_to_numpy(logs["loss"])  # the step is done on the host
+            self.times.append(time.perf_counter() - self.t0)
+
+    def fit(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> float:
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=False)
+        timer = Timer()
+        with graph_options():
+            model.fit(xs, ys, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+        return step_timing(timer.times).median_ms / 1000
+
+    def native(policy: str):
+        def once() -> float:
+            before = keras.config.dtype_policy()
+            keras.utils.set_random_seed(0)
+            keras.config.set_dtype_policy(policy)
+            try:
+                model = build()
+            finally:
+                keras.config.set_dtype_policy(before)
+            opt = keras.optimizers.AdamW(1e-3)
+            if policy == "mixed_float16":
+                opt = keras.optimizers.LossScaleOptimizer(opt)
+            return fit(model, opt)
+        return once
+
+    def ours(recipe: str, gelu_low: bool = False):
+        def once() -> float:
+            before = keras.config.dtype_policy()
+            keras.utils.set_random_seed(0)
+            keras.config.set_dtype_policy("float32")
+            try:
+                model = build()
+                policy = get_recipe(recipe).policy
+                if gelu_low:
+                    import dataclasses
+
+                    policy = dataclasses.replace(policy, module_rules=policy.module_rules + (("NewGELU", policy.compute),))
+                keras_ext.set_global_policy(recipe)
+                model = keras_ext.apply_policy(model, policy)
+            finally:
+                keras.config.set_dtype_policy(before)
+            return fit(model, keras_ext.master_optimizer(keras.optimizers.AdamW(1e-3), recipe))
+        return once
+
+    variants = {
+        "native 32-true": native("float32"), "ours 32-true": ours("32-true"),
+        "native 16-mixed": native("mixed_float16"), "ours 16-mixed": ours("16-mixed"),
+        "native bf16-mixed": native("mixed_bfloat16"), "ours bf16-mixed": ours("bf16-mixed"),
+        "ours bf16-mixed, NewGELU declared bf16": ours("bf16-mixed", gelu_low=True),
+        "ours 16-master": ours("16-master"), "ours bf16-master": ours("bf16-master"),
+    }
+    for recipe in ("bf16-kahan", "bf16-sr"):
+        if getattr(keras_run, "supports", lambda _: False)(recipe):
+            variants[f"ours {recipe}"] = ours(recipe)
+    pairs = [p for p in PAIRS if p[0] in variants and p[1] in variants
+             and (args.only is None or any(t in p[0] for t in args.only))]
+    names = list(dict.fromkeys(n for p in pairs for n in p[:2]))
+    print(machine_line(args.threads))
+    times = alternate(with_controls({n: variants[n] for n in names}, [n for n in NATIVES if n in names]), args.rounds)
+    n_params = build().count_params()
+    data = print_table(
+        f"Keras {keras.__version__} ({keras.backend.backend()}), GPT-2-style transformer ({args.layers} layers, "
+        f"d_model {d}, seq {seq}, vocab {vocab}, {n_params} params), batch {args.batch_size}, {args.steps} steps/fit, "
+        f"{args.threads} thread(s), AdamW, jit_compile=False", times, pairs)
+    skipped = [r for r in ("bf16-kahan", "bf16-sr") if f"ours {r}" not in variants]
+    if skipped:
+        print(f"  not run: {', '.join(skipped)} (keras_ext does not implement them here)")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as fh:
+            json.dump({"machine": machine_line(args.threads), "results": [data]}, fh, indent=2)
+
+
+def main() -> None:
+    parser = base_parser(__doc__, rounds=4, steps=12, batch_size=4)
+    parser.set_defaults(threads=[1])
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.threads = args.threads[0]
+        worker(args)
+        return
+    passthrough = ["--rounds", str(args.rounds), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                   "--seq", str(args.seq), "--d-model", str(args.d_model), "--layers", str(args.layers),
+                   "--vocab", str(args.vocab)]
+    if args.only:
+        passthrough += ["--only", *args.only]
+    env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "tensorflow"))
+    for threads in args.threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+        extra = ["--json", f"{args.json}.{threads}" if len(args.threads) > 1 else args.json] if args.json else []
+        proc = subprocess.run([sys.executable, __file__, "--worker", "--threads", str(threads), *passthrough, *extra],
+                              env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode:
+            sys.stderr.write(proc.stderr[-4000:])
+            sys.exit(proc.returncode)
+
+
+if __name__ == "__main__":
+    main()
