@@ -49,10 +49,12 @@ from mp_callbacks.fp8_recipe import FP8_ROLES, FP8Recipe
 
 from .keras_ops import KERAS_OPS, is_tf
 
-__all__ = ["FP8_VARIABLE_FIELDS", "enable_fp8", "fp8_layers", "fp8_state", "install", "is_fp8_variable"]
+__all__ = ["FP8_VARIABLE_FIELDS", "enable_fp8", "fp8_layers", "fp8_recipe_of", "fp8_state", "host_metrics", "install",
+           "is_fp8_variable"]
 
-FP8_VARIABLE_FIELDS = ("amax_history", "scale", "scale_inv", "nonfinite")
-"""The variables of one tensor role, ``fp8_<role>_<field>``."""
+FP8_VARIABLE_FIELDS = ("amax_history", "scale", "scale_inv", "nonfinite", "stats")
+"""The variables of one tensor role, ``fp8_<role>_<field>``: the state, the non-finite flag, and the
+last applied step's ``stats`` (amax, saturated, flushed, elements) that the monitor reads."""
 
 _ATTR = "_mp_fp8"
 
@@ -131,14 +133,20 @@ def _build_variables(layer: Any) -> None:
     try:
         for role in FP8_ROLES:
             history = fp8.configs[role].history_len
-            shapes = {"amax_history": (history,), "scale": (), "scale_inv": (), "nonfinite": ()}
-            inits = {"amax_history": "zeros", "scale": "ones", "scale_inv": "ones", "nonfinite": "zeros"}
+            shapes = {"amax_history": (history,), "scale": (), "scale_inv": (), "nonfinite": (), "stats": (4,)}
+            inits = {"amax_history": "zeros", "scale": "ones", "scale_inv": "ones", "nonfinite": "zeros",
+                     "stats": "zeros"}
             fp8.variables[role] = {
                 field: layer.add_weight(name=f"fp8_{role}_{field}", shape=shapes[field], initializer=inits[field],
                                         dtype="float32", trainable=True, autocast=False, overwrite_with_gradient=True)
                 for field in FP8_VARIABLE_FIELDS}
     finally:
         layer._tracker.lock()
+
+
+def fp8_recipe_of(layer: Any) -> FP8Recipe:
+    """The FP8 settings a layer was given by :func:`install` / :func:`enable_fp8`."""
+    return getattr(layer, _ATTR).recipe
 
 
 def fp8_state(layer: Any, role: str) -> FP8State:
@@ -159,12 +167,19 @@ def _amax(x: Any) -> Any:
     return ops.where(ops.any(ops.isnan(x)), ops.convert_to_tensor(np.float32(np.nan)), amax)
 
 
-def _qdq(x32: Any, config: Any, scale: Any, scale_inv: Any) -> Any:
-    """The float32 value after the FP8 round trip (the core's :func:`~mp_callbacks.fp8_recipe.fp8_qdq`)."""
+def _qdq(x32: Any, config: Any, scale: Any, scale_inv: Any, amax: Any = None) -> Any:
+    """The float32 value after the FP8 round trip (the core's :func:`~mp_callbacks.fp8_recipe.fp8_qdq`);
+    with ``amax``, also the stats vector ``[amax, saturated, flushed, elements]``."""
     fmax = float(config.fmt.max)
     y = ops.divide(x32, scale_inv) if config.stored == "scale_inv" else ops.multiply(x32, scale)
-    q = ops.cast(ops.clip(y, -fmax, fmax), config.format)
-    return ops.multiply(ops.cast(q, "float32"), scale_inv)
+    q = ops.cast(ops.cast(ops.clip(y, -fmax, fmax), config.format), "float32")
+    out = ops.multiply(q, scale_inv)
+    if amax is None:
+        return out
+    saturated = ops.sum(ops.cast(ops.greater(ops.abs(y), fmax), "float32"))
+    flushed = ops.sum(ops.cast(ops.logical_and(ops.not_equal(x32, 0.0), ops.equal(q, 0.0)), "float32"))
+    size = ops.cast(ops.size(x32), "float32")
+    return out, ops.stack([ops.cast(amax, "float32"), saturated, flushed, size])
 
 
 def _read(variable: Any) -> Any:
@@ -183,12 +198,13 @@ def _state_of(values: list[Any]) -> FP8State:
     return FP8State(values[0], values[1], values[2], zero, zero)
 
 
-def _step(config: Any, values: list[Any], x: Any) -> tuple[FP8State, FP8State, Any]:
-    """``(state to quantize with, state to write, nonfinite flag value)`` for the tensor ``x``."""
+def _step(config: Any, values: list[Any], x: Any) -> tuple[FP8State, FP8State, Any, Any]:
+    """``(state to quantize with, state to write, nonfinite flag value, amax)`` for the tensor ``x``."""
     state = _state_of(values)
-    new, ok = next_fp8_state(config, state, _amax(x), KERAS_OPS)
+    amax = _amax(x)
+    new, ok = next_fp8_state(config, state, amax, KERAS_OPS)
     flag = ops.where(ok, ops.convert_to_tensor(np.float32(0)), ops.convert_to_tensor(np.float32(np.nan)))
-    return (new if config.mode == "current" else state), new, flag
+    return (new if config.mode == "current" else state), new, flag, amax
 
 
 def _forward_qdq(config: Any, x32: Any, variables: dict[str, Any], training: bool) -> Any:
@@ -196,20 +212,20 @@ def _forward_qdq(config: Any, x32: Any, variables: dict[str, Any], training: boo
     values = [_read(variables[f]) for f in FP8_VARIABLE_FIELDS]
     if not training:
         if config.mode == "current":
-            use, _, _ = _step(config, values, x32)
+            use = _step(config, values, x32)[0]
         else:
             use = _state_of(values)
         return _qdq(x32, config, use.scale, use.scale_inv)
 
     @ops.custom_gradient
-    def qdq(x, history, scale, scale_inv, nonfinite):
-        use, new, flag = _step(config, [history, scale, scale_inv], x)
-        out = _qdq(x, config, use.scale, use.scale_inv)
+    def qdq(x, history, scale, scale_inv, nonfinite, stats):
+        use, new, flag, amax = _step(config, [history, scale, scale_inv], x)
+        out, seen = _qdq(x, config, use.scale, use.scale_inv, amax)
 
         def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
             if upstream is None:
                 (upstream,) = args
-            return upstream, new.amax_history, new.scale, new.scale_inv, flag
+            return upstream, new.amax_history, new.scale, new.scale_inv, flag, seen
 
         return out, grad
 
@@ -221,14 +237,14 @@ def _backward_qdq(config: Any, y32: Any, variables: dict[str, Any]) -> Any:
     values = [_read(variables[f]) for f in FP8_VARIABLE_FIELDS]
 
     @ops.custom_gradient
-    def qdq(y, history, scale, scale_inv, nonfinite):
+    def qdq(y, history, scale, scale_inv, nonfinite, stats):
         def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
             if upstream is None:
                 (upstream,) = args
             g32 = ops.cast(upstream, "float32")
-            use, new, flag = _step(config, [history, scale, scale_inv], g32)
-            return (ops.cast(_qdq(g32, config, use.scale, use.scale_inv), upstream.dtype), new.amax_history,
-                    new.scale, new.scale_inv, flag)
+            use, new, flag, amax = _step(config, [history, scale, scale_inv], g32)
+            out, seen = _qdq(g32, config, use.scale, use.scale_inv, amax)
+            return ops.cast(out, upstream.dtype), new.amax_history, new.scale, new.scale_inv, flag, seen
 
         return y, grad
 
@@ -254,3 +270,21 @@ def _fp8_call(layer: Any, inputs: Any, training: Any = None) -> Any:
     if layer.activation is not None:
         y = layer.activation(y)
     return y
+
+
+def host_metrics(model: Any) -> dict[str, float] | None:
+    """The ``mp/fp8_*`` metrics of the last applied step (:func:`mp_callbacks.diagnostics.fp8_metrics`),
+    read from the FP8 layers' variables (one small read per variable); None without FP8 layers."""
+    from mp_callbacks.diagnostics import fp8_metrics
+
+    layers = list(fp8_layers(model))
+    if not layers:
+        return None
+    names = [p for p, _ in layers]
+    amax, scale, counts = {}, {}, {}
+    for role in FP8_ROLES:
+        stats = [np.asarray(ops.convert_to_numpy(getattr(l, _ATTR).variables[role]["stats"])) for _, l in layers]
+        amax[role] = [float(s[0]) for s in stats]
+        counts[role] = [tuple(float(v) for v in s[1:]) for s in stats]
+        scale[role] = [float(ops.convert_to_numpy(getattr(l, _ATTR).variables[role]["scale"])) for _, l in layers]
+    return fp8_metrics(names, FP8_ROLES, amax, scale, counts)

@@ -39,6 +39,7 @@ start, written at every epoch end and train end) keep it as JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ from keras import ops
 
 from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats, json_safe, memory_metrics
 from mp_callbacks.dtypes import canonical_dtype, dtype_bytes
+from mp_callbacks.fp8_recipe import fp8_state_bytes
 from mp_callbacks.master import MemoryEstimate, is_optimizer_state, memory_report
 from mp_callbacks.meters import METER_SAMPLES, DivergenceError
 from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
@@ -58,6 +60,8 @@ from mp_callbacks.monitor_helpers import swamp_storage_dtype
 
 from .attribution import LayerAttribution
 from .device_record import COUNTERS, DeviceRecord
+from .fp8 import host_metrics as fp8_host_metrics
+from .fp8 import fp8_layers, fp8_recipe_of, is_fp8_variable
 from .keras_meters import SwampMeter, grad_norm, underflow_counts
 from .keras_ops import is_tf
 from .optimizer import LossScaleOptimizer
@@ -257,7 +261,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         if dev is None or opt is None:
             return
         found = ops.convert_to_tensor(found_inf)
-        dense = [g for g in grads if g is not None]
+        dense = [g for g, v in zip(grads, tvs) if g is not None and not is_fp8_variable(v)]  # FP8 states: no grads
         nan = ops.convert_to_tensor(float("nan"), dtype="float64")
 
         def basic() -> None:
@@ -296,7 +300,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             for v in _own_variables(layer):
                 kept[id(v)] = fp32
         out = []
-        for v in self.model.trainable_variables:
+        for v in (v for v in self.model.trainable_variables if not is_fp8_variable(v)):
             stored = canonical_dtype(keras.backend.standardize_dtype(v.dtype))
             master = opt.master_variables[opt._get_variable_index(v)] if opt.master_weights else None
             target = master if master is not None else v  # the FP32 master under *-master
@@ -345,6 +349,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             underflow=(stats["underflow_lost"], stats["underflow_total"]) if measured else None,
             swamped=(swamped[0], swamped[1]) if swamped is not None and not overflow else None,
             overflow_module=(current_module if overflow and self.attribute_overflows else None),
+            fp8=fp8_host_metrics(self.model) if logging else None,  # fp8-mixed: the last applied step's
         )
         if logging:
             self._observe(current)
@@ -406,8 +411,11 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         variable with a master, the variable's dtype otherwise.
         """
         opt = self._opt or self._optimizer()
-        tvs = list(self.model.trainable_variables)
-        masters = opt.master_variables if opt.master_weights and opt.built else [None] * len(tvs)
+        every = list(self.model.trainable_variables)
+        masters = opt.master_variables if opt.master_weights and opt.built else [None] * len(every)
+        fp8_vars = [v for v in every if is_fp8_variable(v)]  # fp8-mixed: FP8 state, not parameters
+        masters = [m for m, v in zip(masters, every) if not is_fp8_variable(v)]
+        tvs = [v for v in every if not is_fp8_variable(v)]
         numel = [int(np.prod(v.shape, dtype=np.int64)) for v in tvs]
         nbytes = [_nbytes(v) for v in tvs]
         inner = opt.inner_optimizer
@@ -418,7 +426,13 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             optimizer_state=sum(_nbytes(v) for v in inner.variables if is_optimizer_state(v.shape)))
         storage = [(n, canonical_dtype(keras.backend.standardize_dtype(v.dtype))) for n, v in zip(numel, tvs)]
         momentum = float(getattr(inner, "momentum", 0.0) or 0.0)
-        return memory_report(opt.recipe.name, opt.recipe.master, [(type(inner).__name__, momentum, storage)], actual)
+        fp8_estimate = 0
+        if fp8_vars:  # fp8-mixed: the FP8 variables (Keras gives them no optimizer slots)
+            actual = dataclasses.replace(actual, fp8_state=sum(_nbytes(v) for v in fp8_vars))
+            layers = list(fp8_layers(self.model))
+            fp8_estimate = fp8_state_bytes(fp8_recipe_of(layers[0][1]), len(layers), "keras") if layers else 0
+        return memory_report(opt.recipe.name, opt.recipe.master, [(type(inner).__name__, momentum, storage)], actual,
+                             fp8_state=fp8_estimate)
 
     def _log_memory(self, when: str, logs: Optional[dict]) -> None:
         report = self.memory_report()

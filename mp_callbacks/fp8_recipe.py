@@ -141,13 +141,22 @@ class FP8Recipe:
         return fp8_state_bytes(self, matmuls)
 
 
-def fp8_state_bytes(recipe: FP8Recipe, matmuls: int) -> int:
-    """Bytes of the FP8 scaling state of ``matmuls`` FP8 matmuls: per tensor a float32 amax history
-    of ``history_len``, float32 scale and scale_inv, int32 steps and skipped counters.
+def fp8_state_bytes(recipe: FP8Recipe, matmuls: int, layout: str = "torch", optimizer_slots: int = 0) -> int:
+    """Bytes of the FP8 scaling state of ``matmuls`` FP8 matmuls.
 
+    ``layout="torch"`` (:mod:`lightning_ext.fp8`): per tensor a float32 amax history of
+    ``history_len``, float32 scale and scale_inv, int32 steps and skipped counters:
     ``fp8_state_bytes(FP8Recipe(), 1) == 3 * (4 * 1024 + 16)``.
+    ``layout="keras"`` (:mod:`keras_ext.fp8`): per tensor float32 variables for the history, scale,
+    scale_inv, the non-finite flag and 4 stats (``4 * history_len + 28``); ``optimizer_slots``: slots
+    an optimizer keeps per such variable (Keras 3 keeps none for ``overwrite_with_gradient`` ones).
     """
-    return int(matmuls) * sum(4 * c.history_len + 16 for c in recipe.configs.values())
+    if layout == "torch":
+        return int(matmuls) * sum(4 * c.history_len + 16 for c in recipe.configs.values())
+    if layout == "keras":
+        per = sum(4 * c.history_len + 28 for c in recipe.configs.values())
+        return int(matmuls) * per * (1 + int(optimizer_slots))
+    raise ValueError(f"layout={layout!r} is invalid: must be 'torch' or 'keras'")
 
 
 def fp8_transient_bytes(weight_numel: int, input_numel: int, emulated: bool = True) -> dict[str, int]:

@@ -219,3 +219,34 @@ def test_attention_projections_run_fp8():
     for path, layer in fp8_layers(model):
         for role in FP8_ROLES:
             assert fp8_state(layer, role).amax_history.max() > 0, (path, role)
+
+
+def test_monitor_logs_the_fp8_metrics_and_memory():
+    from mp_callbacks.diagnostics import FP8_AMAX, FP8_SATURATED_FRAC, FP8_SCALE, FP8_UNDERFLOW_FRAC, GRAD_NORM
+    from mp_callbacks.fp8 import flushed_fraction, saturated_fraction
+
+    model = build_mlp(fp8={"history_len": 4})
+    x, y = data(32)
+    optimizer = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), "fp8-mixed")
+    model.compile(optimizer, "mse", run_eagerly=EAGER)
+    monitor = keras_ext.MixedPrecisionMonitor(log_every_n_steps=2)
+    scales = []
+
+    class Keep(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            scales.append(fp8_state(dict(fp8_layers(model))["d1"], "inputs").scale)
+
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[Keep(), monitor])
+    logged = [s for s in monitor.history if s.fp8]
+    assert [s.step for s in logged] == [2, 4]
+    m = logged[-1].metrics()
+    xb = ops.convert_to_numpy(ops.cast(ops.cast(x[24:32], "bfloat16"), "float32"))
+    assert m[f"{FP8_AMAX}/d1/inputs"] == fp8_amax(xb)
+    assert m[f"{FP8_SCALE}/d1/inputs"] == float(fp8_state(dict(fp8_layers(model))["d1"], "inputs").scale)
+    assert m[f"{FP8_SATURATED_FRAC}/d1/inputs"] == saturated_fraction(xb, scales[3])
+    assert m[f"{FP8_UNDERFLOW_FRAC}/d1/inputs"] == flushed_fraction(xb, scales[3])
+    assert {f"{FP8_AMAX}/d2/grad_outputs", FP8_SATURATED_FRAC, FP8_UNDERFLOW_FRAC} <= set(m)
+    assert m[GRAD_NORM] < 1e3  # the FP8 variables' "gradients" (new scales, ~1e4) are not gradients
+    end = monitor.memory_reports[-1]
+    assert end["actual"]["fp8_state"] == end["estimate"]["fp8_state"] > 0
+    assert end["actual"]["bytes_per_param"] == end["estimate"]["bytes_per_param"]
