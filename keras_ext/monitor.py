@@ -406,7 +406,8 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         """The core's :func:`mp_callbacks.master.memory_report` for the optimizer's recipe (plain data).
 
         ``actual``: the trainable variables, the FP32 masters, the inner optimizer's
-        variables that :func:`~mp_callbacks.master.is_optimizer_state` counts, and
+        variables that :func:`~mp_callbacks.master.is_optimizer_state` counts, ``bf16-kahan``'s
+        compensation buffers, and
         the gradients, counted since Keras keeps none between steps: FP32 for a
         variable with a master, the variable's dtype otherwise.
         """
@@ -419,11 +420,13 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         numel = [int(np.prod(v.shape, dtype=np.int64)) for v in tvs]
         nbytes = [_nbytes(v) for v in tvs]
         inner = opt.inner_optimizer
+        comps = opt.update_rounding.compensation_variables if opt.update_rounding is not None and opt.built else []
         actual = MemoryEstimate(
             params=sum(numel), weights=sum(nbytes),
             grads=sum(n * 4 if m is not None else b for n, b, m in zip(numel, nbytes, masters)),
             masters=sum(_nbytes(m) for m in masters if m is not None),
-            optimizer_state=sum(_nbytes(v) for v in inner.variables if is_optimizer_state(v.shape)))
+            optimizer_state=sum(_nbytes(v) for v in inner.variables if is_optimizer_state(v.shape)),
+            compensation=sum(_nbytes(c) for c in comps if c is not None))
         storage = [(n, canonical_dtype(keras.backend.standardize_dtype(v.dtype))) for n, v in zip(numel, tvs)]
         momentum = float(getattr(inner, "momentum", 0.0) or 0.0)
         fp8_estimate = 0

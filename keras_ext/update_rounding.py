@@ -250,6 +250,7 @@ class UpdateRounding:
         self._comp: list[Any] = []
         self._counter: Any = None
         self._seed: Any = None
+        self._position: dict[int, int] = {}
 
     @property
     def kahan(self) -> bool:
@@ -296,6 +297,7 @@ class UpdateRounding:
         self._counter = optimizer.add_variable(shape=(), dtype="int64", name="rounding_counter",
                                                aggregation="none", initializer="zeros")
         self._working, self._comp = [], []
+        self._position = {id(v): i for i, v in enumerate(var_list)}
         for v in var_list:
             dtype = dtype_name(v)
             if dtype not in LOW_PRECISION:
@@ -313,12 +315,13 @@ class UpdateRounding:
         targets = [v if w is None else w for v, w in zip(var_list, self._working)]
         return targets
 
-    def start_from(self, variable: Any, fp32_value: Any, index: Callable[[Any], int]) -> None:
-        """``variable`` = the bf16 rounding of ``fp32_value``; under Kahan its compensation starts with the
-        rounding error (``low(x - f32(w))``), as Lightning's plugin does for the model's FP32 values."""
+    def start_from(self, variable: Any, fp32_value: Any) -> None:
+        """Set ``variable`` (one the optimizer was built on) to the rounding of ``fp32_value``; under Kahan its
+        compensation starts with the rounding error (``low(x - f32(w))``), as Lightning's plugin does with the
+        model's FP32 values (a model built in low precision starts with no compensation)."""
         x = ops.cast(ops.convert_to_tensor(fp32_value), "float32")
         variable.assign(ops.cast(x, variable.dtype))
-        comp = self._comp[index(variable)] if self._comp else None
+        comp = self._comp[self._position[id(variable)]] if self._comp else None
         if comp is not None:
             comp.assign(initial_compensation(x, variable.value, KERAS_ROUNDING_OPS))
 

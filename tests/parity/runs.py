@@ -33,8 +33,9 @@ from . import harness
 
 # The recipes whose optimizer updates FP32 values (FP32 parameters, or FP32 masters under
 # ``*-master``): the suite compares those FP32 states.  ``bf16-kahan`` and ``bf16-sr``
-# update bfloat16 parameters in place (Kahan compensation, stochastic rounding) and are
-# not covered by this suite (test_parity.test_recipes_outside_the_parity_matrix); fp8-mixed has
+# update bfloat16 parameters in place (Kahan compensation, stochastic rounding): the same
+# runners record their state (``f32(w) + f32(c)`` under Kahan, the bf16 weights under SR) and
+# test_rounding_parity.py checks them (test_parity.test_recipes_outside_the_parity_matrix); fp8-mixed has
 # its own parity test (test_fp8_parity.py: FP8 scales and amax histories every step).
 PARITY_RECIPES = tuple(r for r in RECIPE_NAMES
                        if get_recipe(r).master.update_rounding == "nearest" and get_recipe(r).fp8 is None)
@@ -103,6 +104,7 @@ class Case:
     blowup_steps: tuple[int, ...] = BLOWUP_STEPS
     snapshot_every: int = SNAPSHOT_EVERY
     count_overflows: Optional[bool] = True  # both sides; None: the adapters' default (only when monitored)
+    seed: int = 0  # bf16-sr's stochastic-rounding seed, both sides
 
     @property
     def recipe_obj(self) -> Recipe:
@@ -120,7 +122,8 @@ class Case:
     def id(self) -> str:
         scaler = "default" if self.scaler is None else ("scaled" if self.scaler.enabled else "off")
         counting = "" if self.count_overflows else f"-count{self.count_overflows}"
-        return f"{self.recipe}-{self.optimizer}-{self.kind}-{scaler}{counting}"
+        seeded = f"-seed{self.seed}" if self.seed else ""
+        return f"{self.recipe}-{self.optimizer}-{self.kind}-{scaler}{counting}{seeded}"
 
     def batches(self) -> harness.Batches:
         blowup = {s: self.blowup_factor for s in self.blowup_steps if s < self.steps}
@@ -206,7 +209,7 @@ def run_lightning(case: Case, init_module: Any = None) -> Trajectory:
     b = case.batches()
     data = [(torch.from_numpy(b.x[i]), torch.from_numpy(b.y[i]), torch.from_numpy(b.w[i]), float(b.f[i]))
             for i in range(case.steps)]
-    plugin = MixedPrecision(case.recipe, "cpu", scaler=case.scaler, policy=recipe.policy,
+    plugin = MixedPrecision(case.recipe, "cpu", scaler=case.scaler, policy=recipe.policy, seed=case.seed,
                             count_overflows=case.count_overflows)
     traj = Trajectory()
     paths = list(harness.layer_map(case.kind))
@@ -241,14 +244,16 @@ def run_lightning(case: Case, init_module: Any = None) -> Trajectory:
 
     def fp32_state() -> list[np.ndarray]:
         masters = plugin.master_state_dict()
+        comps = plugin.rounding.compensation() if plugin.rounding is not None else {}  # bf16-kahan: w + c
         mods = dict(net.named_modules())
         out = []
         for path in paths:
             for pname in ("weight", "bias"):
                 if getattr(mods[path], pname) is None:
                     continue
-                p = masters.get(f"net.{path}.{pname}", getattr(mods[path], pname))
-                out.append(_keras_layout(p.detach().float().numpy()))
+                name = f"net.{path}.{pname}"
+                p = masters.get(name, getattr(mods[path], pname)).detach().float()
+                out.append(_keras_layout((p + comps[name].float() if name in comps else p).numpy()))
         return out
 
     traj.init_state = _flat(fp32_state())  # before fit: the module's FP32 parameters (the masters' start)
@@ -288,7 +293,7 @@ def run_lightning(case: Case, init_module: Any = None) -> Trajectory:
         traj.low.append(_keras_layout(p.detach().float().numpy()))
         traj.low_dtypes.append(str(p.dtype).replace("torch.", ""))
         target = in_opt[path_i]
-        assert target.dtype == torch.float32
+        assert target.dtype == torch.float32 or recipe.master.rounds_updates  # kahan/sr: the bf16 parameter
         state = opt.state.get(target, {})
         if case.optimizer == "sgd":
             slots = [state["momentum_buffer"]] if "momentum_buffer" in state else []
@@ -346,9 +351,11 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
     finally:
         keras.config.set_dtype_policy(before)
     harness.copy_torch_to_keras(init, model, case.kind)
+    rounds = recipe.master.rounds_updates  # bf16-kahan / bf16-sr: the recipe turns the update rounding on
     opt = keras_ext.LossScaleOptimizer(keras_optimizer(case.optimizer, lr_scale), recipe.scaler,
                                        master_weights=recipe.master.master_weights,
-                                       count_overflows=case.count_overflows)
+                                       count_overflows=case.count_overflows, recipe=recipe if rounds else None,
+                                       seed=case.seed)
     model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
     opt.build(model.trainable_variables)
     # The FP32 masters start from torch's exact FP32 values (Lightning's plugin keeps
@@ -362,11 +369,20 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
     for v in ordered:
         if master_of.get(id(v)) is not None:
             master_of[id(v)].assign(exact[id(v)])
+        elif rounds and v.dtype == "bfloat16":  # as Lightning's plugin: Kahan's compensation = the cast's error
+            opt.update_rounding.start_from(v, exact[id(v)])
 
     fp32_vars = [master_of.get(id(v)) if master_of.get(id(v)) is not None else v for v in ordered]
+    comp_of = dict(zip(map(id, model.trainable_variables), opt.update_rounding.compensation_variables)) if rounds \
+        else {}
+    comps = [comp_of.get(id(v)) for v in ordered]
+
+    def fp32_value(v: Any, c: Any) -> Any:  # bf16-kahan: f32(w) + f32(c)
+        return ops.cast(v.value, "float32") if c is None else ops.add(ops.cast(v.value, "float32"),
+                                                                      ops.cast(c.value, "float32"))
 
     def fp32_state() -> list[np.ndarray]:
-        return [np.asarray(ops.convert_to_numpy(v), dtype=np.float32) for v in fp32_vars]
+        return [np.asarray(ops.convert_to_numpy(fp32_value(v, c)), dtype=np.float32) for v, c in zip(fp32_vars, comps)]
 
     flat_state = lambda: _flat(fp32_state())  # noqa: E731
     if keras.backend.backend() == "tensorflow":  # one fused read per step (this runs after every step)
@@ -374,7 +390,7 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
 
         @tf.function(autograph=False)
         def _read_flat():
-            return tf.concat([tf.reshape(tf.cast(v.value, tf.float32), [-1]) for v in fp32_vars], 0)
+            return tf.concat([tf.reshape(fp32_value(v, c), [-1]) for v, c in zip(fp32_vars, comps)], 0)
 
         flat_state = lambda: _read_flat().numpy()  # noqa: E731
 
@@ -428,6 +444,8 @@ def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
         traj.low.append(np.asarray(ops.convert_to_numpy(ops.cast(v, "float32")), dtype=np.float32))
         traj.low_dtypes.append(keras.backend.standardize_dtype(v.dtype))
         m = master_of.get(id(v))
+        if rounds and m is None:  # the inner optimizer updates the working variable in place of a bf16 one
+            m = opt.update_rounding.working_variables[opt._get_variable_index(v)]
         slots = _keras_slots(inner, m if m is not None else v, case.optimizer)
         traj.slots.append([np.asarray(ops.convert_to_numpy(s), dtype=np.float32) for s in slots])
         traj.slot_dtypes.append(keras.backend.standardize_dtype(slots[0].dtype) if slots else "")
