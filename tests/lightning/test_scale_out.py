@@ -20,6 +20,8 @@ import torch
 
 from tests.lightning.helpers.scale_out_worker import BOOST_STEP, INF_STEP, STEPS
 
+pytestmark = pytest.mark.multiprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -100,12 +102,16 @@ def test_fsdp2_bf16_master_bytes_per_param_per_rank(ranks):
         assert report["n_shards"] == 2 and report["actual"] == report["estimate"]
         # one rank: FP32 param shard (the master) 4 + FP32 grad shard 4 + AdamW m, v 8, all halved
         assert report["actual"]["bytes_per_param"] == (4 + 4 + 8) / 2
-        assert report["actual"]["weights"] == 0  # no persistent low-precision copy, no second master
-        assert report["actual"]["masters"] == 4 * report["actual"]["params"] / 2
+        # no low-precision copy is held, no second master: the linears' FP32 shards are the masters, the
+        # LayerNorm (kept FP32 by the policy) holds its FP32 shard as a weight
+        params, norm = report["actual"]["params"], r["norm_numel"]
+        assert report["actual"]["masters"] == 4 * (params - norm) / 2
+        assert report["actual"]["weights"] == 4 * norm / 2
         assert r["param_types"] == ["DTensor"] and r["state_dtypes"] == ["torch.float32"]
         assert r["plugin_masters"] == 0
         # transient: the unit being computed is gathered in bf16 (2 B per parameter of that unit)
         assert r["gathered"] and all(g == (2 * r["unit_numel"], ["bfloat16"], ["Parameter"]) for g in r["gathered"])
+        assert r["norm_gathered"] and all(g == ["out torch.float32", "torch.float32"] for g in r["norm_gathered"])
 
 
 def test_fsdp2_resume_through_distributed_checkpoint_equals_uninterrupted(ranks):

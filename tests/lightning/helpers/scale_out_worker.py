@@ -46,19 +46,25 @@ def rank() -> int:
 class Sharded(pl.LightningModule):
     """Linear-ReLU-Linear, sharded in configure_model with the plugin's recipe; optional inf/hook injection."""
 
-    def __init__(self, optimizer: str = "adam", inf_steps=(), inf_rank: int = 1, shard: bool = True) -> None:
+    def __init__(self, optimizer: str = "adam", inf_steps=(), inf_rank: int = 1, shard: bool = True,
+                 norm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16) if norm else nn.Identity(), nn.ReLU(),
+                                 nn.Linear(16, 2))
         self.optimizer_name, self.inf_steps, self.inf_rank, self.shard = optimizer, set(inf_steps), inf_rank, shard
-        self.gathered: list[tuple[int, str]] = []
+        self.gathered: list[tuple[int, list, list]] = []
+        self.norm_gathered: list[list[str]] = []
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
         if self.shard and not hasattr(self.net, "_get_fsdp_state"):
             fully_shard_model(self.net, self.trainer.precision_plugin.recipe, self.device_mesh["data_parallel"],
                               units=["Linear"])
-            self.net[2].register_forward_pre_hook(self._record_gather)  # runs after FSDP2's (the all-gather)
+            self.net[3].register_forward_pre_hook(self._record_gather)  # runs after FSDP2's (the all-gather)
+            self.net[1].register_forward_hook(  # the norm computed with FP32 weights, output FP32
+                lambda m, a, out: self.norm_gathered.append(sorted({str(p.dtype) for p in m.parameters()} |
+                                                                   {f"out {out.dtype}"})))
 
     def _record_gather(self, module, args) -> None:  # what a unit holds gathered while it computes
         held = [(p.numel() * p.element_size(), str(p.dtype).replace("torch.", ""), type(p).__name__)
@@ -192,12 +198,14 @@ def sharded_grad_scaler_reference(plugin, mesh) -> dict:
 
 def fsdp_memory(out: Path) -> dict:
     monitor = MixedPrecisionMonitor(log_every_n_steps=1000, log_memory=True)
-    model = Sharded(optimizer="adamw")
+    model = Sharded(optimizer="adamw", norm=True)  # the LayerNorm is a unit of its own, gathered in FP32
     trainer = fsdp_trainer(MixedPrecision("bf16-master"), out, max_steps=2, callbacks=[monitor])
     trainer.fit(model, loader())
     opt = trainer.optimizers[0]
     return {"report": monitor.memory_reports[-1], "gathered": model.gathered,
-            "unit_numel": sum(p.numel() for p in model.net[2].parameters()),
+            "unit_numel": sum(p.numel() for p in model.net[3].parameters()),
+            "norm_numel": sum(p.numel() for p in model.net[1].parameters()),
+            "norm_gathered": model.norm_gathered,
             "param_types": sorted({type(p).__name__ for p in model.parameters()}),
             "state_dtypes": sorted({str(local(v).dtype) for s in opt.state.values() for v in s.values()
                                     if torch.is_tensor(v) and v.dim()}),
