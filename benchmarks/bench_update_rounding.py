@@ -1,7 +1,7 @@
-"""Lightning: bf16-kahan and bf16-sr (no FP32 masters) against bf16-master, per step.
+"""Lightning and Keras: bf16-kahan and bf16-sr (no FP32 masters) against bf16-master, per step.
 
     python benchmarks/bench_update_rounding.py [--threads 1 2] [--rounds 7] [--steps 30] [--batch-size 16]
-                                               [--hidden 1024] [--optimizer adamw]
+                                               [--hidden 1024] [--optimizer adamw] [--frameworks lightning keras]
 
 The default batch is small (16) so that the optimizer step, where the
 recipes differ, is a large share of the step (the recipes' worst case; with
@@ -13,11 +13,18 @@ reversed every other round), and prints median per-step times and the median
 per-round ratios kahan / master and sr / master, with the control ratio of
 bf16-master against a second copy of itself (the machine's noise), the CPU
 model and the model-state bytes per parameter each variant holds at the
-optimizer step (the estimator's figure beside it).  No thresholds: figures only.
+optimizer step (the estimator's figure beside it).  Keras (``keras_ext.master_optimizer``
+around Keras' AdamW / SGD, ``model.fit`` on the TensorFlow backend unless
+KERAS_BACKEND says otherwise) runs the same three side by side in the same
+process, after Lightning, with the first ``--threads`` value only (TensorFlow
+fixes its thread pools when it starts); its bytes per parameter are the
+variables held plus one gradient per variable (``keras_ext.compare.state_bytes``).
+No thresholds: figures only.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import sys
@@ -26,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common import alternate, base_parser, print_table, thread_specs, with_controls  # noqa: E402
@@ -74,13 +82,59 @@ def estimate(recipe: str, spec: RunSpec, optimizer_name: str) -> float:
                            weights_released=plugin.free_weights_during_step).bytes_per_param
 
 
+def keras_measure(recipe: str, spec: RunSpec, optimizer_name: str, held: dict[str, tuple[float, float]]):
+    """One Keras run of ``recipe`` -> median step seconds; records (held, estimated) bytes per parameter."""
+    import keras
+
+    from keras_ext import master_optimizer
+    from keras_ext.compare import fit_once, state_bytes
+    from mp_callbacks.recipes import get_recipe
+
+    def wrap(inner: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+        if optimizer_name != "adamw":
+            inner = keras.optimizers.SGD(learning_rate=spec.lr, momentum=0.9)
+        return master_optimizer(inner, recipe)
+
+    def once() -> float:
+        model, opt, recorder = fit_once(recipe, spec, optimizer=wrap, record=False)
+        tvs = model.trainable_variables
+        storage = [(int(np.prod(v.shape)), keras.backend.standardize_dtype(v.dtype)) for v in tvs]
+        n = sum(size for size, _ in storage)
+        kind = "adamw" if optimizer_name == "adamw" else "sgd-momentum"
+        est = estimate_memory(get_recipe(recipe).master, kind, storage, fp32_master_grads=True).bytes_per_param
+        held[recipe] = (state_bytes(model, opt) / n, est)
+        return statistics.median(recorder.timed())
+    return once
+
+
+def keras_section(args, threads: int, spec: RunSpec) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    held: dict[str, tuple[float, float]] = {}
+    variants = {f"keras {r}": keras_measure(r, spec, args.optimizer, held) for r in RECIPES}
+    times = alternate(with_controls(variants, ["keras bf16-master"]), args.rounds)
+    print_table(
+        f"Keras ({keras.backend.backend()} backend, keras {keras.__version__}), MLP {args.depth}x{args.hidden}, "
+        f"batch {args.batch_size}, {threads} thread(s), {args.optimizer}", times,
+        [("keras bf16-kahan", "keras bf16-master", "none (measured)"),
+         ("keras bf16-sr", "keras bf16-master", "none (measured)")],
+    )
+    for recipe in RECIPES:
+        print(f"  {recipe:<12} model state at the optimizer step: {held[recipe][0]:.2f} B/param "
+              f"(estimate {held[recipe][1]:.2f}; the output layer is FP32 by policy)")
+
+
 def main() -> None:
     parser = base_parser(__doc__, rounds=7, steps=30, batch_size=16)
     parser.add_argument("--optimizer", choices=["adamw", "sgd-momentum"], default="adamw")
+    parser.add_argument("--frameworks", nargs="+", choices=["lightning", "keras"], default=["lightning", "keras"])
     args = parser.parse_args()
     optimizer = optimizer_factory(args.optimizer)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}")
     for threads, spec in thread_specs(args):
+        if "lightning" not in args.frameworks:
+            continue
         torch.set_num_threads(threads)
         held: dict[str, float] = {}
         variants = {f"ours {r}": measure(r, spec, optimizer, held) for r in RECIPES}
@@ -94,6 +148,11 @@ def main() -> None:
         for recipe in RECIPES:
             print(f"  {recipe:<12} model state at the optimizer step: {held[recipe]:.2f} B/param "
                   f"(estimate {estimate(recipe, spec, args.optimizer):.2f}; every layer bf16 here)")
+    if "keras" in args.frameworks:
+        threads, spec = next(iter(thread_specs(args)))
+        if len(args.threads) > 1:
+            print(f"\nKeras: {threads} thread(s) only (TensorFlow fixes its thread pools when it starts)")
+        keras_section(args, threads, spec)
 
 
 if __name__ == "__main__":
