@@ -101,6 +101,7 @@ def test_fsdp2_bf16_master_bytes_per_param_per_rank(ranks):
         report = r["report"]
         assert report["n_shards"] == 2 and report["actual"] == report["estimate"]
         # one rank: FP32 param shard (the master) 4 + FP32 grad shard 4 + AdamW m, v 8, all halved
+        # (the run reduces in bf16, comm_dtype="bfloat16": the gradient shards are FP32 all the same)
         assert report["actual"]["bytes_per_param"] == (4 + 4 + 8) / 2
         # no low-precision copy is held, no second master: the linears' FP32 shards are the masters, the
         # LayerNorm (kept FP32 by the policy) holds its FP32 shard as a weight

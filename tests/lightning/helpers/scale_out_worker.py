@@ -199,7 +199,8 @@ def sharded_grad_scaler_reference(plugin, mesh) -> dict:
 def fsdp_memory(out: Path) -> dict:
     monitor = MixedPrecisionMonitor(log_every_n_steps=1000, log_memory=True)
     model = Sharded(optimizer="adamw", norm=True)  # the LayerNorm is a unit of its own, gathered in FP32
-    trainer = fsdp_trainer(MixedPrecision("bf16-master"), out, max_steps=2, callbacks=[monitor])
+    plugin = MixedPrecision("bf16-master", comm_dtype="bfloat16")  # FSDP2 reduce-scatters in bf16
+    trainer = fsdp_trainer(plugin, out, max_steps=2, callbacks=[monitor])
     trainer.fit(model, loader())
     opt = trainer.optimizers[0]
     return {"report": monitor.memory_reports[-1], "gathered": model.gathered,
