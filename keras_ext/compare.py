@@ -51,10 +51,13 @@ from mp_callbacks.compare import (
     PeakRSS, RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields,
 )
 from mp_callbacks.diagnostics import History, StepStats
+from mp_callbacks.fp8_report import FP8_SAMPLE_EVERY
 from mp_callbacks.master import estimate_memory, is_optimizer_state
 from mp_callbacks.recipes import get_recipe
 
 from . import policy as _policy
+from .fp8 import host_metrics as fp8_host_metrics
+from .fp8 import is_fp8_variable
 from .optimizer import LossScaleOptimizer, master_optimizer
 
 __all__ = ["fit_once", "mlp", "run", "set_threads", "state_bytes"]
@@ -92,10 +95,11 @@ def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> in
             total += _nbytes(v)
 
     for v in model.variables:
-        add(v)
+        if not is_fp8_variable(v):  # fp8-mixed: the FP8 scaling state is not model state per parameter
+            add(v)
     masters = [m for m in optimizer.master_variables if m is not None] if isinstance(optimizer, LossScaleOptimizer) \
         else []
-    for v in model.trainable_variables:  # the gradients
+    for v in (v for v in model.trainable_variables if not is_fp8_variable(v)):  # the gradients
         numel = int(np.prod(v.shape, dtype=np.int64))
         total += 4 * numel if (masters and _is_low(v)) else _nbytes(v)
     inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
@@ -189,6 +193,7 @@ class _Recorder(keras.callbacks.Callback):
                 self.history.append(StepStats(
                     step=batch, scale=self._scale, overflow=overflows > self._overflows,
                     overflows_total=overflows, skipped_total=opt.skipped, growths_total=opt.growths, loss=loss,
+                    fp8=fp8_host_metrics(self.model) if batch % FP8_SAMPLE_EVERY == 0 else None,  # fp8-mixed
                 ))
                 self._overflows, self._scale = overflows, opt.current_scale
             else:
@@ -260,7 +265,7 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     _, _, x_te, y_te = digits_data(spec.seed)
     logits = ops.convert_to_numpy(ops.cast(model(x_te, training=False), "float32"))
     accuracy = float((logits.argmax(-1) == y_te).mean())
-    trainables = model.trainable_variables
+    trainables = [v for v in model.trainable_variables if not is_fp8_variable(v)]
     n_params = sum(int(np.prod(v.shape)) for v in trainables)
     storage = [(int(np.prod(v.shape)), keras.backend.standardize_dtype(v.dtype)) for v in trainables]
     name = get_recipe(recipe).name

@@ -23,6 +23,7 @@ from mp_callbacks.compare import (
     PeakRSS, RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields,
 )
 from mp_callbacks.diagnostics import History, StepStats
+from mp_callbacks.fp8_report import FP8_SAMPLE_EVERY
 from mp_callbacks.master import estimate_memory
 from mp_callbacks.recipes import get_recipe
 
@@ -140,6 +141,9 @@ class _Recorder(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self.clocked:
             self._t0 = time.perf_counter()
+        fp8 = getattr(self.plugin, "fp8", None)
+        if fp8 is not None and batch_idx % FP8_SAMPLE_EVERY == 0:  # fp8-mixed: count saturated/flushed elements
+            fp8.measure = True
 
     def timed(self) -> list[float]:
         """Step times without the first 10% (warm-up)."""
@@ -191,6 +195,8 @@ class _Recorder(pl.Callback):
             overflows_total=view.overflows if view else 0, skipped_total=view.skipped if view else 0,
             growths_total=view.growths if view else 0,
             loss=float(loss.detach()) if loss is not None else None,
+            fp8=self.plugin.fp8.host_metrics() if self.plugin.fp8 is not None and batch_idx % FP8_SAMPLE_EVERY == 0
+            else None,
         ))
         if self.progress:
             self.progress(batch_idx + 1)

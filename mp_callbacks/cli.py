@@ -113,6 +113,7 @@ def compare(args: argparse.Namespace, slowdown: dict[str, float] | None = None) 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .compare import RunSpec, can_isolate, control_ratios, format_table, run_isolated, write_report
+    from .fp8_report import fp8_table
     from .machine import cpu_model, features, recipe_notes
     from .recipes import canonical_recipe_name
 
@@ -160,6 +161,9 @@ def compare(args: argparse.Namespace, slowdown: dict[str, float] | None = None) 
             results.append(result)
             progress.remove_task(task)
     print(format_table(results))
+    fp8 = fp8_table(results)  # fp8-mixed runs: per-tensor FP8 rows
+    if fp8:
+        print("\nFP8 tensors (fp8-mixed):\n" + fp8)
     ratios = control_ratios(results)
     if ratios:
         print("control: 32-true(ctl) step time / 32-true's: " + ", ".join(f"{fw} {v:.3f}" for fw, v in ratios.items())

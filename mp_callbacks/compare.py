@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .diagnostics import History, plot
+from .fp8_report import report_lines as fp8_report_lines
 from .recipes import get_recipe
 from .scaler import ScalerConfig
 
@@ -433,5 +434,6 @@ def write_report(results: Sequence[RunResult], spec: RunSpec, out: str | os.Path
     for r in runs:
         if len(r.history):
             md += [f"## {r.framework} {r.recipe}", "", f"![scale](" + f"{r.framework}_{r.recipe}_scale.png)", ""]
+    md += fp8_report_lines(runs, out)  # fp8-mixed runs: per-tensor FP8 rows and scale plots
     (out / "README.md").write_text("\n".join(md))
     return out

@@ -114,3 +114,28 @@ def test_the_estimator_counts_the_fp8_state_once():
     report = memory_report("fp8-mixed", r.master, [("AdamW", 0.0, [(600, "bfloat16")]), ("AdamW", 0.0,
                            [(400, "bfloat16")])], actual, weights_released=True, fp8_state=fp8)
     assert report["estimate"] == actual.to_dict()  # added once, not per optimizer
+
+
+def test_report_rows_and_plot(tmp_path):
+    from types import SimpleNamespace
+
+    from mp_callbacks.diagnostics import History, StepStats, fp8_metrics
+    from mp_callbacks.fp8_report import fp8_rows, fp8_table, report_lines
+
+    roles = ("inputs", "weights", "grad_outputs")
+    steps = []
+    for t, k in enumerate((1.0, 2.0, 4.0)):
+        m = fp8_metrics(["net.0"], roles, {r: [k] for r in roles}, {r: [448.0 / k] for r in roles},
+                        {r: [(t, 2 * t, 10)] for r in roles})
+        steps.append(StepStats.from_counts(t, 1.0, False, 0, 0, 0, fp8=m))
+    steps.insert(1, StepStats.from_counts(9, 1.0, False, 0, 0, 0))  # a step without FP8 metrics
+    history = History.from_steps(steps)
+    rows = fp8_rows(history)
+    assert [r["tensor"] for r in rows] == ["net.0/inputs", "net.0/weights", "net.0/grad_outputs"]
+    assert rows[0]["amax"] == 4.0 and rows[0]["scale"] == 112.0 and rows[0]["scale_max"] == 448.0
+    assert rows[0]["saturated_frac"] == pytest.approx(0.1) and rows[0]["underflow_frac"] == pytest.approx(0.2)
+    run = SimpleNamespace(framework="lightning", recipe="fp8-mixed", history=history)
+    assert "net.0/grad_outputs" in fp8_table([run])
+    md = report_lines([run, SimpleNamespace(framework="keras", recipe="bf16-mixed", history=History())], tmp_path)
+    assert "![fp8 scales](lightning_fp8-mixed_fp8_scales.png)" in md
+    assert (tmp_path / "lightning_fp8-mixed_fp8_scales.png").stat().st_size > 0
