@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(PY) -m mp_callbacks demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) build *.egg-info

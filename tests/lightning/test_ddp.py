@@ -1,12 +1,15 @@
 """Two CPU processes (gloo): an overflow seen by rank 0 only makes both ranks skip."""
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from tests.lightning.helpers.models import SaveRankState, TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
 
 GRAD_INF_STEPS = {2, 5}  # injected into rank 0's gradients *after* DDP's all-reduce
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_ddp_spawn_overflow_on_one_rank_skips_everywhere(tmp_path):

@@ -380,6 +380,7 @@ def test_opted_out_overflows_are_seen_on_logging_steps():
     assert rows == [(2, True, 1, 0, LOSS_SOURCE), (4, True, 3, 0, "net.0")]
 
 
+@pytest.mark.multiprocess
 def test_ddp_ranks_blame_and_move_the_same_module(tmp_path):
     """net.1 overflows on rank 1 only: both ranks blame it and both move it to FP32.
 

@@ -219,6 +219,7 @@ class SaveRounding(pl.Callback):
                    f"{self.out_dir}/rank{trainer.global_rank}.pt")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_ddp_ranks_stay_bit_identical(tmp_path, recipe, monkeypatch):
     """Two processes: the same all-reduced gradients, the same seed and counter draw the same numbers."""
