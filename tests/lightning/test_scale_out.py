@@ -24,6 +24,8 @@ pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.multiprocess  # one torchrun launch: shares the xdist worker of process-launching tests
+
 
 def _free_port() -> int:
     with socket.socket() as s:
