@@ -343,9 +343,11 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
 
 
 def _with_fp8(model: keras.Model, policy: Any) -> keras.Model:
-    """``fp8-mixed``: the low-precision Dense/EinsumDense layers get FP8 matmuls (:mod:`keras_ext.fp8`)."""
-    recipe = resolve_policy(policy)[1] if policy is not None else getattr(keras.config.dtype_policy(), RECIPE_ATTR,
-                                                                             None)
+    """``fp8-mixed`` (the recipe given, else the global one): the low-precision Dense/EinsumDense layers get
+    FP8 matmuls (:mod:`keras_ext.fp8`)."""
+    recipe = resolve_policy(policy)[1] if policy is not None else None
+    if recipe is None:
+        recipe = getattr(keras.config.dtype_policy(), RECIPE_ATTR, None)
     if recipe is not None and recipe.fp8 is not None:
         from .fp8 import install
 

@@ -152,7 +152,7 @@ def replay(model, recipe):
     return state
 
 
-@pytest.mark.parametrize("fp8", [None, {"history_len": 3}, {"preset": "keras", "history_len": 4}, "torchao"])
+@pytest.mark.parametrize("fp8", [{"history_len": 3}, {"preset": "keras", "history_len": 4}, "torchao"])
 def test_states_follow_the_core_transition_every_step(fp8):
     plugin = MixedPrecision("fp8-mixed", fp8=fp8)
     model = Net()

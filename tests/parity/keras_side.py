@@ -5,7 +5,8 @@ fixed when keras is imported, so it cannot change inside the pytest process)::
 
     KERAS_BACKEND=torch python -m tests.parity.keras_side OUT.npz CASE_ID [CASE_ID ...]
 
-A case id is ``recipe:optimizer:kind``; the rest of the case is the suite's default.
+A case id is ``recipe:optimizer:kind``; the rest of the case is the suite's default.  The id
+``fp8`` runs the Keras side of ``test_fp8_parity.py`` (its arrays under ``fp8/``).
 OUT.npz holds ``backend`` and, per case, :func:`runs.trajectory_arrays` under
 ``CASE_ID/`` (``np.load(OUT, allow_pickle=False)`` reads it back).
 """
@@ -24,6 +25,11 @@ def main(argv: list[str]) -> int:
     out, ids = argv[0], argv[1:]
     arrays = {"backend": np.asarray(keras.backend.backend())}
     for case_id in ids:
+        if case_id == "fp8":
+            from tests.parity import test_fp8_parity
+
+            arrays.update({f"fp8/{k}": v for k, v in test_fp8_parity.run_keras().items()})
+            continue
         recipe, optimizer, kind = case_id.split(":")
         case = runs.Case(recipe, optimizer, kind, hidden=runs.HIDDEN[kind])
         arrays.update(runs.trajectory_arrays(runs.run_keras(case), prefix=f"{case_id}/"))
