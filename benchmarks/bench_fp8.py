@@ -1,0 +1,116 @@
+"""Emulated FP8 (``fp8-mixed``) step time against ``bf16-mixed`` (and ``bf16-master``, ``32-true``).
+
+    python benchmarks/bench_fp8.py [--threads 1 2] [--rounds 5] [--steps 30] [--batch-size 64]
+                                   [--hidden 256] [--depth 2] [--frameworks lightning keras]
+
+Trains the ``mpx compare`` MLP on the same digits batches with AdamW under
+``lightning_ext.MixedPrecision(recipe)`` for ``fp8-mixed``, ``bf16-mixed``,
+``bf16-master`` (the storage ``fp8-mixed`` shares) and ``32-true``,
+alternating in one process (order reversed every other round, a control copy
+of ``bf16-mixed``), and prints the median step times and the median per-round
+ratios fp8-mixed / bf16-mixed, fp8-mixed / bf16-master, fp8-mixed / 32-true,
+with the CPU model.  Keras (``keras_ext.compare.fit_once``, ``model.fit``,
+TensorFlow unless KERAS_BACKEND says otherwise) runs the same after Lightning
+with the first ``--threads`` value.
+
+What the emulation costs, per FP8 matmul and step: the amax of the input, the
+weight and the output gradient (a reduction each), the scale, clamp, cast to
+float8 and back, and the multiply by the inverse scale for each of them, the
+matmul in float32 on the dequantized values, and 3 scaling transitions (batched
+per tensor role in Lightning).  None of it runs on FP8 hardware here: CPUs have
+no FP8 matmul, so the emulation is for numerics (what FP8 training does to the
+values, scales, saturation and underflow), never for speed.  The FP8 speed-up
+exists on GPUs with FP8 tensor cores (NVIDIA Hopper/Ada/Blackwell: ``torch._scaled_mm``,
+gated in ``lightning_ext.fp8``), where the matmuls run at twice the bf16 rate.
+No thresholds: figures only.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import alternate, base_parser, print_table, thread_specs, with_controls  # noqa: E402
+from lightning_ext import MixedPrecision  # noqa: E402
+from lightning_ext.compare import fit_once  # noqa: E402
+from mp_callbacks.compare import RunSpec  # noqa: E402
+
+RECIPES = ("fp8-mixed", "bf16-mixed", "bf16-master", "32-true")
+PAIRS = [("fp8-mixed", "bf16-mixed"), ("fp8-mixed", "bf16-master"), ("fp8-mixed", "32-true"),
+         ("bf16-mixed", "32-true")]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> str:
+    """The CPU features that decide bf16/fp8 speed here (AMX, AVX-512 BF16), as present/absent."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("amx_bf16", "avx512_bf16", "avx512f"))
+
+
+def lightning_measure(recipe: str, spec: RunSpec):
+    def once() -> float:
+        _, recorder = fit_once(MixedPrecision(recipe, "cpu"), spec)
+        return statistics.median(recorder.timed())
+    return once
+
+
+def keras_measure(recipe: str, spec: RunSpec):
+    def once() -> float:
+        from keras_ext.compare import fit_once as keras_fit_once
+
+        _, _, recorder = keras_fit_once(recipe, spec, record=False)
+        return statistics.median(recorder.timed())
+    return once
+
+
+def section(title: str, variants: dict, rounds: int, prefix: str) -> None:
+    times = alternate(with_controls(variants, [f"{prefix} bf16-mixed"]), rounds)
+    print_table(title, times, [(f"{prefix} {a}", f"{prefix} {b}", "none (measured)") for a, b in PAIRS])
+
+
+def main() -> None:
+    parser = base_parser(__doc__, rounds=5, steps=30, batch_size=64)
+    parser.add_argument("--frameworks", nargs="+", choices=["lightning", "keras"], default=["lightning", "keras"])
+    parser.set_defaults(hidden=256, depth=2)
+    args = parser.parse_args()
+    print(f"CPU: {cpu_model()} ({cpu_flags()}); torch {torch.__version__}")
+    for threads, spec in thread_specs(args):
+        if "lightning" not in args.frameworks:
+            continue
+        torch.set_num_threads(threads)
+        section(f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s), AdamW",
+                {f"lightning {r}": lightning_measure(r, spec) for r in RECIPES}, args.rounds, "lightning")
+    if "keras" in args.frameworks:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import keras
+
+        threads, spec = next(iter(thread_specs(args)))
+        section(f"Keras ({keras.backend.backend()} backend), MLP {args.depth}x{args.hidden}, batch "
+                f"{args.batch_size}, {threads} thread(s), AdamW",
+                {f"keras {r}": keras_measure(r, spec) for r in RECIPES}, args.rounds, "keras")
+
+
+if __name__ == "__main__":
+    main()
