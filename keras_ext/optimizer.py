@@ -28,6 +28,7 @@ decision comes from the core:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -40,6 +41,7 @@ from mp_callbacks.monitor import MonitorPort
 from mp_callbacks.recipes import Recipe
 from mp_callbacks.scaler import ScalerConfig, ScalerCounters, ScalerState
 
+from .distribute import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
 from .keras_ops import is_tf
 from .masters import master_optimizer  # re-exported: the optimizer a recipe asks for
@@ -127,6 +129,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
             master_weights = given.master.master_weights if given is not None else False
         config = scaler_config(scaler, given, initial_scale, dynamic_growth_steps)
         recipe_obj = optimizer_recipe(given, config, master_weights)
+        recipe_obj = recipe_obj.with_comm_dtype(given.comm_dtype) if given is not None else recipe_obj
         masters = weight_store(recipe_obj, master_weights, seed)  # FP32 masters, or update rounding
         scaler_state = KerasLossScaler(config)
         super().__init__(inner_optimizer, initial_scale=scaler_state.current_scale,
@@ -337,6 +340,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context (inside strategy.run or a train_step)")
         ctx = tf.distribute.get_replica_context()
+        reduced = reduces_itself(self._recipe.comm_dtype, ctx)  # comm_dtype: reduce here, check the result
+        grads = reduce_gradients(ctx, grads, self._recipe.comm_dtype) if reduced else grads
         found_inf, loss_finite = self._found_inf(grads), self._divergence.loss_finite()
         if ctx.num_replicas_in_sync > 1 and self.checks_overflow:
             # The decision is global: sum the per-replica overflow (and non-finite loss) flags first.
@@ -347,8 +352,11 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
 
         def cross_replica(distribution, found_inf, loss_finite, unscaled, tvs):
             found, finite = (distribution.experimental_local_results(t)[0] for t in (found_inf, loss_finite))
-            scale_used = self._step(found, finite, unscaled, tvs, lambda: distribution.extended.call_for_each_replica(
-                self._apply_inner, args=(unscaled, tvs)))
+            def apply_inner() -> None:
+                with inner_reduction_off(self.inner_optimizer) if reduced else contextlib.nullcontext():
+                    distribution.extended.call_for_each_replica(self._apply_inner, args=(unscaled, tvs))
+
+            scale_used = self._step(found, finite, unscaled, tvs, apply_inner)
             if distribution.num_replicas_in_sync == 1:  # the monitor's device record is per replica
                 local = [None if g is None else distribution.experimental_local_results(g)[0] for g in unscaled]
                 self._notify_monitor(found, local, tvs, scale_used)

@@ -1,0 +1,154 @@
+"""One worker of the 2-worker ``MultiWorkerMirroredStrategy`` test (tests/keras/test_multiworker.py):
+``python -m tests.keras.helpers.multiworker OUT_DIR`` with ``TF_CONFIG`` set by the test.
+
+Each worker trains the same tiny model with ``keras_ext.LossScaleOptimizer`` in a custom loop on
+its own batches; only worker 1's batch holds an inf at ``BAD_STEPS``.  It writes ``worker<i>.json``:
+
+* ``uninterrupted``: the scale after each step, the counters, the final weights and optimizer slots;
+* ``resumed``: the same run saved to ``.keras`` after ``SAVE_AT`` steps, loaded under the strategy and
+  continued (must equal ``uninterrupted``);
+* ``reference``: no strategy, one process: the optimizer gets the sum of both workers' gradients
+  (what the all-reduce computes), on the same batches;
+* ``comm_bf16``: the run again with ``comm_dtype="bfloat16"`` and the dtypes/bytes each step hands to
+  the cross-worker all-reduce (counted at trace time, one trace = one step);
+* ``comm_fp16_big`` / ``reference_big``: at ``BIG_STEP`` worker 0's gradients are finite in FP32 but
+  overflow float16: with ``comm_dtype="float16"`` the reduced gradients are inf, both workers skip.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TF op (reads TF_CONFIG)
+
+import keras  # noqa: E402
+
+import keras_ext  # noqa: E402
+from mp_callbacks import get_recipe  # noqa: E402
+from tests.keras.helpers.comm_count import ReduceCounter  # noqa: E402
+
+BAD_STEPS = {1, 4}
+STEPS = 6
+SAVE_AT = 3
+BIG_STEP = 2  # big=True: worker 0's gradients are finite in FP32 but beyond float16's range
+WORKERS = 2
+
+
+def batch(step, worker, big=False):
+    rng = np.random.default_rng(100 * step + worker)
+    x = rng.normal(size=(4, 3)).astype("float32") * (300.0 if big and worker == 0 and step == BIG_STEP else 1.0)
+    y = x.sum(axis=1, keepdims=True).astype("float32")
+    if worker == 1 and step in BAD_STEPS:
+        x[0, 0] = np.inf
+    return x, y
+
+
+def build(recipe=None):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    opt = keras_ext.LossScaleOptimizer(keras.optimizers.Adam(0.01), "keras", dynamic_growth_steps=2, recipe=recipe)
+    model.compile(opt, "mse")
+    opt.build(model.trainable_variables)
+    return model, opt
+
+
+def loss_fn(model, x, y):
+    return tf.reduce_mean(tf.square(model(x, training=True) - y)) / WORKERS
+
+
+def make_step(model, opt):
+    @tf.function
+    def train_step(x, y):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                scaled = opt.scale_loss(loss_fn(model, x, y))
+            opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+
+        STRATEGY.run(step, args=(x, y))
+
+    return train_step
+
+
+def state(model, opt):
+    return {"weights": [np.asarray(v.numpy()).tolist() for v in model.trainable_variables],
+            "slots": [np.asarray(v.numpy()).tolist() for v in opt.inner_optimizer.variables],
+            "skipped": opt.skipped, "overflows": opt.overflows, "steps": opt.steps,
+            "iterations": int(opt.iterations.numpy()), "scale": opt.current_scale}
+
+
+def train(model, opt, worker, steps, scales, big=False):
+    train_step = make_step(model, opt)
+    for s in steps:
+        x, y = batch(s, worker, big)
+        train_step(tf.constant(x), tf.constant(y))
+        scales.append(opt.current_scale)
+
+
+def distributed(worker, out_dir):
+    out = {}
+    with STRATEGY.scope():
+        model, opt = build()
+    scales = []
+    train(model, opt, worker, range(STEPS), scales)
+    out["uninterrupted"] = dict(state(model, opt), scales=scales)
+
+    with STRATEGY.scope():
+        model, opt = build()
+    scales = []
+    train(model, opt, worker, range(SAVE_AT), scales)
+    path = os.path.join(out_dir, f"w{worker}.keras")  # every worker writes (its own path)
+    model.save(path)
+    with STRATEGY.scope():
+        model = keras.models.load_model(path, safe_mode=True)
+    opt = model.optimizer
+    train(model, opt, worker, range(SAVE_AT, STEPS), scales)
+    out["resumed"] = dict(state(model, opt), scales=scales, optimizer=type(opt).__name__)
+
+    with STRATEGY.scope():
+        model, opt = build(get_recipe("16-mixed", comm_dtype="bfloat16"))
+    scales = []
+    with ReduceCounter() as counter:
+        train(model, opt, worker, range(STEPS), scales)
+    out["comm_bf16"] = dict(state(model, opt), scales=scales, reduced=counter.per_trace())
+
+    with STRATEGY.scope():
+        model, opt = build(get_recipe("16-mixed", comm_dtype="float16"))
+    scales = []
+    train(model, opt, worker, range(STEPS), scales, big=True)
+    out["comm_fp16_big"] = dict(state(model, opt), scales=scales)
+    return out
+
+
+def reference(big=False):
+    model, opt = build()
+    scales = []
+    variables = model.trainable_variables
+
+    @tf.function
+    def grads_of(x, y):
+        with tf.GradientTape() as tape:
+            scaled = opt.scale_loss(loss_fn(model, x, y))
+        return tape.gradient(scaled, variables)
+
+    for s in range(STEPS):
+        per_worker = [grads_of(*map(tf.constant, batch(s, w, big))) for w in range(WORKERS)]
+        opt.apply([a + b for a, b in zip(*per_worker)], variables)
+        scales.append(opt.current_scale)
+    return dict(state(model, opt), scales=scales)
+
+
+if __name__ == "__main__":
+    out_dir = sys.argv[1]
+    worker = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    result = distributed(worker, out_dir)
+    result["reference"] = reference()
+    result["reference_big"] = reference(big=True)
+    result["replicas"] = STRATEGY.num_replicas_in_sync
+    with open(os.path.join(out_dir, f"worker{worker}.json"), "w") as f:
+        json.dump(result, f)
