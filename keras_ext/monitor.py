@@ -62,7 +62,7 @@ from .attribution import LayerAttribution
 from .device_record import COUNTERS, DeviceRecord
 from .fp8 import host_metrics as fp8_host_metrics
 from .fp8 import fp8_layers, fp8_recipe_of, is_fp8_variable
-from .keras_meters import SwampMeter, grad_norm, underflow_counts
+from .keras_meters import SwampMeter, grad_norm, swamped_counts, underflow_counts
 from .keras_ops import is_tf
 from .optimizer import LossScaleOptimizer
 from .policy import _own_variables, _walk, keep_layer_in_fp32, policy_report
@@ -186,6 +186,8 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         if self.attribute_overflows:
             self.attribution.install(self.model)
         opt.attach_monitor(self)
+        if opt.update_rounding is not None:  # bf16-kahan/bf16-sr: the FP32 updates, kept by the rounding
+            opt.update_rounding.track_updates(self.measure_swamping, self.meter_samples)
         self._retrace()
         if self.log_memory:
             self._log_memory("train_start", logs)
@@ -247,6 +249,8 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         self.attribution.uninstall()
         if self._opt is not None and self._opt.monitor is self:
             self._opt.detach_monitor(self)
+            if self._opt.update_rounding is not None:
+                self._opt.update_rounding.track_updates(False)
             self._retrace()
         self._swamp.clear()
 
@@ -300,12 +304,26 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             for v in _own_variables(layer):
                 kept[id(v)] = fp32
         out = []
+        rounding = opt.update_rounding
         for v in (v for v in self.model.trainable_variables if not is_fp8_variable(v)):
+            if rounding is not None and rounding.working_variables[opt._get_variable_index(v)] is not None:
+                continue  # bf16-kahan/bf16-sr: metered on the FP32 update the rounding keeps (_swamp_counts)
             stored = canonical_dtype(keras.backend.standardize_dtype(v.dtype))
             master = opt.master_variables[opt._get_variable_index(v)] if opt.master_weights else None
             target = master if master is not None else v  # the FP32 master under *-master
             out.append((target, swamp_storage_dtype(opt.recipe, stored, kept.get(id(v), stored == "float32"))))
         return out
+
+    def _swamp_counts(self) -> Any:
+        """``[lost, nonzero]`` of the step: the snapshot's targets, plus under ``bf16-kahan``/``bf16-sr`` the FP32
+        updates the optimizer asked for (as Lightning meters them), kept by the update rounding."""
+        counts = self._swamp.counts()
+        rounding = self._opt.update_rounding
+        tracked = rounding.tracked_updates() if rounding is not None and self.measure_swamping else []
+        if tracked:
+            extra = ops.stack(list(swamped_counts(*(list(x) for x in zip(*tracked)))))
+            counts = extra if counts is None else ops.add(counts, extra)
+        return counts
 
     def _drain(self, logging: bool = False) -> Optional[StepStats]:
         """One read: record the overflow rows since the last read, then (``logging``) this step's record.
@@ -315,7 +333,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         dev, opt = self._dev, self._opt
         if dev is None or opt is None:
             return None
-        swamp = self._swamp.counts() if logging else None
+        swamp = self._swamp_counts() if logging else None
         self._swamp.clear()
         if logging and self.measure_grads:
             dev.request.assign(0)

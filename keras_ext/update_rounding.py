@@ -24,6 +24,10 @@ FP32 with FP32 slots:
 * a step therefore holds the core estimate (bf16 weights and gradients,
   compensation, slots: :func:`mp_callbacks.master.estimate_memory`) in variables,
   plus the step's FP32 temporaries inside the traced function;
+* for the swamping meter (``mp/update_swamped_frac``, as Lightning's: the FP32
+  update the optimizer asked for, against the bf16 weight), a monitor turns on
+  :meth:`UpdateRounding.track_updates`: each applied step keeps the sampled FP32
+  values and updates in small variables outside the optimizer (not saved);
 * stochastic rounding draws the core's counter-based stream: the tensor index
   is the variable's position in the optimizer's variable list, the element
   index the canonical (torch) layout's (kernels through
@@ -58,6 +62,7 @@ from mp_callbacks.rounding import (
     sr_thresholds,
 )
 
+from .keras_meters import sample
 from .keras_ops import dtype_name, is_tf
 from .masters import LOW_PRECISION, MasterWeights, _label
 
@@ -170,6 +175,7 @@ class WorkingVariable:
         self._layout = None
         self._unique_id = f"keras_ext_working_{WorkingVariable._count}"  # TensorFlow's optimizer key
         self.value: Any = None
+        self.start: Any = None  # the step's value before the inner optimizer's update
 
     def assign(self, value: Any) -> "WorkingVariable":
         self.value = ops.cast(value, "float32")
@@ -251,6 +257,8 @@ class UpdateRounding:
         self._counter: Any = None
         self._seed: Any = None
         self._position: dict[int, int] = {}
+        self._tracked: Optional[dict[int, tuple[Any, Any]]] = None  # index -> (FP32 before, FP32 update) samples
+        self._samples: Optional[int] = None
 
     @property
     def kahan(self) -> bool:
@@ -325,6 +333,25 @@ class UpdateRounding:
         if comp is not None:
             comp.assign(initial_compensation(x, variable.value, KERAS_ROUNDING_OPS))
 
+    def track_updates(self, on: bool, samples: Optional[int] = None) -> None:
+        """Keep (``on``), at every applied step, each rounded variable's FP32 value before the step and the FP32
+        update on the elements :func:`~keras_ext.keras_meters.sample` reads (``samples``): the swamping meter's
+        input (:meth:`tracked_updates`).  Retrace the step after switching."""
+        if not on:
+            self._tracked = None
+            return
+        self._samples, self._tracked = samples, {}
+        for i, w in enumerate(self._working):
+            if w is not None:
+                n = int(sample(ops.zeros(w.shape, dtype="int8"), samples).shape[0])
+                self._tracked[i] = tuple(keras.Variable(ops.zeros((n,)), dtype="float32", trainable=False,
+                                                        name=f"{_label(w)}_{what}") for what in ("before", "update"))
+
+    def tracked_updates(self) -> list[tuple[Any, Any, str]]:
+        """``(sampled FP32 value before the last applied step, its FP32 update, storage dtype)`` per rounded
+        variable (empty unless :meth:`track_updates` is on)."""
+        return [(b, u, "bfloat16") for b, u in (self._tracked or {}).values()]
+
     # --------------------------------------------------------------- step
     def targets(self, grads: Sequence[Any], tvs: Sequence[Any],
                 index: Callable[[Any], int]) -> tuple[list[Any], list[Any]]:
@@ -341,10 +368,10 @@ class UpdateRounding:
             comp = self._comp[i]
             w.dtype = "float32"  # built in the state dtype (the slots'); computes in FP32
             if g is None:  # not updated (the inner optimizer skips it): nothing to write back
-                w.value = None
+                w.value = w.start = None
             else:
-                w.value = (compensated_value(v.value, comp.value, KERAS_ROUNDING_OPS) if comp is not None
-                           else ops.cast(v.value, "float32"))
+                w.value = w.start = (compensated_value(v.value, comp.value, KERAS_ROUNDING_OPS) if comp is not None
+                                     else ops.cast(v.value, "float32"))
                 g = ops.cast(g, "float32")
             out_grads.append(g)
             out_targets.append(w)
@@ -360,7 +387,12 @@ class UpdateRounding:
             w = self._working[i]
             if w is None or w.value is None:
                 continue
-            t_new, w.value = w.value, None
+            t_new, t, w.value, w.start = w.value, w.start, None, None
+            if self._tracked is not None and i in self._tracked:
+                before, update = self._tracked[i]
+                start = sample(t, self._samples)
+                before.assign(start)
+                update.assign(ops.subtract(sample(t_new, self._samples), start))
             comp = self._comp[i]
             if comp is not None:
                 new, c = kahan_apply(v.value, comp.value, t_new, ops_)

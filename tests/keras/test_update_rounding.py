@@ -304,22 +304,30 @@ def _swamp_data():
     return x, (x @ w_star).astype("float32")
 
 
-def _swamp(name: str, jit: bool) -> float:
-    """Final loss over the starting loss (float64, the weights as stored) after STEPS full-batch steps."""
+def _swamp(name: str, jit: bool, meters: dict[str, float]) -> float:
+    """Final loss over the starting loss (float64, the weights as stored) after STEPS full-batch steps;
+    bf16-kahan/bf16-sr also record the mean ``mp/update_swamped_frac`` of a monitor logging every 100 steps."""
     dtype = "float32" if name == "32-true" else "bfloat16"
     model = keras.Sequential([keras.Input((DIM,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
                                                                       dtype=dtype)])
     inner = keras.optimizers.SGD(LR)
     opt = inner if name in ("32-true", "bf16-true") else keras_ext.master_optimizer(inner, name)
     model.compile(opt, loss=lambda t, p: ops.mean(ops.square(ops.cast(p, "float32") - t)), jit_compile=jit,
-                  steps_per_execution=STEPS if TF else 1)
+                  steps_per_execution=100 if TF else 1)
+    monitor = keras_ext.MixedPrecisionMonitor(log_every_n_steps=100, measure_grads=False, log_memory=False)
+    callbacks = [monitor] if name in RECIPES else []
     x, y = _swamp_data()
-    if TF:  # the full batch, STEPS times, in one call of the compiled loop
+    if TF:  # the full batch, STEPS times, 100 steps per call of the compiled loop
         import tensorflow as tf
 
-        model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(STEPS), verbose=0)
+        model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(STEPS), verbose=0, callbacks=callbacks)
     else:
-        model.fit(np.tile(x, (STEPS, 1)), np.tile(y, (STEPS, 1)), batch_size=SAMPLES, shuffle=False, verbose=0)
+        model.fit(np.tile(x, (STEPS, 1)), np.tile(y, (STEPS, 1)), batch_size=SAMPLES, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+    if callbacks:
+        series = monitor.history.series("update_swamped_frac")
+        assert len(series) == STEPS // 100, series
+        meters[name] = float(np.mean(series))
     w = np.asarray(ops.convert_to_numpy(ops.cast(model.weights[0], "float32")), np.float64)
     x64, y64 = x.astype(np.float64), y.astype(np.float64)
     return float(np.mean((x64 @ w - y64) ** 2) / np.mean((x64 @ np.ones((DIM, 1)) - y64) ** 2))
@@ -327,10 +335,14 @@ def _swamp(name: str, jit: bool) -> float:
 
 def test_swamping_bf16_true_stalls_the_others_follow_fp32():
     """(Under XLA the same holds: relative errors 2.8e-5 / 1.0 / 0.0005 / 0.0010 / 0.0019, measured.)"""
-    results = {name: _swamp(name, False) for name in ["32-true", "bf16-true", "bf16-master", "bf16-kahan", "bf16-sr"]}
-    print("\nswamping, relative error after 1000 steps:", results)
+    meters: dict[str, float] = {}
+    results = {name: _swamp(name, False, meters) for name in ["32-true", "bf16-true", "bf16-master", "bf16-kahan",
+                                                              "bf16-sr"]}
+    print("\nswamping, relative error after 1000 steps:", results, "\nmp/update_swamped_frac:", meters)
     fp32 = results["32-true"]
     assert fp32 < 0.01
     assert results["bf16-true"] > 0.95  # every update rounded away: the weights never moved
     for name in ("bf16-master", "bf16-kahan", "bf16-sr"):
         assert results[name] <= 1.2 * fp32 + 0.01, (name, results)
+    # the FP32 updates asked for are below half a bf16 ulp (as Lightning's meter says): the rounding keeps them
+    assert set(meters) == set(RECIPES) and all(v > 0.95 for v in meters.values()), meters
