@@ -21,8 +21,9 @@ keras = pytest.importorskip("keras")
 
 # Full parity runs: Kahan with both optimizers (every bound of the bf16 recipes); SR with AdamW (decisions, losses,
 # slots; the state in distribution).  SR with SGD: the exact test below, plus the matrix's SGD coverage.
-KAHAN_CASES = [Case("bf16-kahan", o, "mlp", hidden=HIDDEN["mlp"]) for o in ("sgd", "adamw")]
-SR_CASE = Case("bf16-sr", "adamw", "mlp", hidden=HIDDEN["mlp"])
+# 100 of the matrix's 200 steps (11 overflows), to keep the suite fast.
+KAHAN_CASES = [Case("bf16-kahan", o, "mlp", hidden=HIDDEN["mlp"], steps=100) for o in ("sgd", "adamw")]
+SR_CASE = Case("bf16-sr", "adamw", "mlp", hidden=HIDDEN["mlp"], steps=100)
 
 
 def _keras_bits(v) -> np.ndarray:
@@ -126,18 +127,19 @@ def test_the_same_gradients_give_bit_identical_weights_in_both(recipe):
 
 def _stored_is_state_rounded(case: Case, side) -> None:
     """Each side's stored parameters: bf16 for the hidden layers, FP32 for the head; under Kahan the bf16 weight
-    is its state w + c rounded (|c| at most half a bf16 ulp of w, ties either way), under SR the state itself."""
+    is within one bf16 ulp of its state w + c (half an ulp while |update| <= |w|; a weight near zero or at the
+    bottom of its binade can carry a full ulp), under SR the state itself."""
     assert side.low_dtypes == ["bfloat16"] * 4 + ["float32"] * 2
     for state, stored, dtype in zip(side.fp32, side.low, side.low_dtypes):
         if dtype == "float32" or case.recipe == "bf16-sr":
             np.testing.assert_array_equal(state, stored)
         else:
-            assert np.all(np.abs(state - stored) <= np.abs(stored) * 2.0**-8 + 2.0**-133), case.id
+            assert np.all(np.abs(state - stored) <= np.abs(stored) * 2.0**-7 + 2.0**-133), case.id
 
 
 @pytest.mark.parametrize("case", KAHAN_CASES, ids=lambda c: c.id)
 def test_kahan_runs_agree_within_the_parity_bounds(case):
-    """The parity run (200 steps, 21 overflows) under bf16-kahan: decisions equal, losses against each
+    """The parity run (100 steps, 11 overflows) under bf16-kahan: decisions equal, losses against each
     framework's FP64 loss, the state ``f32(w) + f32(c)`` against the path, the FP32 slots: the bounds of the
     bf16 recipes (checks.py), unchanged."""
     t, k = runs.lightning_cached(case), runs.keras_cached(case)
@@ -157,9 +159,9 @@ def test_stochastic_rounding_runs_agree_in_distribution():
     above); here TensorFlow's truncating bf16 MatMul makes Keras' updates differ from torch's by ~1 eps, and a
     value that lands between the two on the shared threshold rounds one ulp apart: the weights part as a
     random walk of ulps, not as eps times the path.  So the state is checked in distribution: the two
-    frameworks with the same seed are no further apart than Keras with two seeds (measured 0.73-0.75x over
-    the 8 snapshots; with a 10% learning-rate error in Keras 1.26-2.13x).  Decisions, losses and slots: the
-    usual bounds."""
+    frameworks with the same seed are no further apart than Keras with two seeds (measured 0.73-0.75x at the
+    4 snapshots; with a 10% learning-rate error in Keras 1.26-2.13x).  Decisions, losses and slots: the usual
+    bounds."""
     case = SR_CASE
     t, k = runs.lightning_cached(case), runs.keras_cached(case)
     k_other = runs.run_keras(dataclasses.replace(case, seed=1))
