@@ -58,7 +58,7 @@ class KerasDivergence:
 
     def __init__(self, rule: DivergenceRule, config: ScalerConfig, on_stop: Callable[[], Any] | None = None) -> None:
         self.rule, self.on_stop = rule, on_stop
-        self.active = rule.active and config.can_skip
+        self.active = rule.active and config.can_skip and keras.backend.backend() != "jax"  # jax_support
         self._vars: dict[str, Any] = {}
         self._local = threading.local()
 

@@ -8,16 +8,14 @@ decision comes from the core:
 * the scaler state lives in :class:`~keras_ext.scaler.KerasLossScaler`
   (Keras variables on this optimizer, moved by
   :func:`mp_callbacks.scaler.next_state` evaluated with ``keras.ops``);
-* the finite check covers every gradient of the step and, under a
-  ``tf.distribute`` strategy, is all-reduced across replicas *before* the
-  decision (any replica overflows => every replica skips);
-* a skipped step leaves variables, optimizer slots, master weights and the
-  inner optimizer's ``iterations`` untouched;
+* the finite check covers every gradient of the step and, under ``tf.distribute``, is all-reduced
+  across replicas *before* the decision (any replica overflows => every replica skips);
+* a skipped step leaves variables, optimizer slots, masters and the inner ``iterations`` untouched
+  (on JAX, :mod:`keras_ext.jax_support`: the stateless path of Keras' JAX trainer);
 * ``master_weights=True`` (the ``*-master`` recipes) keeps FP32 masters
   (:class:`~keras_ext.masters.MasterWeights`); ``bf16-kahan``/``bf16-sr`` round
   the update into the bf16 variables instead (:class:`~keras_ext.update_rounding.UpdateRounding`);
-* :attr:`LossScaleOptimizer.recipe` is the :class:`~mp_callbacks.Recipe` the
-  optimizer implements (what the monitor reads);
+* :attr:`LossScaleOptimizer.recipe`: the :class:`~mp_callbacks.Recipe` implemented (the monitor reads it);
 * the core's divergence rule runs inside the step
   (:class:`~keras_ext.divergence.KerasDivergence`): a run that cannot recover
   stops with :class:`~mp_callbacks.meters.DivergenceError`;
@@ -43,6 +41,7 @@ from mp_callbacks.scaler import ScalerConfig, ScalerCounters, ScalerState
 
 from .distribute import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
+from .jax_support import refuse_monitor_on_jax, run_if, stateless_apply
 from .keras_ops import is_tf
 from .masters import master_optimizer  # re-exported: the optimizer a recipe asks for
 from .policy import coerce_recipe, optimizer_recipe
@@ -54,8 +53,7 @@ __all__ = ["LossScaleOptimizer", "master_optimizer"]
 try:  # Keras' own helper that keeps TF's auto-tracking away from build-time lists.
     from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 except Exception:  # pragma: no cover - older/newer Keras layouts
-    def _no_tracking(fn: Callable) -> Callable:
-        return fn
+    def _no_tracking(fn: Callable) -> Callable: return fn  # noqa: E704
 
 
 @keras.saving.register_keras_serializable(package="keras_ext")
@@ -235,6 +233,10 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
     def _scale_before(self) -> Any:
         return self._scaler.scale_copy() if self.monitor is not None else None
 
+    def attach_monitor(self, monitor: Any) -> None:  # noqa: D102 - MonitorPort's; refused on JAX
+        refuse_monitor_on_jax()
+        super().attach_monitor(monitor)
+
     # -- loss and gradients ------------------------------------------------------------
     def scale_loss(self, loss: Any) -> Any:
         """``loss * scale`` (the current scale; the initial one before build).  Also records, for the
@@ -290,13 +292,11 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         self._divergence.check_if_eager()
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
-        """Not supported: this wrapper's decision uses stateful variables (use the TF or torch backend)."""
-        raise NotImplementedError("keras_ext.LossScaleOptimizer does not implement stateless_apply (the JAX "
-                                  "trainer path); use the tensorflow or torch backend")
+        """Keras' JAX trainer path: :meth:`apply` in a ``StatelessScope`` (:mod:`keras_ext.jax_support`)."""
+        return stateless_apply(self, optimizer_variables, grads, trainable_variables)
 
     def _found_inf(self, grads: Sequence[Any]) -> Any:
-        """True when any gradient of this replica holds an inf or NaN (no host sync); False without
-        looking when the step does not check (:attr:`checks_overflow`)."""
+        """Some gradient of this replica holds an inf/NaN (no host sync); False if not checking."""
         return found_inf(grads) if self.checks_overflow else ops.convert_to_tensor(False)
 
     def _unscaled(self, grads: Sequence[Any], tvs: Sequence[Any], unscaled_already: bool) -> list[Any]:
@@ -323,7 +323,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
             apply_inner()
             self._masters.write_back(tvs, self._get_variable_index)
 
-        ops.cond(applied, apply_fn, lambda: None)
+        run_if(applied, apply_fn, [*self.variables, *tvs])  # JAX: a select, no writes inside a cond branch
         self._scaler.write(new)
         return scale_used
 

@@ -35,6 +35,7 @@ from mp_callbacks.recipes import Recipe
 from mp_callbacks.scaler import STATE_FIELDS, ScaleFloorWarning, ScalerConfig, ScalerCounters, ScalerState
 from mp_callbacks.scaler import check_state_dict, initial_state, make_state_dict, next_state, react_to_floor_hit
 
+from .jax_support import tracing
 from .keras_ops import KERAS_OPS, dtype_name, is_tf
 
 __all__ = ["KerasLossScaler", "VARIABLE_NAMES", "found_inf", "scaler_config", "unscale"]
@@ -177,7 +178,8 @@ class KerasLossScaler(ScalerCounters):
 
     def _react_to_floor(self, hit: Any, new: ScalerState) -> None:
         if not is_tf():
-            self._react_on_host(bool(ops.convert_to_numpy(hit)), new)
+            if not tracing(hit):  # inside JAX's jit (no host reads) floor hits are only counted
+                self._react_on_host(bool(ops.convert_to_numpy(hit)), new)
             return
         import tensorflow as tf
 

@@ -20,7 +20,7 @@ import keras_ext
 from mp_callbacks import ConfigError, ScalerConfig
 from mp_callbacks.scaler import checks_overflow
 from tests.keras.helpers import stock_parity
-from tests.keras.helpers.util import requires_tf_backend, run_script
+from tests.keras.helpers.util import not_on_jax, requires_tf_backend, run_script
 
 KERAS_CONFIG_KEYS = {"name", "inner_optimizer", "initial_scale", "dynamic_growth_steps"}
 
@@ -137,6 +137,7 @@ def test_recipe_comes_from_master_optimizer_the_keyword_or_the_global_policy():
 
 
 # ---------------------------------------------------------------- monitor port
+@not_on_jax
 def test_monitor_port_attaches_one_monitor_and_follows_the_core_overflow_check_rule():
     opt = keras_ext.LossScaleOptimizer(keras.optimizers.SGD(), {"enabled": False})
 
@@ -340,7 +341,7 @@ def test_fit_matches_stock_keras():
     """
     result = stock_parity.compare()
     assert result["backend"] == keras.backend.backend()
-    _assert_same(result)
+    _assert_same(result, exact=keras.backend.backend() != "jax")  # JAX: XLA compiles both steps, as jit_compile
 
 
 @requires_tf_backend

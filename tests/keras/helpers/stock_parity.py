@@ -45,6 +45,8 @@ def run(kind: str, epochs: int = 1, jit_compile: bool = False):
     iters: list[int] = []
 
     def on_batch_end(batch, logs=None):
+        if keras.backend.backend() == "jax":  # the JAX trainer writes its state back to the variables on request
+            model.jax_state_sync()
         scales.append(float(ops.convert_to_numpy(model.optimizer.dynamic_scale)))
         iters.append(int(ops.convert_to_numpy(model.optimizer.iterations)))
 

@@ -1,0 +1,81 @@
+"""keras_ext on Keras' JAX backend (``KERAS_BACKEND=jax``, fixed at keras import: a fresh process).
+
+The subprocess (tests/keras/helpers/jax_backend.py, 2 host devices) runs ``model.fit`` through Keras'
+JAX trainer, which applies the optimizer statelessly inside ``jit``:
+
+* against stock Keras' ``LossScaleOptimizer`` on JAX: the same scale after every step, the same skipped
+  steps and ``iterations``, weights and Adam slots equal up to XLA fusion;
+* against this process's TensorFlow run of the same fit: the same scale trajectory, counters and
+  ``iterations`` (the overflows come from the data: samples of 1e20);
+* ``16-master`` (bf16 variables, FP32 masters in the optimizer) under ``keras.distribution.DataParallel``
+  over 2 CPU devices with an inf in the second device's half of one batch: that step is skipped and the
+  scale trajectory, counters and skipped step equal the one-device run's.
+
+``test_backend_agnostic_tests_pass_on_jax`` (marked slow: about 5 minutes here) runs the backend-agnostic
+test files again on JAX, as test_torch_backend.py does for torch.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras
+
+from tests.keras.helpers import stock_parity
+from tests.keras.helpers.util import ROOT, run_pytest
+from tests.keras.test_optimizer import _assert_same
+
+pytest.importorskip("jax")
+pytestmark = pytest.mark.skipif(keras.backend.backend() == "jax", reason="already running on the jax backend")
+
+
+@pytest.fixture(scope="module")
+def on_jax(tmp_path_factory):
+    out = tmp_path_factory.mktemp("jax") / "result.json"
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.keras.helpers.jax_backend", str(out)], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["backend"] == "jax" and result["devices"] == 2
+    return result
+
+
+def test_fit_matches_stock_keras_on_jax(on_jax):
+    _assert_same(on_jax["parity"], exact=False)  # scales, counters, iterations exact; weights up to XLA fusion
+
+
+def test_jax_scale_trajectory_equals_tensorflow(on_jax):
+    tf_run = stock_parity.run("ours")
+    jax_run = on_jax["parity"]["ours"]
+    assert jax_run["scales"] == tf_run["scales"] and jax_run["iterations"] == tf_run["iterations"]
+    assert jax_run["counters"] == tf_run["counters"]  # (weights: each backend's RNG draws its own initial ones)
+
+
+def test_data_parallel_over_two_devices_skips_like_one_device(on_jax):
+    one, dp = on_jax["single"], on_jax["data_parallel"]
+    assert "NamedSharding" in dp["sharding"] and "'batch': 2" in dp["sharding"]  # really distributed
+    assert dp["dtypes"][:2] == ["bfloat16", "bfloat16"] and len(dp["masters"]) == 2  # 16-master: FP32 masters
+    for key in ("scales", "skipped", "overflows", "steps", "iterations"):
+        assert dp[key] == one[key], key
+    assert dp["skipped"] == dp["overflows"] == 1 and dp["iterations"] == dp["steps"] - 1 == 5
+    assert dp["scales"][2] == dp["scales"][1] / 2  # batch 2 (inf on the second device's half) backed off
+    for key in ("weights", "masters"):  # bf16 compute: the sharded matmul sums partial products in another order
+        for a, b in zip(dp[key], one[key]):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0.05, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_backend_agnostic_tests_pass_on_jax():
+    proc = run_pytest("test_optimizer.py", "test_scaler.py", "test_masters.py", "test_saving.py", "test_policy.py",
+                      "test_checkpoint.py", "test_divergence.py", env={"KERAS_BACKEND": "jax"}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "test_optimizer.py::test_fit_matches_stock_keras PASSED" in proc.stdout
+    assert "test_masters.py::test_bf16_master_beats_pure_bf16_on_swamping PASSED" in proc.stdout
+    assert "test_saving.py::test_save_load_resume_equals_uninterrupted[bf16-master] PASSED" in proc.stdout
