@@ -7,7 +7,9 @@ Prints median per-step times and median ratios (ours / native), measured in
 one process, alternating, on the same MLP and batches; beside each ratio, the
 control ratio of the native variant against a second copy of itself (the
 noise of the machine).  A fit's figure is the median of its timed windows
-(:func:`mp_callbacks.compare.step_timing`); spreads are min-max over rounds.
+(:func:`mp_callbacks.compare.step_timing`), in wall time and in this process's
+CPU time (robust to other jobs on a shared machine); spreads are min-max over
+rounds.
 bf16-master runs its masters' step with torch's fused kernel
 (``lightning_ext.fused_step``); two references show where its time goes:
 native bf16-mixed with ``AdamW(fused=True)`` and ours with torch's default
@@ -27,17 +29,17 @@ from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed  #
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 
 from common import (  # noqa: E402
-    alternate, base_parser, machine_line, print_table, thread_specs, with_controls, write_json,
+    alternate, base_parser, fit_figures, machine_line, print_tables, thread_specs, with_controls, write_json,
 )
 from lightning_ext import MixedPrecision  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
-from mp_callbacks.compare import RunSpec, step_timing  # noqa: E402
+from mp_callbacks.compare import RunSpec  # noqa: E402
 
 
 def measure(make_plugin, spec: RunSpec, optimizer=None):
-    def once() -> float:
+    def once() -> tuple[float, float]:
         _, recorder = fit_once(make_plugin(), spec, optimizer=optimizer)
-        return step_timing(recorder.times).median_ms / 1000  # median of the fit's timed windows
+        return fit_figures(recorder.times, recorder.cpu_times)  # median timed window: wall, CPU time
     return once
 
 
@@ -90,7 +92,7 @@ def main() -> None:
                  ("ours bf16-master", "native bf16-mixed, AdamW(fused=True)", "reference"),
                  ("ours bf16-master", "ours bf16-master, torch's default step", "the fused step's gain"),
                  ("ours bf16-master", "native 32-true", "<= 0.50")]
-        summaries.append(print_table(
+        summaries.append(print_tables(
             f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s), "
             f"AdamW {'foreach=True' if args.foreach else 'default (single-tensor on CPU)'}", times,
             [p for p in pairs if p[0] in variants and p[1] in variants]))

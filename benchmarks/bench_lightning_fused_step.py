@@ -45,7 +45,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench_transformer_model import GPTConfig, TinyGPT  # noqa: E402
-from common import alternate, base_parser, machine_line, print_table, with_controls, write_json  # noqa: E402
+from common import (  # noqa: E402
+    alternate, base_parser, by_clock, machine_line, print_tables, with_controls, write_json,
+)
 from lightning_ext.compare import mlp  # noqa: E402
 from lightning_ext.masters import MasterWeights  # noqa: E402
 
@@ -65,13 +67,13 @@ def native(name: str, steps: int, fused: bool) -> Callable[[], float]:
     grads = [torch.randn_like(p) * 1e-2 for p in params]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True if fused else None)
 
-    def once() -> float:
-        t0 = time.perf_counter()
+    def once() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             for p, g in zip(params, grads):
                 p.grad = g
             opt.step()
-        return (time.perf_counter() - t0) / steps
+        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
     return once
 
 
@@ -87,8 +89,8 @@ def masters(name: str, steps: int, fused_step: bool) -> Callable[[], float]:
     grads = [(torch.randn(p.shape) * 1e-2).to(torch.bfloat16) for p in lows]
     entries = mw.for_optimizer(opt)
 
-    def once() -> float:
-        t0 = time.perf_counter()
+    def once() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             for p, g in zip(lows, grads):
                 p.grad = g
@@ -96,7 +98,7 @@ def masters(name: str, steps: int, fused_step: bool) -> Callable[[], float]:
                 mw.grads_to_masters(entries)
             with mw.updating(opt):
                 opt.step()
-        return (time.perf_counter() - t0) / steps
+        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
     return once
 
 
@@ -131,11 +133,11 @@ def compiled(name: str, steps: int, report: dict) -> Callable[[], float]:
     report["compile_s"] = time.perf_counter() - t0
     print(f"  (compiled single pass: first call, compile included, {report['compile_s']:.1f} s)")
 
-    def once() -> float:
-        t0 = time.perf_counter()
+    def once() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             one_step()
-        return (time.perf_counter() - t0) / steps
+        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
     return once
 
 
@@ -163,11 +165,11 @@ def chunked(name: str, steps: int, chunk: int = 1 << 17) -> Callable[[], float]:
                                     beta2=BETA2, weight_decay=WD, eps=EPS, amsgrad=False, maximize=False)
                 low[a:b].copy_(p[a:b])
 
-    def once() -> float:
-        t0 = time.perf_counter()
+    def once() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             one_step()
-        return (time.perf_counter() - t0) / steps
+        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
     return once
 
 
@@ -200,11 +202,11 @@ def main() -> None:
             pairs.append(("single pass, eager chunks (prototype)", "ours bf16-master", "one pass vs the plugin's"))
             if not args.no_compile:
                 pairs.append(("compiled single pass", "ours bf16-master", "one pass vs the plugin's"))
-            data = print_table(f"AdamW step on the {name}'s {n} parameters, {threads} thread(s), "
+            data = print_tables(f"AdamW step on the {name}'s {n} parameters, {threads} thread(s), "
                                f"{args.steps} steps per measurement", times, pairs)
-            per = {k: 1e9 * statistics.median(v) / n for k, v in times.items()}
-            print("  ns per parameter: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items()))
-            data.update(model=name, params=n, compile_s=report.get("compile_s"))
+            per = {k: 1e9 * statistics.median(v) / n for k, v in by_clock(times)["cpu"].items()}
+            print("  CPU ns per parameter: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items()))
+            data = {"clocks": data, "model": name, "params": n, "compile_s": report.get("compile_s")}
             summaries.append(data)
     write_json(args.json, summaries)
 

@@ -10,7 +10,7 @@ so it hides the cost of the policy's FP32 regions; this model has all of them
 variant trains the same model (same initial weights, same random-token
 batches, AdamW lr 1e-3) through ``Trainer``; variants alternate in one process
 (A B C / C B A), a fit's figure is its median timed window
-(:func:`mp_callbacks.compare.step_timing`), ratios are medians of per-round
+(:func:`mp_callbacks.compare.step_timing`) in wall time and in CPU time, ratios are medians of per-round
 ratios with their min-max over rounds, and each native variant runs a second
 time as a control.
 
@@ -46,10 +46,11 @@ from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from bench_transformer_model import GPTConfig, TinyGPT, lm_loss, token_batches  # noqa: E402
-from common import alternate, base_parser, machine_line, print_table, with_controls, write_json  # noqa: E402
+from common import (  # noqa: E402
+    alternate, base_parser, fit_figures, machine_line, print_tables, with_controls, write_json,
+)
 from lightning_ext import MixedPrecision  # noqa: E402
 from lightning_ext.compare import state_bytes  # noqa: E402
-from mp_callbacks.compare import step_timing  # noqa: E402
 from mp_callbacks.recipes import get_recipe  # noqa: E402
 
 GELU_RULE = ("NewGELUActivation", "bfloat16")
@@ -75,8 +76,9 @@ class _Timer(pl.Callback):
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.held = 0
-        self._t0 = 0.0
+        self._t0 = self._c0 = 0.0
         self._hooks: list[Any] = []
         self._applied = 0
 
@@ -97,10 +99,11 @@ class _Timer(pl.Callback):
                        opt.register_step_post_hook(lambda o, a, k: measure(o, a, k, post=True))]
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self._t0 = time.perf_counter()
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.times.append(time.perf_counter() - self._t0)
+        self.cpu_times.append(time.process_time() - self._c0)
 
 
 def fit(plugin: Any, cfg: GPTConfig, batches: list, seed: int = 0, fused_adamw: bool = False) -> tuple[LM, _Timer]:
@@ -170,37 +173,36 @@ def profile(cfg: GPTConfig, batches: list, threads: int) -> None:
         print(f"\n{name}: {total:.1f} ms of op self time per step ({threads} thread(s)); top ops per step:")
         for e in rows[:12]:
             print(f"  {e.key:<44} {e.count / steps:7.1f} calls {e.self_cpu_time_total / steps / 1000:9.2f} ms")
-    print("\nThe GELU module alone, forward + backward on a (batch*seq, ff) activation, "
-          f"{threads} thread(s) (median of 20):")
+    print("\nThe GELU module alone, forward + backward on a (batch*seq, ff) bf16 activation, "
+          f"{threads} thread(s), the casts around it included (alternating, median of 31):")
     from bench_transformer_model import NewGELUActivation
 
     act = NewGELUActivation()
-    n = batches[0][0].numel()
-    x16 = torch.randn(n, cfg.ff).to(torch.bfloat16)
-    w = torch.randn(cfg.ff, cfg.d_model).to(torch.bfloat16)
+    x16 = torch.randn(batches[0][0].numel(), cfg.ff).to(torch.bfloat16)
+    grad16 = torch.ones_like(x16)
 
-    def region_fp32() -> None:  # what the policy does: cast in, FP32 math, FP32 out, the next Linear casts back
+    def region_fp32() -> None:  # the policy: cast in, FP32 math, FP32 out; the next Linear's autocast casts back
         x = x16.detach().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
             y = act(x.float())
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            (y @ w.float()).sum().backward()
+        y.to(torch.bfloat16).backward(grad16)
 
-    def region_bf16() -> None:  # what autocast alone does: the elementwise ops follow their bf16 input
+    def region_bf16() -> None:  # autocast alone: the elementwise ops follow their bf16 input
         x = x16.detach().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            (act(x) @ w.float()).sum().backward()
+            y = act(x)
+        y.backward(grad16)
 
-    for label, fn in (("FP32 region (the default for an unknown module)", region_fp32),
-                      ("bf16, as autocast runs it", region_bf16)):
-        fn()
-        ts = []
-        for _ in range(20):
+    fns = {"FP32 region (the default for an unknown module)": region_fp32, "bf16, as autocast runs it": region_bf16}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(31):
+        for label in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
+            fns[label]()
+            times[label].append(time.perf_counter() - t0)
+    for label, ts in times.items():
         ts.sort()
-        print(f"  {label:<50} {1000 * ts[10]:8.3f} ms")
+        print(f"  {label:<50} {1000 * ts[15]:8.3f} ms  (quartiles {1000 * ts[8]:.3f}-{1000 * ts[23]:.3f})")
 
 
 def main() -> None:
@@ -234,24 +236,24 @@ def main() -> None:
         names = list(dict.fromkeys(n for p in pairs for n in p[:2]))
         held: dict[str, float] = {}
 
-        def measure(name: str) -> Callable[[], float]:
+        def measure(name: str) -> Callable[[], tuple[float, float]]:
             make, fused = VARIANTS[name]
 
-            def once() -> float:
+            def once() -> tuple[float, float]:
                 _, timer = fit(make(), cfg, batches, fused_adamw=fused)
                 held[name] = timer.held / n_params
-                return step_timing(timer.times).median_ms / 1000
+                return fit_figures(timer.times, timer.cpu_times)
             return once
 
         variants = with_controls({n: measure(n) for n in names}, [n for n in NATIVES if n in names])
         times = alternate(variants, args.rounds)
-        data = print_table(
+        data = print_tables(
             f"Lightning, GPT-2-style transformer ({args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
             f"vocab {args.vocab}, {n_params} params), batch {args.batch_size}, {args.steps} steps/fit, "
             f"{threads} thread(s), AdamW", times, pairs)
         print("  model state at the optimizer step (B/param): "
               + ", ".join(f"{k} {v:.2f}" for k, v in held.items() if k.startswith("ours")))
-        data["held_bytes_per_param"] = held
+        data = {"clocks": data, "held_bytes_per_param": held}
         summaries.append(data)
     write_json(args.json, summaries)
 

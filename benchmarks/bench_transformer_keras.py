@@ -21,7 +21,7 @@ for every variant (``keras_ext.compare.graph_options``).
   with ``NewGELU`` declared low precision.
 
 Step time: ``on_train_batch_begin`` to ``on_train_batch_end``, a fit's figure
-the median of its timed windows; ratios are medians of per-round ratios with
+the median of its timed windows, in wall time and in CPU time; ratios are medians of per-round ratios with
 their min-max; TensorFlow's thread pools are fixed at its start, so each
 thread count runs in a subprocess of this script.
 """
@@ -68,10 +68,9 @@ def worker(args: argparse.Namespace) -> None:
     from keras import ops
 
     import keras_ext
-    from common import alternate, machine_line, print_table, with_controls
+    from common import alternate, fit_figures, machine_line, print_tables, with_controls
     from keras_ext.compare import graph_options
     from keras_ext.compare import run as keras_run
-    from mp_callbacks.compare import step_timing
     from mp_callbacks.recipes import get_recipe
 
     @keras.saving.register_keras_serializable(package="bench")
@@ -107,24 +106,26 @@ def worker(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.times: list[float] = []
+            self.cpu_times: list[float] = []
 
         def on_train_batch_begin(self, batch, logs=None):  # noqa: ANN001
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, batch, logs=None):  # noqa: ANN001
             ops.convert_to_numpy(logs["loss"])  # the step is done on the host
             self.times.append(time.perf_counter() - self.t0)
+            self.cpu_times.append(time.process_time() - self.c0)
 
-    def fit(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> float:
+    def fit(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> tuple[float, float]:
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)
         timer = Timer()
         with graph_options():
             model.fit(xs, ys, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
-        return step_timing(timer.times).median_ms / 1000
+        return fit_figures(timer.times, timer.cpu_times)
 
     def native(policy: str):
-        def once() -> float:
+        def once() -> tuple[float, float]:
             before = keras.config.dtype_policy()
             keras.utils.set_random_seed(0)
             keras.config.set_dtype_policy(policy)
@@ -139,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
         return once
 
     def ours(recipe: str, gelu_low: bool = False):
-        def once() -> float:
+        def once() -> tuple[float, float]:
             before = keras.config.dtype_policy()
             keras.utils.set_random_seed(0)
             keras.config.set_dtype_policy("float32")
@@ -149,7 +150,8 @@ def worker(args: argparse.Namespace) -> None:
                 if gelu_low:
                     import dataclasses
 
-                    policy = dataclasses.replace(policy, module_rules=policy.module_rules + (("NewGELU", policy.compute),))
+                    rules = policy.module_rules + (("NewGELU", policy.compute),)
+                    policy = dataclasses.replace(policy, module_rules=rules)
                 keras_ext.set_global_policy(recipe)
                 model = keras_ext.apply_policy(model, policy)
             finally:
@@ -165,7 +167,7 @@ def worker(args: argparse.Namespace) -> None:
         "ours 16-master": ours("16-master"), "ours bf16-master": ours("bf16-master"),
     }
     for recipe in ("bf16-kahan", "bf16-sr"):
-        if getattr(keras_run, "supports", lambda _: False)(recipe):
+        if getattr(keras_run, "supports", lambda _: True)(recipe):
             variants[f"ours {recipe}"] = ours(recipe)
     pairs = [p for p in PAIRS if p[0] in variants and p[1] in variants
              and (args.only is None or any(t in p[0] for t in args.only))]
@@ -173,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
     print(machine_line(args.threads))
     times = alternate(with_controls({n: variants[n] for n in names}, [n for n in NATIVES if n in names]), args.rounds)
     n_params = build().count_params()
-    data = print_table(
+    data = print_tables(
         f"Keras {keras.__version__} ({keras.backend.backend()}), GPT-2-style transformer ({args.layers} layers, "
         f"d_model {d}, seq {seq}, vocab {vocab}, {n_params} params), batch {args.batch_size}, {args.steps} steps/fit, "
         f"{args.threads} thread(s), AdamW, jit_compile=False", times, pairs)

@@ -95,6 +95,28 @@ def print_table(title: str, times: Mapping[str, list[float]], pairs: list[tuple[
     return data
 
 
+CLOCKS = ("wall", "cpu")
+"""Each fit is timed twice: wall time (what a user waits) and this process's CPU time (user + system:
+what the fit itself computed, robust to other jobs sharing the machine, which only stretch the wall time)."""
+
+
+def fit_figures(wall: list[float], cpu: list[float]) -> tuple[float, float]:
+    """A fit's (wall, cpu) seconds per step: the median of its timed windows (mp_callbacks.compare.step_timing)."""
+    from mp_callbacks.compare import step_timing
+
+    return step_timing(wall).median_ms / 1000, step_timing(cpu).median_ms / 1000
+
+
+def by_clock(times: Mapping[str, list[Any]]) -> dict[str, dict[str, list[float]]]:
+    """``{clock: {variant: per-round seconds}}`` from per-round ``(wall, cpu)`` pairs."""
+    return {clock: {name: [t[i] for t in ts] for name, ts in times.items()} for i, clock in enumerate(CLOCKS)}
+
+
+def print_tables(title: str, times: Mapping[str, list[Any]], pairs: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """:func:`print_table` once per clock (wall, then CPU time); returns ``{clock: summary}``."""
+    return {clock: print_table(f"{title} [{clock} time]", t, pairs) for clock, t in by_clock(times).items()}
+
+
 def machine_line(threads: int | None = None) -> str:
     """CPU model, the low-precision features found (mp_callbacks.machine), torch's version, threads."""
     from mp_callbacks.machine import cpu_model, features

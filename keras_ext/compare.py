@@ -172,17 +172,19 @@ class _Recorder(keras.callbacks.Callback):
         super().__init__()
         self.opt, self.progress, self.record = optimizer, progress, record
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # process CPU time per step (robust to other jobs on the machine)
         self.history = History()
-        self._t0 = 0.0
+        self._t0 = self._c0 = 0.0
         self._overflows = 0
         self._scale = optimizer.current_scale if optimizer is not None else 1.0  # the next step's scale
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        self._t0 = time.perf_counter()
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         loss = float(ops.convert_to_numpy((logs or {}).get("loss", np.nan)))  # the step is done on the host
         self.times.append(time.perf_counter() - self._t0)
+        self.cpu_times.append(time.process_time() - self._c0)
         if self.record:
             # logs["loss"] is Keras' running mean over the epoch: reset it so the next one is per step.
             self.model.reset_metrics()

@@ -131,16 +131,17 @@ class _Recorder(pl.Callback):
         self.plugin, self.steps, self.progress = plugin, steps, progress
         self.record = isinstance(plugin, MixedPrecision)  # native plugins: times only
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # process CPU time per step (robust to other jobs on the machine)
         self.history = History()
         self.state_bytes: int | None = None
-        self._t0 = 0.0
+        self._t0 = self._c0 = 0.0
         self._hooks: list[Any] = []
 
     clocked = False  # True when a _Clock placed before other callbacks starts the step's timer
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self.clocked:
-            self._t0 = time.perf_counter()
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
         fp8 = getattr(self.plugin, "fp8", None)
         if fp8 is not None and batch_idx % FP8_SAMPLE_EVERY == 0:  # fp8-mixed: count saturated/flushed elements
             fp8.measure = True
@@ -182,6 +183,7 @@ class _Recorder(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.times.append(time.perf_counter() - self._t0)
+        self.cpu_times.append(time.process_time() - self._c0)
         if not self.record:
             if self.progress:
                 self.progress(batch_idx + 1)
@@ -211,7 +213,7 @@ class _Clock(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self.recorder._t0 = time.perf_counter()
+        self.recorder._t0, self.recorder._c0 = time.perf_counter(), time.process_time()
 
 
 def fit_once(plugin: Any, spec: RunSpec, progress: Callable[[int], None] | None = None,
