@@ -11,8 +11,9 @@ JAX trainer, which applies the optimizer statelessly inside ``jit``:
   over 2 CPU devices with an inf in the second device's half of one batch: that step is skipped and the
   scale trajectory, counters and skipped step equal the one-device run's.
 
-``test_backend_agnostic_tests_pass_on_jax`` (marked slow: about 5 minutes here) runs the backend-agnostic
-test files again on JAX, as test_torch_backend.py does for torch.
+``test_backend_agnostic_tests_pass_on_jax`` (marked slow: about 6 minutes here) runs the backend-agnostic
+test files and Keras' own ``LossScaleOptimizer`` suite again on JAX, as test_torch_backend.py does for torch
+(the monitor and divergence-stop tests skip there: TF/torch only).
 """
 
 import json
@@ -74,8 +75,13 @@ def test_data_parallel_over_two_devices_skips_like_one_device(on_jax):
 @pytest.mark.slow
 def test_backend_agnostic_tests_pass_on_jax():
     proc = run_pytest("test_optimizer.py", "test_scaler.py", "test_masters.py", "test_saving.py", "test_policy.py",
-                      "test_checkpoint.py", "test_divergence.py", env={"KERAS_BACKEND": "jax"}, timeout=900)
+                      "test_checkpoint.py", "test_divergence.py", "test_keras_own_suite.py", env={"KERAS_BACKEND": "jax"},
+                      timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "test_optimizer.py::test_fit_matches_stock_keras PASSED" in proc.stdout
     assert "test_masters.py::test_bf16_master_beats_pure_bf16_on_swamping PASSED" in proc.stdout
     assert "test_saving.py::test_save_load_resume_equals_uninterrupted[bf16-master] PASSED" in proc.stdout
+    # Keras' own suite: on JAX its stateless_apply tests run (and pass), its stateful ones skip themselves
+    for name in ("test_finite_step_stateless", "test_infinite_step_stateless", "test_downscaling_stateless",
+                 "test_upscaling_stateless", "test_iterations_update_stateless"):
+        assert f"test_keras_own_suite.py::TestKerasOwnSuiteOnKerasExt::{name} PASSED" in proc.stdout, name
