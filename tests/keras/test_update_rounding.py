@@ -135,9 +135,9 @@ def _read(opt, tvs):
     return weights, comps, slots, rounding.counter, int(ops.convert_to_numpy(opt.iterations))
 
 
-MODE = "graph" if TF else "eager"
+MODE = "graph" if TF else "eager"  # XLA: the rules test above and the swamping test below
 REPLAY = [("bf16-kahan", "adamw", MODE), ("bf16-sr", "sgd-momentum", MODE)] + (
-    [("bf16-sr", "adamw", "xla")] if TF else [("bf16-kahan", "sgd-momentum", MODE), ("bf16-sr", "adamw", MODE)])
+    [] if TF else [("bf16-kahan", "sgd-momentum", MODE), ("bf16-sr", "adamw", MODE)])
 
 
 @pytest.mark.parametrize("recipe,optimizer,mode", REPLAY)
@@ -335,10 +335,11 @@ def _swamp(name: str, jit: bool, meters: dict[str, float]) -> float:
 
 
 def test_swamping_bf16_true_stalls_the_others_follow_fp32():
-    """(Under XLA the same holds: relative errors 2.8e-5 / 1.0 / 0.0005 / 0.0010 / 0.0019, measured.)"""
+    """bf16-sr runs under XLA (``jit_compile=True``) on TensorFlow, the others without (all five under XLA:
+    relative errors 2.8e-5 / 1.0 / 0.0005 / 0.0010 / 0.0019, measured)."""
     meters: dict[str, float] = {}
-    results = {name: _swamp(name, False, meters) for name in ["32-true", "bf16-true", "bf16-master", "bf16-kahan",
-                                                              "bf16-sr"]}
+    results = {name: _swamp(name, TF and name == "bf16-sr", meters)
+               for name in ["32-true", "bf16-true", "bf16-master", "bf16-kahan", "bf16-sr"]}
     print("\nswamping, relative error after 1000 steps:", results, "\nmp/update_swamped_frac:", meters)
     fp32 = results["32-true"]
     assert fp32 < 0.01
