@@ -113,7 +113,35 @@ def enable_fp8(layer: Any, recipe: FP8Recipe) -> Any:
 
         layer.build = build_then_fp8
     layer.call = functools.partial(_fp8_call, layer)
+    _save_and_load_fp8(layer)
     return layer
+
+
+def _fp8_variables(layer: Any) -> list[Any]:
+    fp8 = getattr(layer, _ATTR)
+    return [fp8.variables[r][f] for r in FP8_ROLES for f in FP8_VARIABLE_FIELDS] if fp8.variables else []
+
+
+def _save_and_load_fp8(layer: Any) -> None:
+    """The layer's own (de)serialization writes kernel and bias by position; the FP8 variables follow them
+    (``save_weights`` / ``load_weights`` / ``model.save`` of a model prepared with :func:`install`)."""
+    save, load = layer.save_own_variables, layer.load_own_variables
+
+    def save_own_variables(store: Any) -> None:
+        save(store)
+        start = len(list(store.keys()))
+        for k, v in enumerate(_fp8_variables(layer)):
+            store[str(start + k)] = v
+
+    def load_own_variables(store: Any) -> None:
+        load(store)  # checks that the file holds as many entries as the layer has variables
+        fp8 = _fp8_variables(layer)
+        start = len(list(store.keys())) - len(fp8)
+        for k, v in enumerate(fp8):
+            v.assign(store[str(start + k)])
+
+    layer.save_own_variables = save_own_variables
+    layer.load_own_variables = load_own_variables
 
 
 class _LayerFP8:

@@ -250,3 +250,16 @@ def test_monitor_logs_the_fp8_metrics_and_memory():
     end = monitor.memory_reports[-1]
     assert end["actual"]["fp8_state"] == end["estimate"]["fp8_state"] > 0
     assert end["actual"]["bytes_per_param"] == end["estimate"]["bytes_per_param"]
+
+
+def test_save_weights_round_trip_carries_the_fp8_states(tmp_path):
+    model = build_mlp(fp8={"history_len": 4})
+    x, y = data(24)
+    fit_steps(model, x, y, 2)
+    path = str(tmp_path / "fp8.weights.h5")
+    model.save_weights(path)
+    other = build_mlp(fp8={"history_len": 4})
+    other.load_weights(path)
+    assert all(np.array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
+               for a, b in zip(model.weights, other.weights, strict=True))
+    assert fp8_state(dict(fp8_layers(other))["d1"], "weights").scale != 1.0
