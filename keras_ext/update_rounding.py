@@ -175,7 +175,7 @@ class WorkingVariable:
         self._layout = None
         self._unique_id = f"keras_ext_working_{WorkingVariable._count}"  # TensorFlow's optimizer key
         self.value: Any = None
-        self.start: Any = None  # the step's value before the inner optimizer's update
+        self.start: Any = None  # the swamping meter's sample of the step's value before the update
 
     def assign(self, value: Any) -> "WorkingVariable":
         self.value = ops.cast(value, "float32")
@@ -370,8 +370,10 @@ class UpdateRounding:
             if g is None:  # not updated (the inner optimizer skips it): nothing to write back
                 w.value = w.start = None
             else:
-                w.value = w.start = (compensated_value(v.value, comp.value, KERAS_ROUNDING_OPS) if comp is not None
-                                     else ops.cast(v.value, "float32"))
+                w.value = (compensated_value(v.value, comp.value, KERAS_ROUNDING_OPS) if comp is not None
+                           else ops.cast(v.value, "float32"))
+                # the meter's sample of the value before the update (a copy: torch's optimizers work in place)
+                w.start = ops.copy(sample(w.value, self._samples)) if self._tracked is not None else None
                 g = ops.cast(g, "float32")
             out_grads.append(g)
             out_targets.append(w)
@@ -387,10 +389,9 @@ class UpdateRounding:
             w = self._working[i]
             if w is None or w.value is None:
                 continue
-            t_new, t, w.value, w.start = w.value, w.start, None, None
-            if self._tracked is not None and i in self._tracked:
+            t_new, start, w.value, w.start = w.value, w.start, None, None
+            if self._tracked is not None and i in self._tracked and start is not None:
                 before, update = self._tracked[i]
-                start = sample(t, self._samples)
                 before.assign(start)
                 update.assign(ops.subtract(sample(t_new, self._samples), start))
             comp = self._comp[i]
