@@ -67,7 +67,7 @@ def fp8_table(results: Sequence[Any]) -> str:
             continue
         sat = _mean(s.fp8.get(FP8_SATURATED_FRAC) for s in r.history if s.fp8)
         flushed = _mean(s.fp8.get(FP8_UNDERFLOW_FRAC) for s in r.history if s.fp8)
-        lines += [f"{r.framework} {r.recipe}: all FP8 elements: saturated {sat:.2e}, flushed to zero {flushed:.2e}",
+        lines += [f"{r.recipe} ({r.framework}): all FP8 elements: saturated {sat:.2e}, flushed to zero {flushed:.2e}",
                   head, "-" * len(head)]
         for row in rows:
             lines.append(f"{row['tensor']:<28} {row['amax']:>10.3g} {row['scale']:>10.3g} {row['scale_min']:>10.3g} "
