@@ -216,11 +216,13 @@ def _keras_backend() -> str:
 
 
 # The demo: matmuls big enough that bf16 (AMX on recent Xeons) shows a speed-up over fp32
-# (~1.3-1.9x), small enough that both frameworks x 5 recipes take about a minute, imports
-# included.  One intra-op thread: with two, Lightning's OpenMP steps slow down 5-10x as soon
-# as another job shares the 2 cores (the demo took 2.5 min instead of 45 s); with one it took
-# 55 s under the same load.  One injected overflow shows skip and recovery.
-DEMO_ARGS = ("--steps", "120", "--hidden", "1024", "--batch-size", "256", "--depth", "2", "--inject", "40",
+# (~1.3-1.9x), small enough that both frameworks x every recipe (+ the 32-true controls, each
+# run in a process of its own) stay under two minutes, imports included.  80 steps: each Keras
+# run spends ~5 s CPU tracing its step whatever the step count, so steps are where time can go.
+# One intra-op thread: with two, Lightning's OpenMP steps slow down 5-10x as soon as another job
+# shares the 2 cores (the demo took 2.5 min instead of 45 s); with one it took 55 s under the same
+# load.  One injected overflow shows skip and recovery.
+DEMO_ARGS = ("--steps", "80", "--hidden", "1024", "--batch-size", "256", "--depth", "2", "--inject", "40",
              "--threads", "1")
 
 
@@ -229,7 +231,7 @@ DEMO_ARGS = ("--steps", "120", "--hidden", "1024", "--batch-size", "256", "--dep
 # when a low-precision matmul is more than SLOW_FACTOR times slower than float32, the demo runs a
 # smaller model (every recipe still appears, with a correct result) and says why.
 SLOW_FACTOR = 4.0
-SMALL_DEMO = {"--hidden": "256", "--batch-size": "64"}
+SMALL_DEMO = {"--hidden": "128", "--batch-size": "64"}
 
 
 def matmul_slowdown(n: int = 256, repeats: int = 3) -> dict[str, float]:
