@@ -9,7 +9,7 @@
   matmul (:class:`_FP8Matmul`): inputs and weights quantize-dequantize to
   e4m3 with their own scales, the output gradient to e5m2 in the backward,
   as :mod:`mp_callbacks.fp8_recipe` describes (the matmul of the dequantized
-  values in float32, the output in the autocast dtype);
+  values in float32, the output in the autocast dtype; :mod:`lightning_ext.fp8_matmul`);
 * keeps, for the three tensors of every FP8 matmul, the core's
   :class:`~mp_callbacks.fp8.FP8State` as batched device tensors (one batch per
   tensor role), records each tensor's amax during the step (a running max,
@@ -39,7 +39,6 @@ import functools
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mp_callbacks.diagnostics import fp8_metrics
@@ -49,10 +48,11 @@ from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.scaler import StateDictError
 
 from .fp8_attention import mha_forward, mha_matmuls
+from .fp8_matmul import fp8_linear
 from .module_policy import fp32_compute_modules
 from .torch_ops import TorchOps
 
-__all__ = ["TorchFP8", "fp8_modules", "fp8_linear"]
+__all__ = ["TorchFP8", "fp8_linear", "fp8_modules"]
 
 FP8_SCHEMA_VERSION = 1
 """Version of :meth:`TorchFP8.state_dict`'s record."""
@@ -75,72 +75,6 @@ def fp8_modules(root: nn.Module, policy: PrecisionPolicy) -> Iterator[tuple[str,
             continue
         if isinstance(module, (nn.Linear, nn.MultiheadAttention)):
             yield path, module
-
-
-def _scaled_mm_ok(x: Tensor, weight: Tensor) -> bool:
-    """The gated FP8 tensor-core path: CUDA, compute capability >= 8.9, dims multiples of 16."""
-    if x.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return False
-    if torch.cuda.get_device_capability(x.device) < (8, 9):
-        return False
-    return x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0
-
-
-class _FP8Matmul(torch.autograd.Function):
-    """``y = qdq(x) @ qdq(W)^T + b`` in float32, cast to ``out_dtype``; backward with ``qdq(dy)`` (e5m2).
-
-    The FP8 operands (not dequantized copies) are kept for the backward, as on FP8 hardware.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], fp8: "TorchFP8", index: int,
-                out_dtype: torch.dtype, record: bool) -> Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            xq, x_inv = fp8.quantize("inputs", index, x, record)
-            wq, w_inv = fp8.quantize("weights", index, weight, record)
-            b32 = None if bias is None else bias.float()
-            if _scaled_mm_ok(x, weight):  # untested here: needs an FP8 tensor-core GPU
-                out = torch._scaled_mm(xq.reshape(-1, xq.shape[-1]), wq.t(), scale_a=x_inv.reshape(()),
-                                       scale_b=w_inv.reshape(()), out_dtype=torch.float32)
-                out = (out if b32 is None else out + b32).reshape(*x.shape[:-1], weight.shape[0])
-            else:
-                out = F.linear(xq.float() * x_inv, wq.float() * w_inv, b32)
-        ctx.save_for_backward(xq, x_inv, wq, w_inv)
-        ctx.fp8, ctx.index, ctx.has_bias = fp8, index, bias is not None
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return out.to(out_dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        xq, x_inv, wq, w_inv = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        with torch.autocast(grad.device.type, enabled=False):
-            g32 = grad.float()
-            gq, g_inv = ctx.fp8.quantize("grad_outputs", ctx.index, g32, True)
-            g = gq.float() * g_inv
-            w = wq.float() * w_inv
-            dx = dw = db = None
-            if ctx.needs_input_grad[0]:
-                dx = (g @ w).to(x_dtype)
-            if ctx.needs_input_grad[1]:
-                x = xq.float() * x_inv
-                dw = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(w_dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = g32.reshape(-1, g32.shape[-1]).sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None
-
-
-def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], fp8: "TorchFP8", index: int) -> Tensor:
-    """The FP8 matmul of entry ``index`` of ``fp8``; under autocast the input is first cast to the
-    autocast dtype and the output is in it (else in ``x``'s dtype).
-
-    Amaxes are recorded while grad is enabled (a training step), not in evaluation passes."""
-    device = x.device.type
-    out_dtype = x.dtype
-    if torch.is_autocast_enabled(device):  # the input in the compute dtype, as autocast gives a Linear (and Keras)
-        out_dtype = torch.get_autocast_dtype(device)
-        x = x.to(out_dtype) if x.is_floating_point() else x
-    return _FP8Matmul.apply(x, weight, bias, fp8, index, out_dtype, torch.is_grad_enabled())
 
 
 class TorchFP8:
@@ -367,7 +301,8 @@ class TorchFP8:
         by_role = None
         if counts is not None:
             rest = flat[6 * n:]
-            by_role = {r: [rest[(i * n + j) * 3:(i * n + j) * 3 + 3] for j in range(n)] for i, r in enumerate(FP8_ROLES)}
+            by_role = {r: [rest[(i * n + j) * 3:(i * n + j) * 3 + 3] for j in range(n)]
+                       for i, r in enumerate(FP8_ROLES)}
         return fp8_metrics(latest["names"], FP8_ROLES, amax, scale, by_role)
 
     def discard_step(self) -> None:

@@ -363,4 +363,5 @@ def fp8_state_from_dict(config: FP8ScalingConfig, data: Mapping[str, Any]) -> FP
             raise ValueError(f"FP8 state: {name}={data[name]!r} must be a non-negative integer")
     return FP8State(amax_history=history, scale=np.asarray(data["scale"], dtype=np.float32),
                     scale_inv=np.asarray(data["scale_inv"], dtype=np.float32),
-                    steps=np.asarray(data["steps"], dtype=np.int32), skipped=np.asarray(data["skipped"], dtype=np.int32))
+                    steps=np.asarray(data["steps"], dtype=np.int32),
+                    skipped=np.asarray(data["skipped"], dtype=np.int32))
