@@ -5,7 +5,7 @@ Each worker trains the same tiny model with ``keras_ext.LossScaleOptimizer`` in 
 its own batches; only worker 1's batch holds an inf at ``BAD_STEPS``.  It writes ``worker<i>.json``:
 
 * ``uninterrupted``: the scale after each step, the counters, the final weights and optimizer slots;
-* ``resumed``: the same run saved to ``.keras`` after ``SAVE_AT`` steps, loaded under the strategy and
+* ``resumed``: the ``.keras`` file that run saved after ``SAVE_AT`` steps, loaded under the strategy and
   continued (must equal ``uninterrupted``);
 * ``reference``: no strategy, one process: the optimizer gets the sum of both workers' gradients
   (what the all-reduce computes), on the same batches;
@@ -82,8 +82,8 @@ def state(model, opt):
             "iterations": int(opt.iterations.numpy()), "scale": opt.current_scale}
 
 
-def train(model, opt, worker, steps, scales, big=False):
-    train_step = make_step(model, opt)
+def train(model, opt, worker, steps, scales, big=False, train_step=None):
+    train_step = train_step or make_step(model, opt)
     for s in steps:
         x, y = batch(s, worker, big)
         train_step(tf.constant(x), tf.constant(y))
@@ -94,19 +94,16 @@ def distributed(worker, out_dir):
     out = {}
     with STRATEGY.scope():
         model, opt = build()
-    scales = []
-    train(model, opt, worker, range(STEPS), scales)
+    scales, train_step = [], make_step(model, opt)
+    train(model, opt, worker, range(SAVE_AT), scales, train_step=train_step)
+    path = os.path.join(out_dir, f"w{worker}.keras")  # every worker writes (its own path)
+    model.save(path)  # reads the variables only: the run goes on uninterrupted
+    train(model, opt, worker, range(SAVE_AT, STEPS), scales, train_step=train_step)
     out["uninterrupted"] = dict(state(model, opt), scales=scales)
 
     with STRATEGY.scope():
-        model, opt = build()
-    scales = []
-    train(model, opt, worker, range(SAVE_AT), scales)
-    path = os.path.join(out_dir, f"w{worker}.keras")  # every worker writes (its own path)
-    model.save(path)
-    with STRATEGY.scope():
         model = keras.models.load_model(path, safe_mode=True)
-    opt = model.optimizer
+    opt, scales = model.optimizer, scales[:SAVE_AT]
     train(model, opt, worker, range(SAVE_AT, STEPS), scales)
     out["resumed"] = dict(state(model, opt), scales=scales, optimizer=type(opt).__name__)
 
