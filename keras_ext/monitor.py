@@ -39,7 +39,6 @@ start, written at every epoch end and train end) keep it as JSON.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -47,13 +46,10 @@ import warnings
 from typing import Any, Optional
 
 import keras
-import numpy as np
 from keras import ops
 
 from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats, json_safe, memory_metrics
-from mp_callbacks.dtypes import canonical_dtype, dtype_bytes
-from mp_callbacks.fp8_recipe import fp8_state_bytes
-from mp_callbacks.master import MemoryEstimate, is_optimizer_state, memory_report
+from mp_callbacks.dtypes import canonical_dtype
 from mp_callbacks.meters import METER_SAMPLES, DivergenceError
 from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
 from mp_callbacks.monitor_helpers import swamp_storage_dtype
@@ -61,9 +57,10 @@ from mp_callbacks.monitor_helpers import swamp_storage_dtype
 from .attribution import LayerAttribution
 from .device_record import COUNTERS, DeviceRecord
 from .fp8 import host_metrics as fp8_host_metrics
-from .fp8 import fp8_layers, fp8_recipe_of, is_fp8_variable
+from .fp8 import is_fp8_variable
 from .keras_meters import SwampMeter, grad_norm, swamped_counts, underflow_counts
 from .keras_ops import is_tf
+from .memory import memory_report
 from .optimizer import LossScaleOptimizer
 from .policy import _own_variables, _walk, keep_layer_in_fp32, policy_report
 
@@ -421,39 +418,8 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
 
     # --------------------------------------------------------------- memory
     def memory_report(self) -> dict[str, Any]:
-        """The core's :func:`mp_callbacks.master.memory_report` for the optimizer's recipe (plain data).
-
-        ``actual``: the trainable variables, the FP32 masters, the inner optimizer's
-        variables that :func:`~mp_callbacks.master.is_optimizer_state` counts, ``bf16-kahan``'s
-        compensation buffers, and
-        the gradients, counted since Keras keeps none between steps: FP32 for a
-        variable with a master, the variable's dtype otherwise.
-        """
-        opt = self._opt or self._optimizer()
-        every = list(self.model.trainable_variables)
-        masters = opt.master_variables if opt.master_weights and opt.built else [None] * len(every)
-        fp8_vars = [v for v in every if is_fp8_variable(v)]  # fp8-mixed: FP8 state, not parameters
-        masters = [m for m, v in zip(masters, every) if not is_fp8_variable(v)]
-        tvs = [v for v in every if not is_fp8_variable(v)]
-        numel = [int(np.prod(v.shape, dtype=np.int64)) for v in tvs]
-        nbytes = [_nbytes(v) for v in tvs]
-        inner = opt.inner_optimizer
-        comps = opt.update_rounding.compensation_variables if opt.update_rounding is not None and opt.built else []
-        actual = MemoryEstimate(
-            params=sum(numel), weights=sum(nbytes),
-            grads=sum(n * 4 if m is not None else b for n, b, m in zip(numel, nbytes, masters)),
-            masters=sum(_nbytes(m) for m in masters if m is not None),
-            optimizer_state=sum(_nbytes(v) for v in inner.variables if is_optimizer_state(v.shape)),
-            compensation=sum(_nbytes(c) for c in comps if c is not None))
-        storage = [(n, canonical_dtype(keras.backend.standardize_dtype(v.dtype))) for n, v in zip(numel, tvs)]
-        momentum = float(getattr(inner, "momentum", 0.0) or 0.0)
-        fp8_estimate = 0
-        if fp8_vars:  # fp8-mixed: the FP8 variables (Keras gives them no optimizer slots)
-            actual = dataclasses.replace(actual, fp8_state=sum(_nbytes(v) for v in fp8_vars))
-            layers = list(fp8_layers(self.model))
-            fp8_estimate = fp8_state_bytes(fp8_recipe_of(layers[0][1]), len(layers), "keras") if layers else 0
-        return memory_report(opt.recipe.name, opt.recipe.master, [(type(inner).__name__, momentum, storage)], actual,
-                             fp8_state=fp8_estimate)
+        """What the model and optimizer hold next to the core's estimate: :func:`keras_ext.memory.memory_report`."""
+        return memory_report(self.model, self._opt or self._optimizer())
 
     def _log_memory(self, when: str, logs: Optional[dict]) -> None:
         report = self.memory_report()
@@ -476,8 +442,3 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         with open(path, encoding="utf-8") as fh:
             self.load_state_dict(json.load(fh))
 
-
-def _nbytes(v: Any) -> int:
-    name = keras.backend.standardize_dtype(v.dtype)
-    size = dtype_bytes(name) if name in ("float16", "bfloat16", "float32") else np.dtype(name).itemsize
-    return int(np.prod(v.shape, dtype=np.int64)) * size
