@@ -1,6 +1,6 @@
 """Checkpoints across recipes: FP32 masters as the saved weights, FP32 exports, resuming under another recipe.
 
-The twin of ``lightning_ext.plugin``'s ``on_save_checkpoint`` / ``load_state_dict``.
+The twin of :mod:`lightning_ext.checkpoint` (the plugin's ``on_save_checkpoint`` / ``load_state_dict``).
 Keras' own ``model.save`` stores every variable in its dtype: a ``*-master``
 model's bfloat16/float16 variables, while the FP32 masters travel with the
 optimizer's variables.  This module adds what Keras cannot do by itself:

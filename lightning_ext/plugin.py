@@ -26,14 +26,14 @@ from typing import Any, Callable, Generator, Mapping, Optional, Union
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
-from mp_callbacks.recipes import Recipe, get_recipe, plan_resume
-from mp_callbacks.scaler import ScalerConfig, StateDictError, check_state_dict
+from mp_callbacks.policy import PrecisionPolicy
+from mp_callbacks.recipes import Recipe, get_recipe
+from mp_callbacks.scaler import ScalerConfig
 
+from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, load_plugin_record, masters_as_weights, plugin_record
 from .comm import CommCounter, register_comm_hook
 from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
 from .fp8 import TorchFP8
@@ -42,15 +42,9 @@ from .module_policy import ModulePolicyHandle, apply_module_policy, cast_module_
 from .scheduler_hold import SchedulerHold
 from .support import check_optimizer, check_strategy, is_sharded, recipe_name
 from .torch_scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
-from .update_rounding import UpdateRounding, rounding_record
+from .update_rounding import UpdateRounding
 
 __all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
-
-PLUGIN_SCHEMA = "lightning_ext.MixedPrecision"
-"""The ``schema`` tag of the plugin's checkpoint record."""
-PLUGIN_SCHEMA_VERSION = 1
-"""The version of the plugin's checkpoint record."""
-
 
 class MixedPrecision(Precision):
     """Mixed-precision training for Lightning driven by the :mod:`mp_callbacks` core.
@@ -117,7 +111,7 @@ class MixedPrecision(Precision):
         self._policy_handle: Optional[ModulePolicyHandle] = None
         self._hooked_module: Optional[nn.Module] = None
         self._lightning_module: Any = None
-        self._pending_fp32_paths: list[str] = []
+        self.pending_fp32_paths: list[str] = []
         self.sharded: Optional[ShardedLayout] = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
         self.comm_counter: Optional[CommCounter] = None  # set one to count DDP all-reduce bytes (lightning_ext.comm)
 
@@ -206,9 +200,9 @@ class MixedPrecision(Precision):
         root = self._lightning_module if self._lightning_module is not None else model
         if self.masters is not None and self.sharded is None:
             self.masters.install(root, [unwrap_optimizer(o) for o in optimizers])
-            for path in self._pending_fp32_paths:
+            for path in self.pending_fp32_paths:
                 self.keep_in_fp32(path)
-            self._pending_fp32_paths = []
+            self.pending_fp32_paths = []
         if self.rounding is not None:
             self.rounding.install(root, [unwrap_optimizer(o) for o in optimizers])
         register_comm_hook(model, self.recipe.comm_dtype, self.comm_counter)
@@ -293,7 +287,7 @@ class MixedPrecision(Precision):
         if not isinstance(path, str) or not path:
             raise ValueError(f"keep_in_fp32 needs a non-empty dotted module path, not {path!r}")
         self.recipe = self.recipe.with_policy(self.recipe.policy.with_fp32_modules(path))
-        root = self._hooked_module if self._hooked_module is not None else self._lightning_module
+        root = self.root_module
         if module is None:
             if root is None:
                 return self.policy  # not fitting yet: convert_module applies the rule
@@ -307,22 +301,10 @@ class MixedPrecision(Precision):
             self.fp8.remove(path)
         return self.policy
 
-    def _restore_policy(self, saved: Any) -> None:
-        """Re-apply the FP32 module rules a checkpointed policy added (:func:`~mp_callbacks.policy.added_fp32_rules`)."""
-        if saved is None:
-            return
-        root = self._hooked_module if self._hooked_module is not None else self._lightning_module
-        for pattern in added_fp32_rules(saved, self.policy):
-            try:
-                module = root.get_submodule(pattern) if root is not None else None
-            except AttributeError:
-                module = None  # a class name or a glob: a policy rule only
-            if module is None or (self.masters is not None and not self.masters):
-                self.recipe = self.recipe.with_policy(self.recipe.policy.with_fp32_modules(pattern))
-                if module is not None:
-                    self._pending_fp32_paths.append(pattern)  # once the masters exist
-            else:
-                self.keep_in_fp32(pattern, module)
+    @property
+    def root_module(self) -> Optional[nn.Module]:
+        """The model the recipe was applied to (None outside a fit)."""
+        return self._hooked_module if self._hooked_module is not None else self._lightning_module
 
     # ------------------------------------------------------------ checkpoints
     def master_state_dict(self) -> dict[str, Tensor]:
@@ -330,47 +312,16 @@ class MixedPrecision(Precision):
         return self.masters.state_dict() if self.masters is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: recipe name, scaler record (config + state + counters), FP32 masters, policy, rounding."""
-        return {"schema": PLUGIN_SCHEMA, "schema_version": PLUGIN_SCHEMA_VERSION, "recipe": self.recipe.name,
-                "scaler": self.loss_scaler.state_dict(), "masters": self.master_state_dict(),
-                "policy": self.recipe.policy.to_dict(), **rounding_record(self.rounding),
-                **({"fp8": self.fp8.state_dict()} if self.fp8 is not None else {})}
+        """Plain data: recipe name, scaler record, FP32 masters, policy, rounding, FP8 (:mod:`lightning_ext.checkpoint`)."""
+        return plugin_record(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; another schema, recipe or scaler config is an error naming both."""
-        here = f"lightning_ext.MixedPrecision({self.recipe.name!r}) schema v{PLUGIN_SCHEMA_VERSION}"
-        if not isinstance(state_dict, Mapping) or state_dict.get("schema") != PLUGIN_SCHEMA:
-            if isinstance(state_dict, Mapping) and "scale" in state_dict and "_growth_tracker" in state_dict:
-                saved = "a torch GradScaler state (Lightning's native MixedPrecision plugin)"
-            else:
-                keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-                saved = f"an unknown precision-plugin state ({keys})"
-            raise StateDictError(f"the checkpoint holds {saved}; this trainer uses {here}")
-        version, recipe = state_dict.get("schema_version"), state_dict.get("recipe")
-        if version != PLUGIN_SCHEMA_VERSION:
-            raise StateDictError(f"the checkpoint holds plugin schema v{version!r} (recipe {recipe!r}); "
-                                 f"this trainer uses {here}")
-        plan = plan_resume(recipe, self.recipe, self.allow_recipe_change, f"Resume with MixedPrecision({recipe!r}). ")
-        if plan.load_scaler:  # same recipe: a scaler mismatch is an error before anything changes
-            check_state_dict(self.loss_scaler.config, state_dict["scaler"])
-            self._restore_policy(state_dict.get("policy"))
-            self.loss_scaler.load_state_dict(state_dict["scaler"])
-        if self.masters is not None and plan.load_masters:
-            self.masters.load_state_dict(state_dict.get("masters") or {})
-        if self.rounding is not None and not plan.changes_recipe:
-            self.rounding.load_state_dict(state_dict.get("rounding"))
-        if self.fp8 is not None and not plan.changes_recipe and state_dict.get("fp8") is not None:
-            self.fp8.load_state_dict(state_dict["fp8"])
-        if plan.changes_recipe:
-            warnings.warn(f"lightning_ext.MixedPrecision: {plan.warning()}", stacklevel=2)
+        load_plugin_record(self, state_dict)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The checkpoint's model weights are the FP32 masters (``*-master``): what an FP32 model loads."""
-        weights = checkpoint.get("state_dict")
-        if self.masters is not None and isinstance(weights, dict):
-            for entry in self.masters.entries():
-                if entry.name in weights:
-                    weights[entry.name] = entry.master.detach().clone()
+        masters_as_weights(self, checkpoint)
 
     # --------------------------------------------------------------- teardown
     def teardown(self) -> None:
