@@ -12,6 +12,10 @@ Three rules the adapters translate:
   ``comm_dtype``.  Modules the policy keeps in FP32 gather FP32.
 * :func:`allreduce_bytes`: the payload of one data-parallel gradient
   all-reduce in ``comm_dtype`` (what a counting hook should see).
+* :func:`fsdp_step_bytes`: the payloads a sharded step hands to its
+  collectives (FSDP2: one reduce-scatter of the gradients in ``reduce_dtype``
+  per unit, one all-gather of the parameters in ``param_dtype`` per gather),
+  dim 0 of every parameter padded to a multiple of the shard count.
 * :func:`consensus_cost`: the overflow consensus of loss-scaled recipes: one
   all-reduce (MAX) of one float32 flag per optimizer step, so every rank
   skips together.
@@ -20,11 +24,11 @@ Three rules the adapters translate:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from .dtypes import canonical_dtype, dtype_bytes
 
-__all__ = ["ShardedDtypes", "allreduce_bytes", "consensus_cost", "sharded_dtypes"]
+__all__ = ["ShardedDtypes", "allreduce_bytes", "consensus_cost", "fsdp_step_bytes", "padded_numel", "sharded_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,40 @@ def allreduce_bytes(numels: Iterable[int] | int, comm_dtype: str) -> int:
     (what each rank hands to the collective per step; a ring all-reduce moves ``2 (N - 1) / N`` of it)."""
     total = numels if isinstance(numels, int) else sum(int(n) for n in numels)
     return int(total) * dtype_bytes(comm_dtype)
+
+
+def padded_numel(shape: Sequence[int], world_size: int) -> int:
+    """Elements of a parameter as sharded on dim 0 over ``world_size`` ranks: dim 0 padded up to a multiple
+    of ``world_size`` (FSDP2's ``Shard(0)``; a 0-d tensor counts as one row)."""
+    dims = [int(d) for d in shape] or [1]
+    n = max(int(world_size), 1)
+    rest = 1
+    for d in dims[1:]:
+        rest *= d
+    return -(-dims[0] // n) * n * rest
+
+
+def fsdp_step_bytes(units: Iterable[tuple[Sequence[Sequence[int]], str, str, int]],
+                    world_size: int) -> dict[str, dict[str, int]]:
+    """Payload bytes one optimizer step hands to a sharded model's collectives, by collective and dtype.
+
+    ``units``: one ``(parameter shapes, gather dtype, reduce dtype, gathers per step)`` per sharded unit
+    (a unit resharded after forward is gathered again for backward: 2; the root: 1).  Per step each unit
+    reduce-scatters its padded gradients once in the reduce dtype and all-gathers its padded parameters
+    once per gather in the gather dtype.  A payload is the whole (unsharded) buffer: each rank sends
+    ``(N - 1) / N`` of it around a ring, half an all-reduce's ``2 (N - 1) / N``.
+    Returns ``{"reduce_scatter": {dtype: bytes}, "all_gather": {dtype: bytes}}``.
+    """
+    out: dict[str, dict[str, int]] = {"reduce_scatter": {}, "all_gather": {}}
+    for shapes, gather, reduce, gathers in units:
+        numel = sum(padded_numel(s, world_size) for s in shapes)
+        if not numel:
+            continue
+        for op, name, times in (("reduce_scatter", reduce, 1), ("all_gather", gather, int(gathers))):
+            dtype = canonical_dtype(name, op)
+            if times:
+                out[op][dtype] = out[op].get(dtype, 0) + times * numel * dtype_bytes(dtype)
+    return out
 
 
 def consensus_cost(world_size: int) -> dict[str, float]:

@@ -11,7 +11,8 @@ import pytest
 from mp_callbacks import estimate_memory, get_recipe
 from mp_callbacks.master import bytes_per_param
 from mp_callbacks.recipes import COMM_DTYPES, Recipe, RecipeError
-from mp_callbacks.sharding import ShardedDtypes, allreduce_bytes, consensus_cost, sharded_dtypes
+from mp_callbacks.sharding import (ShardedDtypes, allreduce_bytes, consensus_cost, fsdp_step_bytes, padded_numel,
+                                    sharded_dtypes)
 
 
 @pytest.mark.parametrize("comm", COMM_DTYPES)
@@ -80,3 +81,25 @@ def test_allreduce_payload_and_consensus_cost():
     assert allreduce_bytes(16, "bfloat16") == allreduce_bytes(16, "float16") == 32
     assert consensus_cost(2) == {"collectives": 1, "payload_bytes": 4, "ring_bytes_per_rank": 4.0}
     assert consensus_cost(8)["ring_bytes_per_rank"] == 2 * 7 / 8 * 4
+
+
+def test_padded_numel_rounds_dim0_up_to_the_shard_count():
+    # FSDP2's Shard(0): dim 0 padded to a multiple of the world size, other dims whole
+    assert padded_numel((16, 8), 2) == 128
+    assert padded_numel((15, 8), 2) == 16 * 8
+    assert padded_numel((3,), 4) == 4
+    assert padded_numel((5, 2, 3), 1) == 30
+    assert padded_numel((), 2) == 2  # a 0-d tensor is one row
+
+
+def test_fsdp_step_bytes_by_collective_and_dtype():
+    # a Linear(8, 15) unit gathered in bf16 twice a step (resharded after forward), reduced in fp32;
+    # the root holds a Linear(15, 1) gathered once in fp32, reduced in fp32
+    units = [([(15, 8), (15,)], "bfloat16", "float32", 2), ([(1, 15), (1,)], "float32", "float32", 1)]
+    got = fsdp_step_bytes(units, world_size=2)
+    leaf, root = 16 * 8 + 16, 2 * 15 + 2  # padded elements
+    assert got == {"reduce_scatter": {"float32": 4 * (leaf + root)},
+                   "all_gather": {"bfloat16": 2 * 2 * leaf, "float32": 4 * root}}
+    halved = fsdp_step_bytes([(s, g, "bf16", n) for s, g, _, n in units], world_size=2)
+    assert halved["reduce_scatter"] == {"bfloat16": 2 * (leaf + root)}
+    assert fsdp_step_bytes([([], "float32", "float32", 1)], 2) == {"reduce_scatter": {}, "all_gather": {}}
