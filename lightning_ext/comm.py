@@ -23,6 +23,16 @@ backs off.
 ``all_reduce`` (the bytes of the cast bucket, per bucket), for measurements:
 ``plugin.comm_counter = CommCounter()`` before ``fit`` makes the plugin
 register the counting form (numerically the same as torch's hooks).
+
+Under FSDP2 (``ModelParallelStrategy``, ``fully_shard``) the precision of
+gradient communication is the ``MixedPrecisionPolicy``'s ``reduce_dtype``
+(:func:`lightning_ext.fsdp.fsdp_policy`); there is no hook to register.  The
+same ``plugin.comm_counter`` counts there too: :func:`count_fsdp_collectives`
+wraps every unit's reduce-scatter and all-gather (FSDP2's public
+``set_custom_reduce_scatter`` / ``set_custom_all_gather``) around the comm the
+unit already had, counts each call's whole (unsharded) buffer and hands the
+call on unchanged; :func:`fsdp_comm_units` reads the units for the core's
+estimate (:func:`mp_callbacks.sharding.fsdp_step_bytes`).
 """
 
 from __future__ import annotations
@@ -34,32 +44,42 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mp_callbacks.dtypes import canonical_dtype
 
-__all__ = ["CommCounter", "cast_hook", "comm_hook", "register_comm_hook"]
+__all__ = ["CommCounter", "cast_hook", "comm_hook", "count_fsdp_collectives", "fsdp_comm_units", "register_comm_hook"]
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class CommCounter:
-    """Bytes handed to ``all_reduce`` by the gradient hook: ``total_bytes``, ``calls``, ``by_dtype``."""
+    """Bytes handed to collectives: ``total_bytes``, ``calls``, ``by_dtype`` and ``by_op`` (op -> dtype -> bytes).
+
+    A call counts its whole buffer: the bucket of a DDP ``all_reduce``, the
+    unsharded gradients of an FSDP2 ``reduce_scatter`` (its input), the
+    unsharded parameters of an FSDP2 ``all_gather`` (its output).
+    """
 
     def __init__(self) -> None:
         self.total_bytes = 0
         self.calls = 0
         self.by_dtype: dict[str, int] = {}
+        self.by_op: dict[str, dict[str, int]] = {}
 
-    def add(self, tensor: torch.Tensor) -> None:
-        """Count one collective's input tensor."""
-        self.total_bytes += tensor.numel() * tensor.element_size()
-        self.calls += 1
+    def add(self, tensor: torch.Tensor, op: str = "all_reduce") -> None:
+        """Count one collective's buffer."""
+        size = tensor.numel() * tensor.element_size()
         name = str(tensor.dtype).replace("torch.", "")
-        self.by_dtype[name] = self.by_dtype.get(name, 0) + tensor.numel() * tensor.element_size()
+        self.total_bytes += size
+        self.calls += 1
+        self.by_dtype[name] = self.by_dtype.get(name, 0) + size
+        per_op = self.by_op.setdefault(op, {})
+        per_op[name] = per_op.get(name, 0) + size
 
     def reset(self) -> None:
         """Start counting from zero."""
         self.__init__()
 
     def __repr__(self) -> str:
-        return f"CommCounter(total_bytes={self.total_bytes}, calls={self.calls}, by_dtype={self.by_dtype})"
+        return (f"CommCounter(total_bytes={self.total_bytes}, calls={self.calls}, by_dtype={self.by_dtype}, "
+                f"by_op={self.by_op})")
 
 
 def cast_hook(comm_dtype: str, counter: Optional[CommCounter] = None) -> Callable[[Any, Any], Any]:
@@ -112,13 +132,16 @@ def comm_hook(comm_dtype: str, grad_dtypes: set, counter: Optional[CommCounter] 
 def register_comm_hook(model: Any, comm_dtype: str, counter: Optional[CommCounter] = None) -> Optional[Callable]:
     """Register the hook of ``comm_dtype`` on a ``DistributedDataParallel`` ``model``; returns it (None: none needed).
 
-    Models that are not DDP-wrapped are left alone.  A hook registered already
+    Models that are not DDP-wrapped are left alone (with a ``counter``, the
+    FSDP2 units in them count their collectives: :func:`count_fsdp_collectives`).  A hook registered already
     (``DDPStrategy(ddp_comm_hook=...)``) and a ``comm_dtype`` that needs one
     are a ``MisconfigurationException``: DDP takes one hook.
     """
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
+        if counter is not None:
+            count_fsdp_collectives(model, counter)
         return None
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     hook = comm_hook(comm_dtype, dtypes, counter)
@@ -136,3 +159,77 @@ def register_comm_hook(model: Any, comm_dtype: str, counter: Optional[CommCounte
             f"model has one already (DDPStrategy(ddp_comm_hook=...)); DDP takes one. Drop one of them "
             f"({exc})") from None
     return hook
+
+
+# ---------------------------------------------------------------------- FSDP2
+def _counting(kind: str, inner: Any, counter: CommCounter) -> Any:
+    """``inner`` (an FSDP2 ``AllGather`` / ``ReduceScatter``) that counts each call into ``counter`` first."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    base = AllGather if kind == "all_gather" else ReduceScatter
+
+    class Counted(base):  # type: ignore[misc, valid-type]
+        counts = counter
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     *args: Any, **kwargs: Any) -> Any:
+            counter.add(output_tensor if kind == "all_gather" else input_tensor, kind)
+            return inner(output_tensor, input_tensor, group, *args, **kwargs)
+
+    Counted.__name__ = f"Counted{type(inner).__name__}"
+    return Counted()
+
+
+def count_fsdp_collectives(module: torch.nn.Module, counter: CommCounter) -> int:
+    """Count every FSDP2 unit's reduce-scatters and all-gathers in ``module`` into ``counter``; returns the units.
+
+    Each unit's comm is wrapped where it stands (calling twice does not count twice); the wrapper hands
+    FSDP2's arguments on as they came, so training is bit-for-bit what it is without it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = 0
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
+            if group is None:
+                continue
+            for kind, attr in (("all_gather", "_all_gather_comm"), ("reduce_scatter", "_reduce_scatter_comm")):
+                comm = getattr(group, attr)
+                if getattr(comm, "counts", None) is not counter:
+                    setattr(group, attr, _counting(kind, comm, counter))
+            units += 1
+    return units
+
+
+def fsdp_comm_units(module: torch.nn.Module) -> tuple[list[tuple[list[tuple[int, ...]], str, str, int]], int]:
+    """``module``'s FSDP2 units as :func:`mp_callbacks.sharding.fsdp_step_bytes` takes them, and the shard count.
+
+    Per unit: its parameters' unsharded shapes, the gather dtype (the policy's ``param_dtype``, else the
+    parameters'), the reduce dtype (``reduce_dtype``, else the gather dtype) and the gathers per step
+    (2 when the unit reshards after forward, as FSDP2 decides for non-root units; 1 otherwise).
+    Read after the first step (FSDP2 settles the root's resharding at its lazy init).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from mp_callbacks.dtypes import canonical_dtype as name
+
+    units, world = [], 1
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = sub._get_fsdp_state()._fsdp_param_group
+        if group is None or not group.fsdp_params:
+            continue
+        policy = group.mp_policy
+        gather = name(policy.param_dtype or group.fsdp_params[0].sharded_param.dtype)
+        reduce = name(policy.reduce_dtype or gather)
+        gathers = 2 if group.post_forward_mesh_info is not None else 1
+        units.append(([tuple(fp._orig_size) for fp in group.fsdp_params], gather, reduce, gathers))
+        world = max(world, group.mesh_info.shard_mesh_size)
+    return units, world
