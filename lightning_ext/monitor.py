@@ -54,27 +54,19 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats, memory_metrics
-from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.fp8_recipe import fp8_state_bytes
-from mp_callbacks.master import MemoryEstimate, is_optimizer_state, memory_report
 from mp_callbacks.meters import METER_SAMPLES
 from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade, PackedLayout  # version: re-exported
-from mp_callbacks.monitor_helpers import swamp_storage_dtype
 
-from .attribution import OverflowTracer, blame, tensors_in
+from .attribution import OverflowTracer, blame
+from .memory import memory_report, optimizer_params, storage_dtypes
 from .module_policy import policy_report
 from .plugin import MixedPrecision
 from .torch_meters import grad_norm, sample, swamped_counts, underflow_counts
-from .torch_scaler import unwrap_optimizer
 
 __all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
 
 MONITOR_SCHEMA = "lightning_ext.MixedPrecisionMonitor"
 """The ``schema`` tag of the callback's checkpoint record."""
-
-
-def _opt_params(optimizer: Any) -> list[Tensor]:
-    return [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
 
 
 @dataclass
@@ -170,63 +162,12 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         return plugin
 
     def _storage_dtypes(self, trainer: "pl.Trainer") -> dict[int, tuple[str, str]]:
-        """``id(optimizer param) -> (stored dtype, swamping dtype)`` of every optimizer parameter."""
-        plugin = self._plugin(trainer)
-        module = trainer.lightning_module
-        kept: dict[int, bool] = {}
-        for path, sub in module.named_modules():
-            k = plugin.policy.keeps_fp32(sub, path)
-            for p in sub.parameters(recurse=False):
-                kept.setdefault(id(p), k)
-        low_of = {id(e.master): e.low for e in plugin.masters.entries()} if plugin.masters is not None else {}
-        out: dict[int, tuple[str, str]] = {}
-        for opt in trainer.optimizers:
-            for p in _opt_params(opt):
-                low = low_of.get(id(p), p)
-                stored = canonical_dtype((plugin.sharded.gather_dtypes if plugin.sharded else {}).get(id(p), low.dtype))
-                out[id(p)] = (stored, swamp_storage_dtype(plugin.recipe, stored, kept.get(id(low), False)))
-        return out
+        """``id(optimizer param) -> (stored dtype, swamping dtype)``: :func:`lightning_ext.memory.storage_dtypes`."""
+        return storage_dtypes(self._plugin(trainer), trainer.lightning_module, trainer.optimizers)
 
     def memory_report(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        """Bytes of model state actually held, next to the core's estimate (plain data).
-
-        ``actual`` sums real tensor ``nbytes``: ``weights`` (the module's
-        parameters), ``grads`` (their ``.grad`` plus the FP32 masters'),
-        ``masters`` (optimizer parameters that are not module parameters: the
-        FP32 masters of ``*-master``), ``optimizer_state`` (optimizer state
-        tensors per :func:`mp_callbacks.master.is_optimizer_state`).  The
-        report is the core's :func:`mp_callbacks.master.memory_report` (the
-        estimate at the optimizer step, with ``weights_released`` as the
-        plugin's ``free_weights_during_step``).  Gradients and optimizer state
-        that do not exist yet (before the first step) are not counted in ``actual``.
-        """
-        plugin = self._plugin(trainer)
-        if plugin.sharded is not None:  # FSDP2: this rank's shards, estimate with n_shards
-            return plugin.sharded.memory_report(plugin.recipe, trainer.lightning_module, trainer.optimizers)
-        params = list({id(p): p for p in trainer.lightning_module.parameters()}.values())
-        own = {id(p) for p in params}
-        grads = sum(p.grad.nbytes for p in params if p.grad is not None)
-        masters = state = 0
-        storage = self._storage_dtypes(trainer)
-        optimizers = []
-        for opt in trainer.optimizers:
-            raw = unwrap_optimizer(opt)
-            for p in _opt_params(raw):
-                if id(p) not in own:
-                    masters += p.nbytes
-                    grads += p.grad.nbytes if p.grad is not None else 0
-            for slot in raw.state.values():
-                state += sum(v.nbytes for v in tensors_in(slot) if is_optimizer_state(v.shape))
-            momentum = max((float(g.get("momentum", 0) or 0) for g in raw.param_groups), default=0.0)
-            optimizers.append((type(raw).__name__, momentum, [(p.numel(), storage[id(p)][0]) for p in _opt_params(raw)]))
-        comp = sum(c.nbytes for c in plugin.rounding.buffers()) if plugin.rounding is not None else 0
-        fp8 = plugin.fp8
-        actual = MemoryEstimate(params=sum(p.numel() for p in params), weights=sum(p.nbytes for p in params),
-                                grads=grads, masters=masters, optimizer_state=state, compensation=comp,
-                                fp8_state=fp8.nbytes if fp8 is not None else 0)
-        return memory_report(plugin.recipe.name, plugin.recipe.master, optimizers, actual,
-                             weights_released=plugin.free_weights_during_step,
-                             fp8_state=fp8_state_bytes(fp8.recipe, len(fp8.names)) if fp8 is not None else 0)
+        """Bytes of model state actually held, next to the core's estimate: :func:`lightning_ext.memory.memory_report`."""
+        return memory_report(self._plugin(trainer), trainer.lightning_module, trainer.optimizers)
 
     # ------------------------------------------------------------- lifecycle
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -297,7 +238,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         pending = _Pending(optimizer=optimizer, state=plugin.loss_scaler.state, cut=len(self.tracer.records),
                            logging=logging)
         if logging:
-            params = _opt_params(optimizer)
+            params = optimizer_params(optimizer)
             if self.measure_grads:
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
