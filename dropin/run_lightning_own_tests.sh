@@ -6,8 +6,8 @@
 # installed version's tag, e.g.
 #   git clone --depth 1 --branch 2.6.5 https://github.com/Lightning-AI/pytorch-lightning /tmp/pl
 #   LIGHTNING_TESTS=/tmp/pl/tests dropin/run_lightning_own_tests.sh [native|dropin|both] [pytest args]
-# Expected with ours (2.6.5 tests, lightning 2.6.6, CPU): 13 passed, 8 skipped (GPU), 2 failed - the two tests
-# that hand the plugin a Mock() as its scaler (ours takes a GradScaler, a ScalerConfig, a preset or a dict).
+# Expected with ours (2.6.5 tests, lightning 2.6.6, CPU): 15 passed, 8 skipped (GPU), as native. The two tests
+# that hand the plugin a Mock() as its scaler go through lightning_ext/external_scaler.py.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 MAIN=$(cd "$HERE/.." && pwd)

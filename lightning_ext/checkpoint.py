@@ -63,7 +63,8 @@ def load_plugin_record(plugin: "MixedPrecision", state_dict: Mapping[str, Any]) 
     recipe = state_dict.get("recipe")
     plan = plan_resume(recipe, plugin.recipe, plugin.allow_recipe_change, f"Resume with MixedPrecision({recipe!r}). ")
     if plan.load_scaler:  # same recipe: a scaler mismatch is an error before anything changes
-        check_state_dict(plugin.loss_scaler.config, state_dict["scaler"])
+        if not getattr(plugin.loss_scaler, "external", False):  # an external scaler checks its own record
+            check_state_dict(plugin.loss_scaler.config, state_dict["scaler"])
         restore_policy(plugin, state_dict.get("policy"))
         plugin.loss_scaler.load_state_dict(state_dict["scaler"])
     if plugin.masters is not None and plan.load_masters:

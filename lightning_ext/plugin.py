@@ -33,6 +33,7 @@ from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
 from mp_callbacks.scaler import ScalerConfig
 
+from .external_scaler import ExternalScaler, is_external_scaler, optimizer_unscales_in_step
 from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, load_plugin_record, masters_as_weights, plugin_record
 from .comm import CommCounter, register_comm_hook
 from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
@@ -56,7 +57,9 @@ class MixedPrecision(Precision):
       scaler: a ``torch.amp.GradScaler`` (its settings are taken), a
         :class:`~mp_callbacks.scaler.ScalerConfig`, a preset name (``"torch"``,
         ``"megatron"``...), a dict of fields, or None for the recipe's default
-        (dynamic ``torch`` preset for fp16, off for bf16/fp32).
+        (dynamic ``torch`` preset for fp16, off for bf16/fp32).  Another object with
+        ``GradScaler``'s API is used as it is, as Lightning uses it (``16-mixed`` only, no
+        monitors: :mod:`lightning_ext.external_scaler`).
       policy: the operator policy (a :class:`~mp_callbacks.policy.PrecisionPolicy`,
         a policy string or dict), or None for the recipe's.
       count_overflows: with ``scaler={"enabled": False, "skip_nonfinite": False}``
@@ -95,7 +98,9 @@ class MixedPrecision(Precision):
         state_dtype: Optional[str] = None, seed: int = 0, comm_dtype: Optional[str] = None,
         fp8: Any = None,
     ) -> None:
-        self.recipe: Recipe = get_recipe(recipe_name(precision), scaler=scaler_config_from(scaler), policy=policy,
+        external = scaler if is_external_scaler(scaler) else None
+        self.recipe: Recipe = get_recipe(recipe_name(precision), policy=policy,
+                                         scaler=None if external is not None else scaler_config_from(scaler),
                                          state_dtype=state_dtype, comm_dtype=comm_dtype)
         self.recipe = self.recipe.with_fp8(fp8)
         self.precision = self.recipe.name  # type: ignore[assignment]
@@ -106,7 +111,13 @@ class MixedPrecision(Precision):
             MasterWeights(free_weights_during_step) if self.recipe.master.master_weights else None)
         self.rounding: Optional[UpdateRounding] = UpdateRounding.for_recipe(self.recipe, seed)
         self.fp8: Optional[TorchFP8] = TorchFP8.for_recipe(self.recipe)  # fp8-mixed: FP8 matmuls, their scales
-        self.loss_scaler = TorchLossScaler(self.recipe.scaler, self.masters, count_overflows, divergence, self.rounding)
+        self.loss_scaler: Any = TorchLossScaler(self.recipe.scaler, self.masters, count_overflows, divergence,
+                                                self.rounding)
+        if external is not None:
+            if self.recipe.name != "16-mixed":
+                raise ValueError(f"An external scaler ({type(external).__name__}) works with precision='16-mixed' "
+                                 f"only, not {self.recipe.name!r}: pass its settings as a torch GradScaler instead.")
+            self.loss_scaler = ExternalScaler(external, self.recipe.scaler)
         self._hold = SchedulerHold(self.loss_scaler.last_step_skipped)
         self._policy_handle: Optional[ModulePolicyHandle] = None
         self._hooked_module: Optional[nn.Module] = None
@@ -116,8 +127,11 @@ class MixedPrecision(Precision):
         self.comm_counter: Optional[CommCounter] = None  # set one to count DDP all-reduce bytes (lightning_ext.comm)
 
     @property
-    def scaler(self) -> Optional[TorchLossScaler]:
-        """The loss scaler when the recipe scales the loss (``trainer.scaler``), else None (as native)."""
+    def scaler(self) -> Any:
+        """The loss scaler when the recipe scales the loss (``trainer.scaler``), else None (as native);
+        an external scaler is returned as given."""
+        if isinstance(self.loss_scaler, ExternalScaler):
+            return self.loss_scaler.scaler
         return self.loss_scaler if self.loss_scaler.config.enabled else None
 
     @property
@@ -252,6 +266,11 @@ class MixedPrecision(Precision):
     ) -> None:
         """Clip the unscaled FP32 (master) gradients; unscales first when not done yet (manual optimization)."""
         if clip_val and clip_val > 0:
+            if isinstance(self.loss_scaler, ExternalScaler) and optimizer_unscales_in_step(optimizer):
+                raise RuntimeError(
+                    f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping with "
+                    "an external scaler: it unscales its gradients inside step(), after clipping would run. Use the "
+                    "plugin's own scaler (it unscales before clipping) or another optimizer.")
             self.loss_scaler.unscale_once(optimizer)
         super().clip_gradients(unwrap_optimizer(optimizer), clip_val, gradient_clip_algorithm)
 
