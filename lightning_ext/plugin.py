@@ -124,7 +124,7 @@ class MixedPrecision(Precision):
         self._lightning_module: Any = None
         self.pending_fp32_paths: list[str] = []
         self.sharded: Optional[ShardedLayout] = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
-        self.comm_counter: Optional[CommCounter] = None  # set one to count DDP all-reduce bytes (lightning_ext.comm)
+        self.comm_counter: Optional[CommCounter] = None  # set one to count DDP all-reduce / FSDP2 collective bytes (lightning_ext.comm)
 
     @property
     def scaler(self) -> Any:
