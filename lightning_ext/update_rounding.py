@@ -23,7 +23,7 @@ that it computes that update in FP32 with FP32 states:
   states: :func:`mp_callbacks.master.estimate_memory`) plus the FP32
   temporaries of one parameter;
 * stochastic rounding draws from the core's counter-based stream (seed,
-  parameter index, update counter, element index): :class:`TorchRoundingOps`
+  parameter index, update counter, element index): :class:`~lightning_ext.rounding_ops.TorchRoundingOps`
   computes the same bits as the NumPy reference and ``keras.ops``;
 * checkpoints: :meth:`state_dict` carries the compensation buffers and the
   stream (plain tensors and ints); optimizer checkpoints keep their FP32
@@ -46,7 +46,6 @@ from torch.optim import Optimizer
 from mp_callbacks.master import MasterPlan
 from mp_callbacks.recipes import Recipe
 from mp_callbacks.rounding import (
-    MASK32,
     RoundingStream,
     compensated_value,
     initial_compensation,
@@ -58,71 +57,10 @@ from mp_callbacks.rounding import (
 from mp_callbacks.scaler import StateDictError
 
 from .module_policy import torch_dtype
+from .rounding_ops import TORCH_ROUNDING_OPS, TorchRoundingOps  # TorchRoundingOps: re-exported
 from .torch_meters import sample
 
 __all__ = ["RoundingEntry", "TorchRoundingOps", "UpdateRounding", "rounding_record"]
-
-
-def _s32(value: int) -> int:
-    """The int32 whose bits are u32 ``value``."""
-    value &= MASK32
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
-class TorchRoundingOps:
-    """:class:`mp_callbacks.rounding.RoundingOps` over torch tensors; u32 values live in int32 tensors
-    (same bits; multiplication and addition wrap modulo ``2**32``, ``shr`` masks the sign extension).
-    The integer operations work in place on their first argument, as the protocol allows."""
-
-    def to_f32(self, a: Tensor) -> Tensor:
-        return a.to(torch.float32)
-
-    def to_like(self, x: Tensor, like: Tensor) -> Tensor:
-        return x.to(like.dtype)
-
-    def add(self, a: Tensor, b: Tensor) -> Tensor:
-        return a + b
-
-    def sub(self, a: Tensor, b: Tensor) -> Tensor:
-        return a - b
-
-    def isnan(self, a: Tensor) -> Tensor:
-        return torch.isnan(a)
-
-    def where(self, cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
-        return torch.where(cond, a, b)
-
-    def u32(self, value: Any) -> Any:
-        return value if isinstance(value, Tensor) else _s32(int(value))
-
-    def index(self, like: Tensor) -> Tensor:
-        return torch.arange(like.numel(), dtype=torch.int32, device=like.device).reshape(like.shape)
-
-    def xor(self, a: Any, b: Any) -> Tensor:
-        if not isinstance(a, Tensor):
-            return torch.bitwise_xor(b, self.u32(a))
-        return a.bitwise_xor_(self.u32(b))
-
-    def shr(self, a: Tensor, k: int) -> Tensor:
-        return torch.bitwise_right_shift(a, k).bitwise_and_((1 << (32 - k)) - 1)
-
-    def mul(self, a: Tensor, k: int) -> Tensor:
-        return a.mul_(_s32(k))
-
-    def add_u32(self, a: Tensor, b: Any) -> Tensor:
-        return a.add_(self.u32(b))
-
-    def f32_bits(self, x: Tensor) -> Tensor:
-        return x.to(torch.float32).contiguous().view(torch.int32)
-
-    def bf16_from_bits(self, bits: Any) -> Tensor:
-        if not isinstance(bits, Tensor):
-            return torch.tensor(_s32(bits) >> 16, dtype=torch.int16).view(torch.bfloat16)
-        # arithmetic shift then int16: the upper 16 bits, exactly
-        return bits.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16)
-
-
-TORCH_ROUNDING_OPS = TorchRoundingOps()
 
 
 class RoundingEntry(NamedTuple):

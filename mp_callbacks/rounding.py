@@ -59,6 +59,7 @@ from .rounding_random import (  # re-exported: the adapters and tests import the
     keras_kernel_to_canonical,
     layout_index,
     mix32,
+    s32,
     sr_key,
     sr_thresholds,
 )

@@ -50,6 +50,12 @@ MIX_MUL1 = 0x7FEB352D
 MIX_MUL2 = 0x846CA68B
 
 
+def s32(value: int) -> int:
+    """The int32 whose bits are u32 ``value`` (taken mod ``2**32``): how a backend without uint32 holds it."""
+    value = int(value) & MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
 def _mix32_head(x: Any, ops: Any) -> Any:
     """``mix32`` without its last ``x ^= x >> 16`` (which leaves the upper 16 bits as they are)."""
     x = ops.xor(x, ops.shr(x, 16))
