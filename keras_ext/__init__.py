@@ -16,8 +16,9 @@
 Modules (the same files as ``lightning_ext`` for the same jobs): ``optimizer``
 (the Keras-facing :class:`LossScaleOptimizer`), ``scaler`` (the scaler state in
 Keras variables), ``divergence`` (the core's divergence rule in the traced step
-and its host check), ``masters`` (FP32 master weights), ``policy``,
-``attribution`` (which layer overflowed), ``monitor``, ``keras_ops``,
+and its host check), ``masters`` (FP32 master weights), ``update_rounding``
+(with ``rounding_ops``: the core's rounding ops in ``keras.ops``), ``policy``,
+``attribution`` (which layer overflowed), ``monitor``, ``memory``, ``keras_ops``,
 ``keras_meters``, ``checkpoint`` (saving the masters, resuming across recipes),
 ``compare`` (the ``mpx compare`` runner).  No module keeps
 global state: the active policy rides on Keras' own global dtype policy.

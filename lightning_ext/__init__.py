@@ -8,8 +8,9 @@ operator policy, FP32 master weights (:class:`MasterWeights`) and, for
 ``callbacks=[lightning_ext.MixedPrecisionMonitor()]`` logs the shared diagnostics.
 
 Modules, one job each: ``plugin`` (Lightning hooks), ``torch_scaler``,
-``masters``, ``update_rounding``, ``scheduler_hold``, ``support``, ``module_policy``,
-``attribution``, ``monitor``, ``torch_meters``, ``torch_ops``, ``compare``; scaling out:
+``masters``, ``update_rounding`` (with ``rounding_ops``: the core's rounding ops in torch),
+``scheduler_hold``, ``support``, ``module_policy``, ``attribution``, ``monitor``, ``memory``
+(bytes held next to the core's estimate), ``torch_meters``, ``torch_ops``, ``compare``; scaling out:
 ``fsdp`` (ModelParallelStrategy / FSDP2), ``fsdp1`` (:class:`FSDPMixedPrecision` for FSDPStrategy),
 ``comm`` (the recipe's ``comm_dtype`` as a DDP communication hook, :class:`CommCounter`).
 """
