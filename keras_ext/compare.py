@@ -58,6 +58,7 @@ from mp_callbacks.recipes import get_recipe
 from . import policy as _policy
 from .fp8 import host_metrics as fp8_host_metrics
 from .fp8 import is_fp8_variable
+from .memory import nbytes
 from .optimizer import LossScaleOptimizer, master_optimizer
 
 __all__ = ["fit_once", "mlp", "run", "set_threads", "state_bytes"]
@@ -69,15 +70,6 @@ def mlp(hidden: int, depth: int) -> keras.Sequential:
     layers += [keras.layers.Dense(hidden, activation="relu") for _ in range(depth)]
     layers.append(keras.layers.Dense(10))
     return keras.Sequential(layers, name="mlp")
-
-
-def _nbytes(v: Any) -> int:
-    return int(np.prod(v.shape, dtype=np.int64)) * np.dtype(_np_dtype(v.dtype)).itemsize
-
-
-def _np_dtype(dtype: Any) -> str:
-    name = keras.backend.standardize_dtype(dtype)
-    return "float16" if name == "bfloat16" else name  # both 2 bytes; NumPy has no bfloat16
 
 
 def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> int:
@@ -92,7 +84,7 @@ def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> in
         nonlocal total
         if v is not None and id(v) not in seen:
             seen.add(id(v))
-            total += _nbytes(v)
+            total += nbytes(v)
 
     for v in model.variables:
         if not is_fp8_variable(v):  # fp8-mixed: the FP8 scaling state is not model state per parameter
@@ -101,7 +93,7 @@ def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> in
         else []
     for v in (v for v in model.trainable_variables if not is_fp8_variable(v)):  # the gradients
         numel = int(np.prod(v.shape, dtype=np.int64))
-        total += 4 * numel if (masters and _is_low(v)) else _nbytes(v)
+        total += 4 * numel if (masters and _is_low(v)) else nbytes(v)
     inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
     for m in masters:
         add(m)
