@@ -7,9 +7,10 @@ Trains the ``mpx compare`` MLP on the same digits batches with AdamW under
 ``lightning_ext.MixedPrecision(recipe)`` for ``fp8-mixed``, ``bf16-mixed``,
 ``bf16-master`` (the storage ``fp8-mixed`` shares) and ``32-true``,
 alternating in one process (order reversed every other round, a control copy
-of ``bf16-mixed``), and prints the median step times and the median per-round
-ratios fp8-mixed / bf16-mixed, fp8-mixed / bf16-master, fp8-mixed / 32-true,
-with the CPU model.  Keras (``keras_ext.compare.fit_once``, ``model.fit``,
+of ``bf16-mixed``), and prints, in wall and in CPU time, the step times (a
+fit's figure: its median timed window, ``common.fit_figures``) and the median
+per-round ratios fp8-mixed / bf16-mixed, fp8-mixed / bf16-master, fp8-mixed /
+32-true, with the CPU model (``--json PATH`` also writes them).  Keras (``keras_ext.compare.fit_once``, ``model.fit``,
 TensorFlow unless KERAS_BACKEND says otherwise) runs the same after Lightning
 with the first ``--threads`` value.
 
@@ -28,8 +29,6 @@ No thresholds: figures only.
 from __future__ import annotations
 
 import os
-import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import alternate, base_parser, print_table, thread_specs, with_controls  # noqa: E402
+from common import (  # noqa: E402
+    alternate, base_parser, fit_figures, machine_line, print_tables, thread_specs, with_controls, write_json,
+)
 from lightning_ext import MixedPrecision  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
 from mp_callbacks.compare import RunSpec  # noqa: E402
@@ -48,46 +49,25 @@ PAIRS = [("fp8-mixed", "bf16-mixed"), ("fp8-mixed", "bf16-master"), ("fp8-mixed"
          ("bf16-mixed", "32-true")]
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> str:
-    """The CPU features that decide bf16/fp8 speed here (AMX, AVX-512 BF16), as present/absent."""
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("amx_bf16", "avx512_bf16", "avx512f"))
-
-
 def lightning_measure(recipe: str, spec: RunSpec):
-    def once() -> float:
+    def once() -> tuple[float, float]:
         _, recorder = fit_once(MixedPrecision(recipe, "cpu"), spec)
-        return statistics.median(recorder.timed())
+        return fit_figures(recorder.times, recorder.cpu_times)  # median timed window: wall, CPU time
     return once
 
 
 def keras_measure(recipe: str, spec: RunSpec):
-    def once() -> float:
+    def once() -> tuple[float, float]:
         from keras_ext.compare import fit_once as keras_fit_once
 
         _, _, recorder = keras_fit_once(recipe, spec, record=False)
-        return statistics.median(recorder.timed())
+        return fit_figures(recorder.times, recorder.cpu_times)
     return once
 
 
-def section(title: str, variants: dict, rounds: int, prefix: str) -> None:
+def section(title: str, variants: dict, rounds: int, prefix: str) -> dict:
     times = alternate(with_controls(variants, [f"{prefix} bf16-mixed"]), rounds)
-    print_table(title, times, [(f"{prefix} {a}", f"{prefix} {b}", "none (measured)") for a, b in PAIRS])
+    return print_tables(title, times, [(f"{prefix} {a}", f"{prefix} {b}", "none (measured)") for a, b in PAIRS])
 
 
 def main() -> None:
@@ -95,21 +75,26 @@ def main() -> None:
     parser.add_argument("--frameworks", nargs="+", choices=["lightning", "keras"], default=["lightning", "keras"])
     parser.set_defaults(hidden=256, depth=2)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()} ({cpu_flags()}); torch {torch.__version__}")
+    summaries = []
     for threads, spec in thread_specs(args):
         if "lightning" not in args.frameworks:
             continue
         torch.set_num_threads(threads)
-        section(f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s), AdamW",
-                {f"lightning {r}": lightning_measure(r, spec) for r in RECIPES}, args.rounds, "lightning")
+        print(machine_line(threads))
+        summaries.append(section(
+            f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s), AdamW",
+            {f"lightning {r}": lightning_measure(r, spec) for r in RECIPES}, args.rounds, "lightning"))
     if "keras" in args.frameworks:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         import keras
 
         threads, spec = next(iter(thread_specs(args)))
-        section(f"Keras ({keras.backend.backend()} backend), MLP {args.depth}x{args.hidden}, batch "
-                f"{args.batch_size}, {threads} thread(s), AdamW",
-                {f"keras {r}": keras_measure(r, spec) for r in RECIPES}, args.rounds, "keras")
+        print(machine_line(threads))
+        summaries.append(section(
+            f"Keras ({keras.backend.backend()} backend), MLP {args.depth}x{args.hidden}, batch "
+            f"{args.batch_size}, {threads} thread(s), AdamW",
+            {f"keras {r}": keras_measure(r, spec) for r in RECIPES}, args.rounds, "keras"))
+    write_json(args.json, summaries)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ timer that every variant carries; the tracing at the start of each ``fit``
 (the monitor retraces to install its hooks) is outside the timed window.
 ``--clock cpu`` (default) times the process's CPU time, which other jobs on
 a shared machine disturb much less than wall time; ``--clock wall`` gives
-elapsed time.  Prints median times and median per-round ratios (target
-monitor / off <= 1.05); no thresholds.
+elapsed time.  Prints the CPU model, median times and median per-round ratios
+(target monitor / off <= 1.05); no thresholds.  ``--json PATH`` writes
+``PATH-<n>t.json`` per thread count.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _child(args: argparse.Namespace) -> None:
     import numpy as np
 
     import keras_ext
-    from common import alternate, control_name, print_table
+    from common import alternate, control_name, print_table, write_json
 
     rng = np.random.default_rng(0)
     n = args.batch_size * args.steps
@@ -91,21 +92,18 @@ def _child(args: argparse.Namespace) -> None:
             keras_ext.MixedPrecisionMonitor(log_every_n_steps=50, log_memory=False, attribute_overflows=True)),
     }
     times = alternate(variants, args.rounds)
-    print_table(f"Keras {keras.__version__} ({keras.backend.backend()}), MLP {args.depth}x{args.hidden}, "
+    data = print_table(f"Keras {keras.__version__} ({keras.backend.backend()}), MLP {args.depth}x{args.hidden}, "
                 f"batch {args.batch_size}, {args.steps} steps/round, {args.child} thread(s), {args.clock} time", times,
                 [("monitor on (50)", "monitor off", "<= 1.05"),
                  ("monitor on (50) + attribution", "monitor off", "opt-in, no target")])
+    write_json(args.json, data)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=3)
+    from common import base_parser, machine_line
+
+    parser = base_parser(__doc__, rounds=7, steps=200, hidden=512, depth=3, batch_size=256)
     parser.add_argument("--features", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="cpu: process CPU time per step (robust to other load on the machine); wall: elapsed")
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
@@ -114,9 +112,13 @@ def main() -> None:
         _child(args)
         return
     for threads in args.threads:
+        print(machine_line(threads), flush=True)
         cmd = [sys.executable, __file__, "--child", str(threads), "--rounds", str(args.rounds), "--steps",
                str(args.steps), "--hidden", str(args.hidden), "--depth", str(args.depth), "--features",
                str(args.features), "--batch-size", str(args.batch_size), "--clock", args.clock]
+        if args.json:  # one file per thread count (each runs in its own process): PATH-<n>t.json
+            path = Path(args.json)
+            cmd += ["--json", str(path.with_name(f"{path.stem}-{threads}t{path.suffix or '.json'}"))]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL="2")
         subprocess.run(cmd, check=True, env=env)
 

@@ -46,7 +46,7 @@ from torch import nn  # noqa: E402
 
 from bench_transformer_model import GPTConfig, TinyGPT  # noqa: E402
 from common import (  # noqa: E402
-    alternate, base_parser, by_clock, machine_line, print_tables, with_controls, write_json,
+    alternate, base_parser, by_clock, machine_line, per_step, print_tables, with_controls, write_json,
 )
 from lightning_ext.compare import mlp  # noqa: E402
 from lightning_ext.masters import MasterWeights  # noqa: E402
@@ -61,23 +61,20 @@ def model(name: str) -> nn.Module:
     return TinyGPT(GPTConfig())
 
 
-def native(name: str, steps: int, fused: bool) -> Callable[[], float]:
+def native(name: str, steps: int, fused: bool) -> Callable[[], tuple[float, float]]:
     net = model(name)
     params = list(net.parameters())
     grads = [torch.randn_like(p) * 1e-2 for p in params]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True if fused else None)
 
-    def once() -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            for p, g in zip(params, grads):
-                p.grad = g
-            opt.step()
-        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
-    return once
+    def one_step() -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    return per_step(one_step, steps)
 
 
-def masters(name: str, steps: int, fused_step: bool) -> Callable[[], float]:
+def masters(name: str, steps: int, fused_step: bool) -> Callable[[], tuple[float, float]]:
     net = model(name)
     originals = {n: p.detach().clone() for n, p in net.named_parameters()}
     net.to(torch.bfloat16)
@@ -89,20 +86,17 @@ def masters(name: str, steps: int, fused_step: bool) -> Callable[[], float]:
     grads = [(torch.randn(p.shape) * 1e-2).to(torch.bfloat16) for p in lows]
     entries = mw.for_optimizer(opt)
 
-    def once() -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            for p, g in zip(lows, grads):
-                p.grad = g
-            with torch.no_grad():
-                mw.grads_to_masters(entries)
-            with mw.updating(opt):
-                opt.step()
-        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
-    return once
+    def one_step() -> None:
+        for p, g in zip(lows, grads):
+            p.grad = g
+        with torch.no_grad():
+            mw.grads_to_masters(entries)
+        with mw.updating(opt):
+            opt.step()
+    return per_step(one_step, steps)
 
 
-def compiled(name: str, steps: int, report: dict) -> Callable[[], float]:
+def compiled(name: str, steps: int, report: dict) -> Callable[[], tuple[float, float]]:
     net = model(name)
     masters_ = [p.detach().clone() for p in net.parameters()]
     lows = [m.to(torch.bfloat16) for m in masters_]
@@ -133,15 +127,10 @@ def compiled(name: str, steps: int, report: dict) -> Callable[[], float]:
     report["compile_s"] = time.perf_counter() - t0
     print(f"  (compiled single pass: first call, compile included, {report['compile_s']:.1f} s)")
 
-    def once() -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            one_step()
-        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
-    return once
+    return per_step(one_step, steps)
 
 
-def chunked(name: str, steps: int, chunk: int = 1 << 17) -> Callable[[], float]:
+def chunked(name: str, steps: int, chunk: int = 1 << 17) -> Callable[[], tuple[float, float]]:
     """A prototype of the single pass in eager mode: per chunk of ``chunk`` elements, the bf16 gradient into an
     FP32 scratch buffer, torch's fused AdamW on the chunk of master, m and v, the chunk back into the bf16
     weight; the chunk stays in cache between the three.  No FP32 gradient, no weight released: 16 B/param."""
@@ -165,12 +154,7 @@ def chunked(name: str, steps: int, chunk: int = 1 << 17) -> Callable[[], float]:
                                     beta2=BETA2, weight_decay=WD, eps=EPS, amsgrad=False, maximize=False)
                 low[a:b].copy_(p[a:b])
 
-    def once() -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            one_step()
-        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
-    return once
+    return per_step(one_step, steps)
 
 
 def main() -> None:

@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import alternate, base_parser, print_table, thread_specs, with_controls  # noqa: E402
+from common import (  # noqa: E402
+    alternate, base_parser, machine_line, print_table, thread_specs, with_controls, write_json,
+)
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
 from mp_callbacks.compare import RunSpec  # noqa: E402
@@ -47,8 +49,10 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--recipes", nargs="+", default=["16-mixed", "bf16-master"])
     args = parser.parse_args()
+    summaries = []
     for threads, spec in thread_specs(args):
         torch.set_num_threads(threads)
+        print(machine_line(threads))
         variants = {}
         for recipe in args.recipes:
             variants[f"{recipe} + monitor"] = measure(recipe, spec, {}, args.log_every)
@@ -59,10 +63,11 @@ def main() -> None:
         pairs = []
         for r in args.recipes:
             pairs += [(f"{r} + monitor", r, "<= 1.05"), (f"{r} + monitor + attribution", r, "opt-in, no target")]
-        print_table(
+        summaries.append(print_table(
             f"Lightning MixedPrecisionMonitor(log_every_n_steps={args.log_every}), MLP {args.depth}x{args.hidden}, "
             f"batch {args.batch_size}, {args.steps} steps, {threads} thread(s); mean step per fit", times, pairs,
-        )
+        ))
+    write_json(args.json, summaries)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from bench_transformer_model import GPTConfig, TinyGPT, lm_loss, token_batches  # noqa: E402
 from common import (  # noqa: E402
-    alternate, base_parser, fit_figures, machine_line, print_tables, with_controls, write_json,
+    alternate, base_parser, by_clock, fit_figures, machine_line, per_step, print_tables, with_controls, write_json,
 )
 from lightning_ext import MixedPrecision  # noqa: E402
 from lightning_ext.compare import state_bytes  # noqa: E402
@@ -194,12 +194,7 @@ def profile(cfg: GPTConfig, batches: list, threads: int) -> None:
         y.backward(grad16)
 
     fns = {"FP32 region (the default for an unknown module)": region_fp32, "bf16, as autocast runs it": region_bf16}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(31):
-        for label in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            t0 = time.perf_counter()
-            fns[label]()
-            times[label].append(time.perf_counter() - t0)
+    times = by_clock(alternate({label: per_step(fn, 1) for label, fn in fns.items()}, 31))["wall"]
     for label, ts in times.items():
         ts.sort()
         print(f"  {label:<50} {1000 * ts[15]:8.3f} ms  (quartiles {1000 * ts[8]:.3f}-{1000 * ts[23]:.3f})")

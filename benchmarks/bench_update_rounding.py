@@ -9,8 +9,9 @@ larger batches the forward/backward dilutes the difference).  Trains the
 same MLP on the same digits batches with AdamW (or SGD with
 momentum 0.9) under ``lightning_ext.MixedPrecision("bf16-master")``,
 ``("bf16-kahan")`` and ``("bf16-sr")``, alternating in one process (order
-reversed every other round), and prints median per-step times and the median
-per-round ratios kahan / master and sr / master, with the control ratio of
+reversed every other round), and prints, in wall and in CPU time, the step
+times (a fit's figure: its median timed window, ``common.fit_figures``) and the
+median per-round ratios kahan / master and sr / master, with the control ratio of
 bf16-master against a second copy of itself (the machine's noise), the CPU
 model and the model-state bytes per parameter each variant holds at the
 optimizer step (the estimator's figure beside it).  Keras (``keras_ext.master_optimizer``
@@ -25,8 +26,6 @@ No thresholds: figures only.
 from __future__ import annotations
 
 import os
-import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,24 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common import alternate, base_parser, print_table, thread_specs, with_controls  # noqa: E402
+from common import (  # noqa: E402
+    alternate, base_parser, fit_figures, machine_line, print_tables, thread_specs, with_controls, write_json,
+)
 from lightning_ext import MixedPrecision  # noqa: E402
 from lightning_ext.compare import fit_once  # noqa: E402
 from mp_callbacks.compare import RunSpec  # noqa: E402
 from mp_callbacks.master import estimate_memory  # noqa: E402
 
 RECIPES = ("bf16-master", "bf16-kahan", "bf16-sr")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def optimizer_factory(name: str):
@@ -63,12 +53,12 @@ def optimizer_factory(name: str):
 
 
 def measure(recipe: str, spec: RunSpec, optimizer, held: dict[str, float]):
-    def once() -> float:
+    def once() -> tuple[float, float]:
         plugin = MixedPrecision(recipe, "cpu")
         module, recorder = fit_once(plugin, spec, optimizer=optimizer)
         n = sum(p.numel() for p in module.parameters())
         held[recipe] = recorder.state_bytes / n
-        return statistics.median(recorder.timed())
+        return fit_figures(recorder.times, recorder.cpu_times)  # median timed window: wall, CPU time
     return once
 
 
@@ -83,7 +73,7 @@ def estimate(recipe: str, spec: RunSpec, optimizer_name: str) -> float:
 
 
 def keras_measure(recipe: str, spec: RunSpec, optimizer_name: str, held: dict[str, tuple[float, float]]):
-    """One Keras run of ``recipe`` -> median step seconds; records (held, estimated) bytes per parameter."""
+    """One Keras run of ``recipe`` -> (wall, CPU) seconds per step; records (held, estimated) bytes per parameter."""
     import keras
 
     from keras_ext import master_optimizer
@@ -95,7 +85,7 @@ def keras_measure(recipe: str, spec: RunSpec, optimizer_name: str, held: dict[st
             inner = keras.optimizers.SGD(learning_rate=spec.lr, momentum=0.9)
         return master_optimizer(inner, recipe)
 
-    def once() -> float:
+    def once() -> tuple[float, float]:
         model, opt, recorder = fit_once(recipe, spec, optimizer=wrap, record=False)
         tvs = model.trainable_variables
         storage = [(int(np.prod(v.shape)), keras.backend.standardize_dtype(v.dtype)) for v in tvs]
@@ -103,18 +93,19 @@ def keras_measure(recipe: str, spec: RunSpec, optimizer_name: str, held: dict[st
         kind = "adamw" if optimizer_name == "adamw" else "sgd-momentum"
         est = estimate_memory(get_recipe(recipe).master, kind, storage, fp32_master_grads=True).bytes_per_param
         held[recipe] = (state_bytes(model, opt) / n, est)
-        return statistics.median(recorder.timed())
+        return fit_figures(recorder.times, recorder.cpu_times)
     return once
 
 
-def keras_section(args, threads: int, spec: RunSpec) -> None:
+def keras_section(args, threads: int, spec: RunSpec) -> dict:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
 
+    print(machine_line(threads))
     held: dict[str, tuple[float, float]] = {}
     variants = {f"keras {r}": keras_measure(r, spec, args.optimizer, held) for r in RECIPES}
     times = alternate(with_controls(variants, ["keras bf16-master"]), args.rounds)
-    print_table(
+    data = print_tables(
         f"Keras ({keras.backend.backend()} backend, keras {keras.__version__}), MLP {args.depth}x{args.hidden}, "
         f"batch {args.batch_size}, {threads} thread(s), {args.optimizer}", times,
         [("keras bf16-kahan", "keras bf16-master", "none (measured)"),
@@ -123,6 +114,7 @@ def keras_section(args, threads: int, spec: RunSpec) -> None:
     for recipe in RECIPES:
         print(f"  {recipe:<12} model state at the optimizer step: {held[recipe][0]:.2f} B/param "
               f"(estimate {held[recipe][1]:.2f}; the output layer is FP32 by policy)")
+    return {"clocks": data, "held_estimated_bytes_per_param": held}
 
 
 def main() -> None:
@@ -131,15 +123,16 @@ def main() -> None:
     parser.add_argument("--frameworks", nargs="+", choices=["lightning", "keras"], default=["lightning", "keras"])
     args = parser.parse_args()
     optimizer = optimizer_factory(args.optimizer)
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}")
+    summaries = []
     for threads, spec in thread_specs(args):
         if "lightning" not in args.frameworks:
             continue
         torch.set_num_threads(threads)
+        print(machine_line(threads))
         held: dict[str, float] = {}
         variants = {f"ours {r}": measure(r, spec, optimizer, held) for r in RECIPES}
         times = alternate(with_controls(variants, ["ours bf16-master"]), args.rounds)
-        print_table(
+        data = print_tables(
             f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s), "
             f"{args.optimizer} (CPU default implementation)", times,
             [("ours bf16-kahan", "ours bf16-master", "none (measured)"),
@@ -148,11 +141,13 @@ def main() -> None:
         for recipe in RECIPES:
             print(f"  {recipe:<12} model state at the optimizer step: {held[recipe]:.2f} B/param "
                   f"(estimate {estimate(recipe, spec, args.optimizer):.2f}; every layer bf16 here)")
+        summaries.append({"clocks": data, "held_bytes_per_param": held})
     if "keras" in args.frameworks:
         threads, spec = next(iter(thread_specs(args)))
         if len(args.threads) > 1:
             print(f"\nKeras: {threads} thread(s) only (TensorFlow fixes its thread pools when it starts)")
-        keras_section(args, threads, spec)
+        summaries.append(keras_section(args, threads, spec))
+    write_json(args.json, summaries)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import time
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
@@ -27,6 +28,17 @@ def alternate(variants: Mapping[str, Callable[[], float]], rounds: int) -> dict[
         for name in (names if r % 2 == 0 else names[::-1]):
             times[name].append(variants[name]())
     return times
+
+
+def per_step(body: Callable[[], Any], steps: int) -> Callable[[], tuple[float, float]]:
+    """A variant for :func:`alternate` that runs ``body()`` ``steps`` times: its (wall, cpu) seconds per step
+    (see :data:`CLOCKS`)."""
+    def once() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            body()
+        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+    return once
 
 
 def ratio(times: Mapping[str, list[float]], ours: str, native: str) -> float:
