@@ -52,12 +52,13 @@ def optimizer_factory(name: str):
     return lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
-def measure(recipe: str, spec: RunSpec, optimizer, held: dict[str, float]):
+def measure(recipe: str, spec: RunSpec, optimizer, optimizer_name: str, held: dict[str, tuple[float, float]]):
+    """One Lightning run of ``recipe`` -> (wall, CPU) seconds per step; records (held, estimated) bytes per parameter."""
     def once() -> tuple[float, float]:
         plugin = MixedPrecision(recipe, "cpu")
         module, recorder = fit_once(plugin, spec, optimizer=optimizer)
         n = sum(p.numel() for p in module.parameters())
-        held[recipe] = recorder.state_bytes / n
+        held[recipe] = (recorder.state_bytes / n, estimate(recipe, spec, optimizer_name))
         return fit_figures(recorder.times, recorder.cpu_times)  # median timed window: wall, CPU time
     return once
 
@@ -97,6 +98,17 @@ def keras_measure(recipe: str, spec: RunSpec, optimizer_name: str, held: dict[st
     return once
 
 
+def section(title: str, prefix: str, variants: dict, rounds: int, held: dict[str, tuple[float, float]],
+            note: str) -> dict:
+    """Alternate ``{prefix} <recipe>`` (and a control of bf16-master), print both clocks' tables and the bytes held."""
+    times = alternate(with_controls(variants, [f"{prefix} bf16-master"]), rounds)
+    data = print_tables(title, times, [(f"{prefix} {r}", f"{prefix} bf16-master", "none (measured)")
+                                       for r in RECIPES if r != "bf16-master"])
+    for recipe, (got, est) in held.items():
+        print(f"  {recipe:<12} model state at the optimizer step: {got:.2f} B/param (estimate {est:.2f}; {note})")
+    return {"clocks": data, "held_estimated_bytes_per_param": held}
+
+
 def keras_section(args, threads: int, spec: RunSpec) -> dict:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -104,17 +116,9 @@ def keras_section(args, threads: int, spec: RunSpec) -> dict:
     print(machine_line(threads))
     held: dict[str, tuple[float, float]] = {}
     variants = {f"keras {r}": keras_measure(r, spec, args.optimizer, held) for r in RECIPES}
-    times = alternate(with_controls(variants, ["keras bf16-master"]), args.rounds)
-    data = print_tables(
-        f"Keras ({keras.backend.backend()} backend, keras {keras.__version__}), MLP {args.depth}x{args.hidden}, "
-        f"batch {args.batch_size}, {threads} thread(s), {args.optimizer}", times,
-        [("keras bf16-kahan", "keras bf16-master", "none (measured)"),
-         ("keras bf16-sr", "keras bf16-master", "none (measured)")],
-    )
-    for recipe in RECIPES:
-        print(f"  {recipe:<12} model state at the optimizer step: {held[recipe][0]:.2f} B/param "
-              f"(estimate {held[recipe][1]:.2f}; the output layer is FP32 by policy)")
-    return {"clocks": data, "held_estimated_bytes_per_param": held}
+    title = (f"Keras ({keras.backend.backend()} backend, keras {keras.__version__}), MLP {args.depth}x{args.hidden}, "
+             f"batch {args.batch_size}, {threads} thread(s), {args.optimizer}")
+    return section(title, "keras", variants, args.rounds, held, "the output layer is FP32 by policy")
 
 
 def main() -> None:
@@ -129,19 +133,11 @@ def main() -> None:
             continue
         torch.set_num_threads(threads)
         print(machine_line(threads))
-        held: dict[str, float] = {}
-        variants = {f"ours {r}": measure(r, spec, optimizer, held) for r in RECIPES}
-        times = alternate(with_controls(variants, ["ours bf16-master"]), args.rounds)
-        data = print_tables(
-            f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s), "
-            f"{args.optimizer} (CPU default implementation)", times,
-            [("ours bf16-kahan", "ours bf16-master", "none (measured)"),
-             ("ours bf16-sr", "ours bf16-master", "none (measured)")],
-        )
-        for recipe in RECIPES:
-            print(f"  {recipe:<12} model state at the optimizer step: {held[recipe]:.2f} B/param "
-                  f"(estimate {estimate(recipe, spec, args.optimizer):.2f}; every layer bf16 here)")
-        summaries.append({"clocks": data, "held_bytes_per_param": held})
+        held: dict[str, tuple[float, float]] = {}
+        variants = {f"ours {r}": measure(r, spec, optimizer, args.optimizer, held) for r in RECIPES}
+        title = (f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s), "
+                 f"{args.optimizer} (CPU default implementation)")
+        summaries.append(section(title, "ours", variants, args.rounds, held, "every layer bf16 here"))
     if "keras" in args.frameworks:
         threads, spec = next(iter(thread_specs(args)))
         if len(args.threads) > 1:
