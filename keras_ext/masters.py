@@ -13,11 +13,22 @@ low-precision variable.  Variables kept in FP32 are their own master.  In Keras:
 * :meth:`MasterWeights.targets` gives, for one step, what the inner optimizer
   updates and the gradients it gets (FP32 for a master);
 * :meth:`MasterWeights.write_back` rounds the masters into the variables.
+
+At the step the gradients stay in the storage dtype where the backend allows:
+on TensorFlow, when the inner optimizer hands each gradient untouched to its
+per-variable ``update_step`` (:func:`widens_in_update`), each one is widened to
+FP32 (and unscaled) inside its own variable's update, after the previous
+variable's update (a control dependency), so one FP32 gradient is live at a
+time: AdamW holds 2 + 2 + 4 + 8 = 16 B/param, the core's count with
+``fp32_master_grads=False``.  Otherwise (gradient clipping or accumulation, a
+custom update loop, several replicas, a monitor reading the unscaled gradients,
+other backends) the whole FP32 gradient list exists first: 18 B/param.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import keras
 from keras import ops
@@ -27,7 +38,7 @@ from mp_callbacks.scaler import ScalerConfig
 
 from .keras_ops import dtype_name, is_tf
 
-__all__ = ["LOW_PRECISION", "MasterWeights", "master_optimizer"]
+__all__ = ["LOW_PRECISION", "MasterWeights", "master_optimizer", "widened_in_update", "widens_in_update"]
 
 LOW_PRECISION = ("float16", "bfloat16")
 """Storage dtypes that get an FP32 master."""
@@ -55,28 +66,39 @@ class MasterWeights:
         """Create a master on ``optimizer`` for each low-precision variable; return what the inner
         optimizer is built on (the master, or the variable itself)."""
         self._masters = []
-        for v in var_list:
-            master = None
-            if self.enabled and dtype_name(v) in LOW_PRECISION:
-                # Initialized from the variable's value at creation time (an
-                # assign here would be lost when Keras builds inside a trace).
-                master = optimizer.add_variable(shape=v.shape, dtype="float32", initializer=_CopyOf(v),
-                                                aggregation="none", name=f"{_label(v)}_master")
-            self._masters.append(master)
+        with _outside_trace():
+            for v in var_list:
+                master = None
+                if self.enabled and dtype_name(v) in LOW_PRECISION:
+                    # Initialized from the variable's value at creation time (an
+                    # assign here would be lost when Keras builds inside a trace).
+                    master = optimizer.add_variable(shape=v.shape, dtype="float32", initializer=_CopyOf(v),
+                                                    aggregation="none", name=f"{_label(v)}_master")
+                self._masters.append(master)
         return [v if m is None else m for v, m in zip(var_list, self._masters)]
 
     def master_of(self, variable: Any, index: Callable[[Any], int]) -> Any:
         """The master of ``variable`` (None when it is its own); ``index`` is the optimizer's variable index."""
         return self._masters[index(variable)] if self.enabled else None
 
-    def targets(self, grads: Sequence[Any], tvs: Sequence[Any],
-                index: Callable[[Any], int]) -> tuple[list[Any], list[Any]]:
+    def targets(self, grads: Sequence[Any], tvs: Sequence[Any], index: Callable[[Any], int],
+                widen: bool = True) -> tuple[list[Any], list[Any]]:
         """``(grads, targets)`` for the inner optimizer: a variable with a master is updated on the
-        master, with its gradient in FP32."""
+        master, with its gradient in FP32 (``widen=False``: as given, :func:`widened_in_update` widens it)."""
         masters = [self.master_of(v, index) for v in tvs]
         targets = [v if m is None else m for v, m in zip(tvs, masters)]
-        grads = [g if g is None or t is v else ops.cast(g, "float32") for g, t, v in zip(grads, targets, tvs)]
-        return grads, targets
+        if widen:
+            grads = [g if g is None or t is v else ops.cast(g, "float32") for g, t, v in zip(grads, targets, tvs)]
+        return list(grads), targets
+
+    def widens_in_update(self, optimizer: keras.optimizers.Optimizer) -> bool:
+        """Whether the step may hand ``optimizer`` the low-precision gradients for
+        :func:`widened_in_update`: masters kept, :func:`widens_in_update`, one replica."""
+        if not self.enabled or not widens_in_update(optimizer):
+            return False
+        import tensorflow as tf
+
+        return tf.distribute.get_strategy().num_replicas_in_sync == 1
 
     def write_back(self, tvs: Sequence[Any], index: Callable[[Any], int]) -> None:
         """Round the FP32 masters into the low-precision variables."""
@@ -86,6 +108,46 @@ class MasterWeights:
             master = self.master_of(v, index)
             if master is not None:
                 v.assign(ops.cast(master, v.dtype))
+
+
+def widens_in_update(optimizer: keras.optimizers.Optimizer) -> bool:
+    """Whether :func:`widened_in_update` applies to ``optimizer``: the TensorFlow backend, and Keras'
+    own TF update loop hands each gradient untouched to ``update_step`` (no clipping, gradient
+    accumulation or ``loss_scale_factor``; ``_backend_update_step`` not overridden)."""
+    if not is_tf():
+        return False
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    kind = type(optimizer)
+    return (isinstance(optimizer, TFOptimizer)
+            and kind._backend_update_step is TFOptimizer._backend_update_step
+            and kind._distributed_tf_update_step is TFOptimizer._distributed_tf_update_step
+            and not (optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue)
+            and not optimizer.gradient_accumulation_steps and optimizer.loss_scale_factor is None)
+
+
+@contextlib.contextmanager
+def widened_in_update(optimizer: keras.optimizers.Optimizer, widen: Callable[[Any], Any]) -> Iterator[None]:
+    """Within the block (TensorFlow), each gradient reaching ``optimizer.update_step`` is first
+    ``widen``-ed (cast to FP32, unscaled), after the previous variable's update has run: one FP32
+    gradient is live at a time.  The update itself is the optimizer's own ``update_step``."""
+    import tensorflow as tf
+
+    original = optimizer.update_step
+    previous: list[Any] = []
+
+    def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        with tf.control_dependencies(previous):
+            gradient = widen(gradient)
+        result = original(gradient, variable, learning_rate)
+        previous[:] = [tf.identity(variable)]  # read after the update's writes (automatic control deps)
+        return result
+
+    optimizer.update_step = update_step  # instance attribute: shadows the method for this call
+    try:
+        yield
+    finally:
+        del optimizer.update_step
 
 
 class _CopyOf(keras.initializers.Initializer):
@@ -105,6 +167,17 @@ class _CopyOf(keras.initializers.Initializer):
     def _read(self, dtype: Any) -> Any:
         value = ops.convert_to_tensor(self.source.value if hasattr(self.source, "value") else self.source)
         return ops.cast(value, dtype or "float32")
+
+
+def _outside_trace() -> Any:
+    """TF: ``tf.init_scope()``: the masters are created eagerly even when Keras builds the optimizer
+    inside the traced first step (a master created in the trace from an eager initial value leaves
+    that FP32 value captured by the traced function: 4 B/param held for the run)."""
+    if not is_tf():
+        return contextlib.nullcontext()
+    import tensorflow as tf
+
+    return tf.init_scope()
 
 
 def _label(v: Any) -> str:

@@ -2,9 +2,10 @@
 
 The Keras twin of the Lightning monitor's memory report: the bytes are counted
 from the variables that exist (Keras keeps no gradients between steps, so they
-are counted as they are made: FP32 for a variable with a master, the
-variable's dtype otherwise); the estimate and the report's layout are the
-core's :func:`mp_callbacks.master.memory_report`.
+are counted as the step holds them: the variable's dtype, or FP32 for a variable
+with a master when the optimizer widens the whole list first,
+:attr:`~keras_ext.LossScaleOptimizer.fp32_master_grads`); the estimate and the
+report's layout are the core's :func:`mp_callbacks.master.memory_report`.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def memory_report(model: keras.Model, opt: Any) -> dict[str, Any]:
     numel = [int(np.prod(v.shape, dtype=np.int64)) for v in tvs]
     sizes = [nbytes(v) for v in tvs]
     inner = opt.inner_optimizer
+    wide = opt.fp32_master_grads
     comps = opt.update_rounding.compensation_variables if opt.update_rounding is not None and opt.built else []
     actual = MemoryEstimate(
         params=sum(numel), weights=sum(sizes),
-        grads=sum(n * 4 if m is not None else b for n, b, m in zip(numel, sizes, masters)),
+        grads=sum(n * 4 if m is not None and wide else b for n, b, m in zip(numel, sizes, masters)),
         masters=sum(nbytes(m) for m in masters if m is not None),
         optimizer_state=sum(nbytes(v) for v in inner.variables if is_optimizer_state(v.shape)),
         compensation=sum(nbytes(c) for c in comps if c is not None))
@@ -62,4 +64,4 @@ def memory_report(model: keras.Model, opt: Any) -> dict[str, Any]:
         layers = list(fp8_layers(model))
         fp8_estimate = fp8_state_bytes(fp8_recipe_of(layers[0][1]), len(layers), "keras") if layers else 0
     return core_memory_report(opt.recipe.name, opt.recipe.master, [(type(inner).__name__, momentum, storage)],
-                              actual, fp8_state=fp8_estimate)
+                              actual, fp8_state=fp8_estimate, fp32_master_grads=wide)

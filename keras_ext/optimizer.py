@@ -27,6 +27,7 @@ decision comes from the core:
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -43,7 +44,7 @@ from .distribute import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
 from .jax_support import refuse_monitor_on_jax, run_if, stateless_apply
 from .keras_ops import is_tf
-from .masters import master_optimizer  # re-exported: the optimizer a recipe asks for
+from .masters import MasterWeights, master_optimizer, widened_in_update  # master_optimizer: re-exported
 from .policy import coerce_recipe, optimizer_recipe
 from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
 from .update_rounding import UpdateRounding, weight_store
@@ -304,10 +305,19 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         return [g if g is None or unscaled_already or self._overwrite_variable_with_gradient(v) else unscale(g, scale)
                 for g, v in zip(grads, tvs)]
 
-    def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any]) -> None:
-        """The inner optimizer's update (on the masters, or the rounding's FP32 working values)."""
-        grads, tvs = self._masters.targets(grads, tvs, self._get_variable_index)
-        self.inner_optimizer.apply(grads, tvs)
+    @property
+    def fp32_master_grads(self) -> bool:
+        """True when the step holds every master's FP32 gradient at once (AdamW 18 B/param); False when each is
+        widened inside its own update (16, :mod:`keras_ext.masters`; not while a monitor reads them all)."""
+        late = type(self._masters) is MasterWeights and self.monitor is None
+        return self.master_weights and not (late and self._masters.widens_in_update(self.inner_optimizer))
+
+    def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any], widen: Callable[[Any], Any] | None = None) -> None:
+        """The inner optimizer's update (on the masters, or the rounding's FP32 working values);
+        ``widen``: each gradient is widened inside its own variable's update (:func:`widened_in_update`)."""
+        grads, tvs = self._masters.targets(grads, tvs, self._get_variable_index, widen=widen is None)
+        with contextlib.nullcontext() if widen is None else widened_in_update(self.inner_optimizer, widen):
+            self.inner_optimizer.apply(grads, tvs)
 
     def _step(self, found_inf: Any, loss_finite: Any, unscaled: list[Any], tvs: list[Any],
               apply_inner: Callable[[], None]) -> Any:
@@ -348,13 +358,16 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
             total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(
                 tf.stack([found_inf, tf.logical_not(loss_finite)]), tf.float32))
             found_inf, loss_finite = tf.greater(total[0], 0.0), tf.equal(total[1], 0.0)
-        unscaled = self._unscaled(grads, tvs, unscaled_already)
+        late = not unscaled_already and self.master_weights and not self.fp32_master_grads  # widened in the update
+        unscaled = grads if late else self._unscaled(grads, tvs, unscaled_already)
+        scale = ops.convert_to_tensor(self._scaler.variable("scale")) if late else None
+        widen = functools.partial(unscale, scale=scale) if late else None
 
         def cross_replica(distribution, found_inf, loss_finite, unscaled, tvs):
             found, finite = (distribution.experimental_local_results(t)[0] for t in (found_inf, loss_finite))
             def apply_inner() -> None:
                 with inner_reduction_off(self.inner_optimizer) if reduced else contextlib.nullcontext():
-                    distribution.extended.call_for_each_replica(self._apply_inner, args=(unscaled, tvs))
+                    distribution.extended.call_for_each_replica(self._apply_inner, args=(unscaled, tvs, widen))
 
             scale_used = self._step(found, finite, unscaled, tvs, apply_inner)
             if distribution.num_replicas_in_sync == 1:  # the monitor's device record is per replica

@@ -17,7 +17,9 @@ That count keeps gradients in the storage dtype.  Framework optimizers need
 the gradient in the dtype of the tensor they update, so at the optimizer step
 both adapters hold the gradient as FP32 on the master (the low-precision
 gradient is released first): ``fp32_master_grads=True`` counts that, 18
-B/param for AdamW under ``bf16-master``.  Nothing reads the low-precision
+B/param for AdamW under ``bf16-master``.  Keras on TensorFlow instead widens
+each gradient inside its own variable's update, one at a time (16 B/param,
+``fp32_master_grads=False``; that FP32 gradient is a per-parameter temporary).  Nothing reads the low-precision
 weights during the step (they are rebuilt from the masters after it), so an
 adapter may release them for its duration (the Lightning plugin does):
 ``weights_released=True`` counts them as 0 at the step, 4 + 4 + 4 + 4 = 16
@@ -287,14 +289,16 @@ def is_optimizer_state(shape: Iterable[int]) -> bool:
 def memory_report(
     recipe: str, plan: MasterPlan, optimizers: Iterable[tuple[str, float, Iterable[tuple[int, str]]]],
     actual: MemoryEstimate, weights_released: bool = False, n_shards: int | None = None, fp8_state: int = 0,
+    fp32_master_grads: bool = True,
 ) -> dict[str, Any]:
     """What both monitors report: bytes of model state held, next to :func:`estimate_memory`.
 
     ``optimizers``: one ``(class name, momentum, [(numel, storage dtype) of its
     parameters])`` per optimizer.  ``actual``: what the adapter measured
     (``optimizer_state`` per :func:`is_optimizer_state`).  The estimate is taken
-    at the optimizer step (``fp32_master_grads=True``, ``weights_released`` as
-    the adapter does) and is None when an optimizer is unknown to the core.
+    at the optimizer step (``fp32_master_grads`` and ``weights_released`` as
+    the adapter does: Keras on TensorFlow widens each gradient inside its own
+    update, ``fp32_master_grads=False``) and is None when an optimizer is unknown to the core.
     ``n_shards``: sharded training, one rank's share (:func:`estimate_memory`).
     ``fp8_state``: the FP8 scaling state's bytes (``fp8-mixed``), added once to the estimate.
 
@@ -312,7 +316,8 @@ def memory_report(
             continue
         names.append(kind)
         part = (estimate_memory(plan, kind, list(params), n_shards=n_shards) if n_shards is not None else
-                estimate_memory(plan, kind, list(params), fp32_master_grads=True, weights_released=weights_released))
+                estimate_memory(plan, kind, list(params), fp32_master_grads=fp32_master_grads,
+                                weights_released=weights_released))
         estimate = part if estimate is None else estimate + part
     if estimate is not None and fp8_state:
         estimate = replace(estimate, fp8_state=int(fp8_state))

@@ -112,3 +112,75 @@ def test_master_weights_only_for_low_precision_variables_and_write_back_rounds()
     assert off.variables == [None, None]
     with pytest.raises(TypeError, match="master_weights must be True or False"):
         MasterWeights("yes")
+
+
+def _bf16_master_run(fp32_list, steps=4, **inner_kwargs):
+    """Dense + LayerNorm (FP32) + Dense under bf16-master with loss scaling on; ``fp32_list``: the step
+    widens the whole gradient list first (the path taken with a monitor attached) instead of each
+    gradient inside its own update."""
+    keras.utils.set_random_seed(0)
+    keras_ext.set_global_policy("bf16-master")
+    model = keras_ext.apply_policy(keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8), keras.layers.LayerNormalization(), keras.layers.Dense(3)]))
+    opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2, **inner_kwargs), "bf16-master", scaler="keras")
+    if fp32_list:
+        opt._masters.widens_in_update = lambda optimizer: False
+    model.compile(opt, "mse", jit_compile=False)
+    x = np.random.default_rng(1).normal(size=(4 * steps, 6)).astype("float32")
+    model.fit(x, x[:, :3] * 0.5, batch_size=4, shuffle=False, verbose=0)
+    return model, opt
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="per-variable widening: TensorFlow backend")
+def test_gradients_widened_in_their_own_update_match_the_fp32_list_bit_for_bit():
+    late_model, late = _bf16_master_run(fp32_list=False)
+    list_model, listed = _bf16_master_run(fp32_list=True)
+    assert late.fp32_master_grads is False and listed.fp32_master_grads is True
+    assert late.current_scale == listed.current_scale and late.steps == listed.steps == 4
+    for a, b in zip([*late_model.weights, *late.variables], [*list_model.weights, *listed.variables]):
+        np.testing.assert_array_equal(ops.convert_to_numpy(ops.cast(a, "float32")),
+                                      ops.convert_to_numpy(ops.cast(b, "float32")), err_msg=a.path)
+    clipped = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2, clipnorm=1.0), "bf16-master")
+    assert clipped.fp32_master_grads  # clipping reads the whole list: it is widened first
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="per-variable widening: TensorFlow backend")
+def test_memory_report_counts_low_precision_gradients_when_widened_in_the_update():
+    from keras_ext.memory import memory_report
+    from mp_callbacks.master import estimate_memory
+    from mp_callbacks.recipes import get_recipe
+
+    model, opt = _bf16_master_run(fp32_list=False, steps=1)
+    report = memory_report(model, opt)
+    storage = [(int(np.prod(v.shape)), v.dtype) for v in model.trainable_variables]
+    plan = get_recipe("bf16-master").master
+    assert report["estimate"] == estimate_memory(plan, "adamw", storage, fp32_master_grads=False).to_dict()
+    assert report["actual"]["grads"] == sum(n * (2 if d == "bfloat16" else 4) for n, d in storage)
+    assert report["actual"]["total"] == report["estimate"]["total"]
+    assert estimate_memory(plan, "adamw", 1, fp32_master_grads=False).bytes_per_param == 16.0  # the core's count
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's BFC allocator")
+def test_bf16_master_memory_measured_by_the_allocator_matches_the_estimate():
+    """Measured (TF's BFC allocator, a subprocess): between steps the weights, masters and states only
+    (masters built inside the traced first step leave no FP32 initial value behind), and the peak
+    during a step below what the whole FP32 gradient list would take (the core's fp32_master_grads)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mp_callbacks.master import estimate_memory
+    from mp_callbacks.recipes import get_recipe
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tests.keras.helpers.master_memory", "256", "16", "late"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    n, plan = got["params"], get_recipe("bf16-master").master
+    assert not got["fp32_master_grads"] and got["actual"] == got["estimate"]
+    assert got["between"] <= got["held"] < got["between"] + n  # (an FP32 copy left behind: + 4 n)
+    wide = estimate_memory(plan, "adam", [(n - 256, "bfloat16"), (256, "float32")], fp32_master_grads=True).total
+    assert got["estimate"] <= got["peak"] < wide

@@ -1,0 +1,53 @@
+"""Run in a subprocess: bytes a bf16-master Keras model holds between steps and at its peak during a step,
+measured by TensorFlow's BFC allocator on the CPU (``TF_CPU_ALLOCATOR_USE_BFC``, set before TF loads).
+
+Prints one JSON line: ``params``, ``held`` (after the third step), ``peak`` (during the fourth), the core's
+estimate at the step (``estimate``, with the optimizer's own ``fp32_master_grads``), the bytes kept
+between steps (``between``: weights, masters, optimizer state), the largest variable's size.
+"""
+
+import os
+
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_ext  # noqa: E402
+from keras_ext.memory import memory_report  # noqa: E402
+
+
+def main(width: int, depth: int, fp32_list: bool) -> None:
+    keras.utils.set_random_seed(0)
+    keras_ext.set_global_policy("bf16-master")
+    x = inp = keras.Input((width,))
+    for _ in range(depth):
+        x = keras.layers.Dense(width, use_bias=False)(x)
+    model = keras.Model(inp, keras.layers.Dense(1, use_bias=False, dtype="float32")(x))
+    opt = keras_ext.master_optimizer(keras.optimizers.Adam(1e-3), "bf16-master")
+    if fp32_list:  # the whole FP32 gradient list first (what the step does with a monitor attached)
+        opt._masters.widens_in_update = lambda optimizer: False
+    model.compile(opt, "mse", jit_compile=False)
+    xb, yb = np.ones((4, width), "float32"), np.zeros((4, 1), "float32")
+    for _ in range(3):  # the optimizer is built inside the first traced step, as in model.fit
+        model.train_on_batch(xb, yb)
+    held = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    model.train_on_batch(xb, yb)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    report = memory_report(model, opt)
+    est = report["estimate"]
+    print(json.dumps({"params": est["params"], "held": held, "peak": peak, "estimate": est["total"],
+                      "between": est["weights"] + est["masters"] + est["optimizer_state"],
+                      "fp32_master_grads": opt.fp32_master_grads, "actual": report["actual"]["total"],
+                      "largest": max(int(np.prod(v.shape)) for v in model.trainable_variables)}))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "fp32-list")
