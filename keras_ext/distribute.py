@@ -18,14 +18,21 @@ reduces them itself instead, before its finite check:
 float32 (the default) changes nothing: Keras' own reduction runs.  Only the
 TensorFlow backend reduces in the optimizer; on JAX the gradients of a
 ``keras.distribution`` data-parallel step are reduced by XLA's partitioner.
+
+:func:`multi_worker_fit` lets ``model.fit`` run under ``MultiWorkerMirroredStrategy`` with more than
+one worker (Keras 3 fails there before the first step, with any optimizer: keras-team/keras#20585).
+:class:`CommCounter` counts what is handed to the all-reduce (gradients, on either path, and the flags).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator, Sequence
 
-__all__ = ["reduce_gradients", "inner_reduction_off", "reduces_itself"]
+from mp_callbacks.dtypes import dtype_bytes
+
+__all__ = ["reduce_gradients", "inner_reduction_off", "reduces_itself", "multi_worker_fit", "CommCounter"]
 
 
 def reduces_itself(comm_dtype: str, ctx: Any) -> bool:
@@ -42,13 +49,14 @@ def reduce_gradients(ctx: Any, grads: Sequence[Any], comm_dtype: str) -> list[An
     dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
     sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
     out = list(grads)
-    if dense:
-        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [tf.cast(grads[i], comm_dtype) for i in dense])
-        for i, r in zip(dense, reduced):
-            out[i] = tf.cast(r, "float32")
-    if sparse:
-        for i, r in zip(sparse, ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in sparse])):
-            out[i] = r
+    with _reducing("gradients"):
+        if dense:
+            reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [tf.cast(grads[i], comm_dtype) for i in dense])
+            for i, r in zip(dense, reduced):
+                out[i] = tf.cast(r, "float32")
+        if sparse:
+            for i, r in zip(sparse, ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in sparse])):
+                out[i] = r
     return out
 
 
@@ -61,3 +69,148 @@ def inner_reduction_off(optimizer: Any) -> Iterator[None]:
         yield
     finally:
         del optimizer._all_reduce_sum_gradients
+
+
+def multi_worker_fit(model: Any) -> Any:
+    """Make ``model.fit`` work under ``MultiWorkerMirroredStrategy`` with several workers.
+
+    Keras 3 (any optimizer; keras-team/keras#20585) fails there twice before training:
+
+    * it builds the compile state from the first batch, reduced first with
+      ``strategy.reduce(MEAN, batch)``, which raises for an ``(x, y)`` tuple of per-replica values:
+      on ``model`` the build reads this worker's first replica's batch instead (only its shapes and
+      dtypes matter);
+    * it reduces each step's logs with ``strategy.reduce(MEAN, v, axis=0)``, which raises for
+      scalars: ``model.train_step``/``test_step`` return each scalar log as shape ``(1,)``, so that
+      reduction is the mean over replicas (what Keras logs under ``MirroredStrategy``).
+
+    Instance attributes only, nothing global.  Returns ``model``; a no-op unless ``model`` was built
+    under a ``MultiWorkerMirroredStrategy`` of several workers (and Keras has that build step)."""
+    import tensorflow as tf
+
+    original = getattr(type(model), "_maybe_symbolic_build", None)
+    strategy = getattr(model, "_distribute_strategy", None)
+    if original is None or not (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+                                and strategy.extended._in_multi_worker_mode()):
+        return model
+
+    def build(iterator: Any = None, data_batch: Any = None) -> Any:
+        from keras import tree
+
+        if iterator is None:
+            return original(model, iterator=iterator, data_batch=data_batch)
+        for _, _, it in iterator:  # Keras' TF epoch iterator: (begin, end, iterator) per epoch chunk
+            first = next(it)
+            break
+        else:
+            return None
+        local = tree.map_structure(lambda v: strategy.experimental_local_results(v)[0]
+                                   if isinstance(v, tf.distribute.DistributedValues) else v, first)
+        with strategy.scope():
+            model._symbolic_build(data_batch=local)
+        return None
+
+    model._maybe_symbolic_build = build  # instance attributes: shadow the methods for this model only
+    model.train_step = _logs_as_vectors(model.train_step)
+    model.test_step = _logs_as_vectors(model.test_step)
+    return model
+
+
+def _logs_as_vectors(step: Any) -> Any:
+    """``step`` with each scalar output reshaped to ``(1,)`` (Keras reduces logs along axis 0)."""
+
+    def vector_step(data: Any) -> Any:
+        from keras import ops, tree
+
+        return tree.map_structure(lambda v: ops.reshape(v, (1,)) if len(getattr(v, "shape", (0,))) == 0 else v,
+                                  step(data))
+
+    return vector_step
+
+
+_COUNTERS: list["CommCounter"] = []
+_ORIGINALS: dict[str, Any] = {}
+_LOCAL = threading.local()  # per thread (MirroredStrategy runs each replica in a thread of its own)
+
+
+def _kinds() -> list[str]:
+    """What this thread's all-reduce calls carry now ("gradients" inside a gradient reduction)."""
+    if not hasattr(_LOCAL, "kinds"):
+        _LOCAL.kinds = []
+    return _LOCAL.kinds
+
+
+@contextlib.contextmanager
+def _reducing(kind: str) -> Iterator[None]:
+    _kinds().append(kind)
+    try:
+        yield
+    finally:
+        _kinds().pop()
+
+
+class CommCounter:
+    """Within ``with CommCounter() as c:``, every replica-context ``all_reduce`` call is recorded when it
+    is traced (one trace of a train step = the calls of one step, per local replica): per call its
+    kind, ``"gradients"`` (:func:`reduce_gradients`, or Keras' own ``_all_reduce_sum_gradients`` under
+    FP32 communication) or ``"other"`` (the overflow/non-finite-loss flags), and the dtype and element
+    count of each value.  Counted, not estimated; TensorFlow backend only."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[tuple[str, int]]]] = []
+
+    def __enter__(self) -> "CommCounter":
+        if not _COUNTERS:
+            _install()
+        _COUNTERS.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _COUNTERS.remove(self)
+        if not _COUNTERS:
+            _uninstall()
+
+    def bytes_of(self, kind: str = "gradients") -> list[int]:
+        """Bytes handed to each recorded call of ``kind``, in order."""
+        return [sum(n * dtype_bytes(dt) for dt, n in values) for k, values in self.calls if k == kind]
+
+    def by_dtype(self, kind: str = "gradients") -> dict[str, int]:
+        """Elements per dtype over the recorded calls of ``kind``."""
+        out: dict[str, int] = {}
+        for k, values in self.calls:
+            for dt, n in values if k == kind else ():
+                out[dt] = out.get(dt, 0) + n
+        return out
+
+
+def _install() -> None:
+    import numpy as np
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from tensorflow.python.distribute import distribute_lib
+
+    base = distribute_lib.ReplicaContextBase
+    all_reduce = _ORIGINALS["all_reduce"] = base.all_reduce
+    sum_grads = _ORIGINALS["sum_grads"] = TFOptimizer._all_reduce_sum_gradients
+
+    def counted_all_reduce(ctx: Any, reduce_op: Any, value: Any, options: Any = None) -> Any:
+        flat = [getattr(t, "values", t) for t in tf.nest.flatten(value, expand_composites=False)]
+        record = [(t.dtype.name, int(np.prod(t.shape))) for t in flat]
+        for counter in _COUNTERS:
+            counter.calls.append((_kinds()[-1] if _kinds() else "other", record))
+        return all_reduce(ctx, reduce_op, value, options)
+
+    def counted_sum_grads(self: Any, grads_and_vars: Any) -> Any:
+        with _reducing("gradients"):
+            return sum_grads(self, grads_and_vars)
+
+    base.all_reduce = counted_all_reduce
+    TFOptimizer._all_reduce_sum_gradients = counted_sum_grads
+
+
+def _uninstall() -> None:
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from tensorflow.python.distribute import distribute_lib
+
+    distribute_lib.ReplicaContextBase.all_reduce = _ORIGINALS.pop("all_reduce")
+    TFOptimizer._all_reduce_sum_gradients = _ORIGINALS.pop("sum_grads")

@@ -2,7 +2,9 @@
 processes, one launch): an inf in worker 1's batch only makes both workers skip; weights, Adam slots and
 the scale stay equal across workers and equal the one-process run on the summed gradients; a run saved
 to ``.keras`` and resumed equals the uninterrupted one; ``comm_dtype="bfloat16"`` all-reduces bf16
-gradients between the workers, and a float16 reduction that overflows skips the step on both.  The worker: tests/keras/helpers/multiworker.py."""
+gradients between the workers, and a float16 reduction that overflows skips the step on both; ``model.fit``
+(with ``keras_ext.distribute.multi_worker_fit``) behaves as the custom loop.
+The worker: tests/keras/helpers/multiworker.py."""
 
 import json
 import os
@@ -42,7 +44,7 @@ def workers(tmp_path_factory):
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=180)[0])
+            logs.append(p.communicate(timeout=420)[0])  # generous: the machine may be shared
     finally:
         for p in procs:
             if p.poll() is None:
@@ -107,3 +109,21 @@ def test_fp16_reduction_that_overflows_skips_on_both_workers(workers):
     assert fp32["skipped"] == 2 and fp32["scales"][:3] == [32768.0, 16384.0, 16384.0]
     assert fp16["skipped"] == fp16["overflows"] == 3 and fp16["scales"][:3] == [32768.0, 16384.0, 8192.0]
     assert np.all(np.isfinite(np.concatenate([np.ravel(w) for w in fp16["weights"]])))
+
+
+def test_model_fit_one_worker_overflow_makes_both_workers_skip(workers):
+    """``model.fit`` (Keras' own train step) under the strategy, per-worker batches, an inf in worker 0's
+    batch only: both workers skip those steps and end equal, bit for bit, to each other and to one
+    process applying the sum of both workers' gradients."""
+    w0, w1 = workers
+    fit = w0["fit"]
+    assert fit["scales"] == [32768.0, 16384.0, 16384.0, 32768.0, 16384.0, 16384.0]
+    assert fit["skipped"] == fit["overflows"] == 2 and fit["steps"] == 6 and fit["iterations"] == 4
+    assert np.all(np.isfinite(np.concatenate([np.ravel(w) for w in fit["weights"]])))
+    _assert_same_state(fit, w1["fit"])
+    _assert_same_state(fit, w0["reference_fit"])
+    # FP32 communication: Keras' own gradient all-reduce, counted by keras_ext.distribute.CommCounter
+    numels = [3 * 2, 2, 2 * 1, 1]
+    assert fit["comm"]["gradients"] == [[["float32", n] for n in numels]]
+    assert fit["grad_bytes"] == [allreduce_bytes(numels, "float32")]
+    assert fit["comm"]["other"] == [[["float32", 2]]]  # the overflow and non-finite-loss flags

@@ -12,7 +12,10 @@ its own batches; only worker 1's batch holds an inf at ``BAD_STEPS``.  It writes
 * ``comm_bf16``: the run again with ``comm_dtype="bfloat16"`` and the dtypes/bytes each step hands to
   the cross-worker all-reduce (counted at trace time, one trace = one step);
 * ``comm_fp16_big`` / ``reference_big``: at ``BIG_STEP`` worker 0's gradients are finite in FP32 but
-  overflow float16: with ``comm_dtype="float16"`` the reduced gradients are inf, both workers skip.
+  overflow float16: with ``comm_dtype="float16"`` the reduced gradients are inf, both workers skip;
+* ``fit`` / ``reference_fit``: ``model.fit`` (``keras_ext.distribute.multi_worker_fit``) on the same
+  batches with the inf in worker 0's batch instead, and what ``keras_ext.distribute.CommCounter`` counted;
+  the one-process run on the summed gradients of those batches.
 """
 
 import json
@@ -30,6 +33,7 @@ STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TF op
 import keras  # noqa: E402
 
 import keras_ext  # noqa: E402
+from keras_ext.distribute import CommCounter, multi_worker_fit  # noqa: E402
 from mp_callbacks import get_recipe  # noqa: E402
 from tests.keras.helpers.comm_count import ReduceCounter  # noqa: E402
 
@@ -40,11 +44,11 @@ BIG_STEP = 2  # big=True: worker 0's gradients are finite in FP32 but beyond flo
 WORKERS = 2
 
 
-def batch(step, worker, big=False):
+def batch(step, worker, big=False, bad_worker=1):
     rng = np.random.default_rng(100 * step + worker)
     x = rng.normal(size=(4, 3)).astype("float32") * (300.0 if big and worker == 0 and step == BIG_STEP else 1.0)
     y = x.sum(axis=1, keepdims=True).astype("float32")
-    if worker == 1 and step in BAD_STEPS:
+    if worker == bad_worker and step in BAD_STEPS:
         x[0, 0] = np.inf
     return x, y
 
@@ -122,7 +126,38 @@ def distributed(worker, out_dir):
     return out
 
 
-def reference(big=False):
+class Scales(keras.callbacks.Callback):
+    """The scale after each step of ``model.fit``."""
+
+    def __init__(self, scales):
+        super().__init__()
+        self.scales = scales
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.scales.append(self.model.optimizer.current_scale)
+
+
+def fit_run(worker):
+    """``model.fit`` under the strategy on per-worker batches (``distribute_datasets_from_function``:
+    worker i reads ``batch(step, i)``); the inf is in worker 0's batch this time."""
+    with STRATEGY.scope():
+        model, opt = build()
+    multi_worker_fit(model)  # Keras 3's fit fails under MultiWorkerMirroredStrategy without it
+
+    def dataset_fn(ctx):
+        xs, ys = zip(*(batch(s, ctx.input_pipeline_id, bad_worker=0) for s in range(STEPS)))
+        return tf.data.Dataset.from_tensor_slices((np.stack(xs), np.stack(ys)))  # one element = one batch of 4
+
+    scales = []
+    with CommCounter() as counter:  # what the (one) traced step hands to the all-reduce
+        model.fit(STRATEGY.distribute_datasets_from_function(dataset_fn), epochs=1, steps_per_epoch=STEPS,
+                  verbose=0, callbacks=[Scales(scales)])
+    comm = {kind: [[list(v) for v in values] for k, values in counter.calls if k == kind]
+            for kind in ("gradients", "other")}
+    return dict(state(model, opt), scales=scales, comm=comm, grad_bytes=counter.bytes_of("gradients"))
+
+
+def reference(big=False, bad_worker=1):
     model, opt = build()
     scales = []
     variables = model.trainable_variables
@@ -134,7 +169,7 @@ def reference(big=False):
         return tape.gradient(scaled, variables)
 
     for s in range(STEPS):
-        per_worker = [grads_of(*map(tf.constant, batch(s, w, big))) for w in range(WORKERS)]
+        per_worker = [grads_of(*map(tf.constant, batch(s, w, big, bad_worker))) for w in range(WORKERS)]
         opt.apply([a + b for a, b in zip(*per_worker)], variables)
         scales.append(opt.current_scale)
     return dict(state(model, opt), scales=scales)
@@ -144,6 +179,8 @@ if __name__ == "__main__":
     out_dir = sys.argv[1]
     worker = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     result = distributed(worker, out_dir)
+    result["fit"] = fit_run(worker)
+    result["reference_fit"] = reference(bad_worker=0)
     result["reference"] = reference()
     result["reference_big"] = reference(big=True)
     result["replicas"] = STRATEGY.num_replicas_in_sync
