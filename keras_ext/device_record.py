@@ -11,7 +11,7 @@ position.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable, Optional
 
 import keras
 import numpy as np
@@ -19,10 +19,23 @@ from keras import ops
 
 from mp_callbacks.monitor import PackedLayout
 
+from .fp8 import is_fp8_variable
+from .jax_support import cond
+from .keras_meters import grad_norm, underflow_counts
+
 __all__ = ["COUNTERS", "DeviceRecord"]
 
 COUNTERS = ("overflows", "skipped", "growths")
 """The scaler counters an overflow row and a read carry, in this order."""
+
+
+def record_dtype() -> str:
+    """float64; float32 on JAX without ``jax_enable_x64`` (steps and counts exact below 2**24)."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return "float64" if jax.config.jax_enable_x64 else "float32"
+    return "float64"
 
 
 def _slots(*names: str) -> PackedLayout:
@@ -37,15 +50,19 @@ class DeviceRecord:
     * ``count``: rows written so far; ``request``: 1 asks the next step for the meters.
 
     A plain object (never saved with the optimizer); the variables are created
-    in ``strategy``'s scope when one is given.
+    in ``strategy``'s scope when one is given.  Every write follows the step's
+    ``cond`` (branches return values), so the same code runs under
+    ``tf.function``, eagerly and in the JAX trainer's jitted step.
     """
 
     STATS = _slots("scale", "found", "grad_norm", "underflow_lost", "underflow_total", "measured")
     ROW = _slots("step", "scale", "overflows", "skipped", "growths", "culprit", "generation")
 
     def __init__(self, capacity: int, strategy: Any = None) -> None:
+        self.dtype = record_dtype()
+
         def f64(name: str, value: Any) -> keras.Variable:
-            return keras.Variable(value, dtype="float64", trainable=False, autocast=False, name=name)
+            return keras.Variable(value, dtype=self.dtype, trainable=False, autocast=False, name=name)
 
         self.capacity = capacity
         self.seen = 0  # rows already read back
@@ -55,17 +72,62 @@ class DeviceRecord:
             self.ring = f64("mp_monitor_overflows", np.zeros((capacity, self.ROW.size)))
             self.count = f64("mp_monitor_overflow_count", 0.0)
 
-    def write_stats(self, **values: Any) -> None:
-        """Assign ``stats`` from one device scalar per slot name."""
-        self.stats.assign(ops.stack([ops.cast(values[name], "float64") for name in self.STATS.names]))
+    @property
+    def variables(self) -> list[keras.Variable]:
+        """All four variables (the optimizer's step state on JAX: :mod:`keras_ext.jax_support`)."""
+        return [self.request, self.stats, self.ring, self.count]
 
-    def push_row(self, **values: Any) -> None:
-        """Write one ring row (one device scalar per slot name) at ``count % capacity``; count it."""
-        row = ops.stack([ops.cast(values[name], "float64") for name in self.ROW.names])
-        count = ops.convert_to_tensor(self.count)
-        hit = ops.equal(ops.cast(ops.arange(self.capacity), "float64"), ops.mod(count, float(self.capacity)))
-        self.ring.assign(ops.where(ops.expand_dims(hit, 1), ops.expand_dims(row, 0), ops.convert_to_tensor(self.ring)))
-        self.count.assign(count + 1.0)
+    def stats_of(self, **values: Any) -> Any:
+        """The ``stats`` vector of one device scalar per slot name (a value: branches return it)."""
+        return ops.stack([ops.cast(values[name], self.dtype) for name in self.STATS.names])
+
+    def write_step(self, found_inf: Any, grads: list[Any], tvs: list[Any], scale_used: Any, scaler: Any,
+                   measure_grads: bool, compute: str, samples: Optional[int], attribution: Any = None) -> None:
+        """A step's writes (inside the traced step; ``scale_used``: the scale the gradients were produced
+        with): ``stats`` with the gradient meters when ``request`` asks and ``measure_grads`` (FP8 states
+        have no gradients), and on an overflow a row with ``scaler``'s counters after the step and the
+        first non-finite layer when ``attribution`` (a :class:`~keras_ext.attribution.LayerAttribution`)."""
+        found = ops.convert_to_tensor(found_inf)
+        dense = [g for g, v in zip(grads, tvs) if g is not None and not is_fp8_variable(v)]
+        nan = ops.convert_to_tensor(float("nan"), dtype=self.dtype)
+
+        def basic() -> Any:
+            return self.stats_of(scale=scale_used, found=found, grad_norm=nan, underflow_lost=nan,
+                                 underflow_total=nan, measured=0.0)
+
+        def meters() -> Any:
+            lost, total = underflow_counts(dense, compute, ops.cast(scale_used, self.dtype), samples)
+            return self.stats_of(scale=scale_used, found=found, grad_norm=grad_norm(dense), underflow_lost=lost,
+                                 underflow_total=total, measured=1.0)
+
+        asked = ops.greater(ops.convert_to_tensor(self.request), 0)
+        self.stats.assign(cond(asked, meters, basic) if measure_grads and dense else basic())
+        trace = attribution.current() if attribution is not None else None
+        generation = attribution.generation if attribution is not None else 0
+
+        def row() -> dict[str, Any]:
+            culprit = attribution.culprit(trace, grads, tvs) if trace is not None else -1.0
+            counters = {c: ops.convert_to_tensor(scaler.variable(c)) for c in COUNTERS}
+            return dict(step=ops.convert_to_tensor(scaler.variable("steps")), scale=scale_used,
+                        culprit=culprit, generation=float(generation), **counters)
+
+        self.push_row_if(found, row)
+
+    def push_row_if(self, found: Any, row: Callable[[], dict[str, Any]]) -> None:
+        """Where the 0-d bool ``found`` holds, write ``row()`` (one device scalar per slot name) at
+        ``count % capacity`` and count it.  The branches return values and the writes follow the
+        ``cond`` (a JAX ``cond`` branch cannot write variables); ``row`` runs in the taken branch only."""
+        ring, count = ops.convert_to_tensor(self.ring), ops.convert_to_tensor(self.count)
+
+        def push() -> tuple[Any, Any]:
+            values = row()
+            new = ops.stack([ops.cast(values[name], self.dtype) for name in self.ROW.names])
+            hit = ops.equal(ops.cast(ops.arange(self.capacity), self.dtype), ops.mod(count, float(self.capacity)))
+            return ops.where(ops.expand_dims(hit, 1), ops.expand_dims(new, 0), ring), ops.add(count, 1.0)
+
+        ring, count = cond(found, push, lambda: (ring, count))
+        self.ring.assign(ring)
+        self.count.assign(count)
 
     def read(self, counters: list[Any], scale: Any, extra: Any = None) -> dict[str, Any]:
         """One host read: ``stats`` (a dict), ``counters``, ``scale``, ``extra`` (a device vector,
@@ -77,7 +139,7 @@ class DeviceRecord:
             parts.append(extra)
         layout.add("ring", self.capacity * self.ROW.size)
         parts.append(self.ring)
-        flat = ops.concatenate([ops.reshape(ops.cast(ops.convert_to_tensor(p), "float64"), (-1,)) for p in parts])
+        flat = ops.concatenate([ops.reshape(ops.cast(ops.convert_to_tensor(p), self.dtype), (-1,)) for p in parts])
         got = layout.unpack(np.asarray(ops.convert_to_numpy(flat), dtype=np.float64))
         count = int(got["count"])
         ring = got["ring"].reshape(self.capacity, self.ROW.size)

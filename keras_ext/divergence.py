@@ -10,8 +10,10 @@ its pure transition :func:`~mp_callbacks.divergence.next_divergence_state` with
   the step being traced (thread-local: ``MirroredStrategy`` traces each replica
   in its own thread); the optimizer sums it across replicas with the overflow flag;
 * :meth:`KerasDivergence.update` (inside the traced step, before the scaler
-  state is written) advances the streaks, kept in Keras variables (not
-  optimizer variables: as in Lightning they are not checkpointed).  A stop
+  state is written) advances the streaks, kept in Keras variables that are
+  not saved with the optimizer (as in Lightning they are not checkpointed; on
+  JAX they ride in the optimizer's :class:`~keras_ext.jax_support.StepState`,
+  so the jitted step threads them).  A stop
   latches ``stop_step``; from then on every step is skipped and the scaler state
   frozen (:meth:`stopped`), so nothing is applied while the host has not looked;
 * :meth:`KerasDivergence.check` is the host side: one scalar read of the latch,
@@ -21,6 +23,10 @@ its pure transition :func:`~mp_callbacks.divergence.next_divergence_state` with
   step is a ``tf.function``, after every call of ``model.train_function``
   (:meth:`watch` wraps it the first time the model's train step is traced); a
   custom ``tf.function`` loop calls ``optimizer.check_divergence()`` itself.
+  On JAX :meth:`watch` wraps the JAX trainer's train function the same way:
+  the latch is read from the state it returns, and on a stop that state is
+  synced into the variables first (the error sees the stop step's scaler state,
+  as on TensorFlow).
 
 The rule is off (no variables, no reads) when it is turned off or when the
 scaler never skips a step (``ScalerConfig.can_skip`` False): an applied step
@@ -38,6 +44,7 @@ from keras import ops
 from mp_callbacks.divergence import DivergenceRule, DivergenceState, next_divergence_state
 from mp_callbacks.scaler import ScalerConfig
 
+from .jax_support import in_stateless_step, is_jax
 from .keras_ops import KERAS_OPS, is_tf
 
 __all__ = ["KerasDivergence", "VARIABLES"]
@@ -58,12 +65,12 @@ class KerasDivergence:
 
     def __init__(self, rule: DivergenceRule, config: ScalerConfig, on_stop: Callable[[], Any] | None = None) -> None:
         self.rule, self.on_stop = rule, on_stop
-        self.active = rule.active and config.can_skip and keras.backend.backend() != "jax"  # jax_support
+        self.active = rule.active and config.can_skip
         self._vars: dict[str, Any] = {}
         self._local = threading.local()
 
     def build(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """Create the device state (next to the optimizer's variables, outside its variable list)."""
+        """Create the device state (next to the optimizer's saved variables; JAX: in its step state)."""
         if not self.active:
             return
         with keras.name_scope(optimizer.name, caller=optimizer):
@@ -71,6 +78,8 @@ class KerasDivergence:
                                                trainable=False, autocast=False, aggregation="none",
                                                name=f"divergence_{name}")
                           for name, dtype in VARIABLES.items()}
+        if hasattr(optimizer, "step_state"):
+            optimizer.step_state.register("divergence", list(self._vars.values()))
 
     # ------------------------------------------------------------- the step
     def record_loss(self, loss: Any, frame: Any = None) -> None:
@@ -79,7 +88,7 @@ class KerasDivergence:
         if not self.active:
             return
         self._local.finite = ops.all(ops.isfinite(loss))
-        if frame is not None and _in_tf_graph():
+        if frame is not None and (_in_tf_graph() or in_stateless_step()):
             caller = frame.f_locals.get("self")
             if isinstance(caller, keras.Model):
                 self.watch(caller)
@@ -127,15 +136,16 @@ class KerasDivergence:
         raise self.rule.error(step, scale, state=state)
 
     def check_if_eager(self) -> None:
-        """:meth:`check`, when the step just ran eagerly (torch backend, ``run_eagerly=True``)."""
-        if self.active and not _in_tf_graph():
+        """:meth:`check`, when the step just ran eagerly (torch backend, ``run_eagerly=True``; not inside
+        the JAX trainer's stateless step: its train function is watched)."""
+        if self.active and not _in_tf_graph() and not in_stateless_step():
             self.check()
 
     def watch(self, model: keras.Model) -> None:
         """Make ``model.train_function`` call :meth:`check` after each call (once per train function)."""
         fn = getattr(model, "train_function", None)
-        if fn is not None and not isinstance(fn, _Checked):
-            model.train_function = _Checked(fn, self.check)
+        if fn is not None and not isinstance(fn, (_Checked, _JaxChecked)):
+            model.train_function = _JaxChecked(fn, self, model) if is_jax() else _Checked(fn, self.check)
 
     def rule_config(self) -> dict[str, Any] | None:
         """The rule's limits as plain data, or None for the default rule (what ``get_config`` adds)."""
@@ -156,6 +166,29 @@ class _Checked:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.fn(*args, **kwargs)
         self.check()
+        return out
+
+
+class _JaxChecked:
+    """The JAX trainer's ``train_function(state, data) -> (logs, state)``, then the divergence check: the
+    latch is read from the returned optimizer state; on a stop, that state is synced into the variables
+    (as ``fit`` would after the step) before :meth:`KerasDivergence.check` raises."""
+
+    KEYS = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
+
+    def __init__(self, fn: Callable[..., Any], rule: "KerasDivergence", model: keras.Model) -> None:
+        self.fn, self.rule, self.model = fn, rule, model
+
+    def __call__(self, state: Any, data: Any) -> Any:
+        logs, new_state = out = self.fn(state, data)
+        latch = self.rule._vars.get("stop_step")
+        position = next((i for i, v in enumerate(self.model.optimizer.variables) if v is latch), None)
+        if position is None or int(ops.convert_to_numpy(new_state[2][position])) <= 0:
+            return out
+        self.model._jax_state = dict(zip(self.KEYS, new_state))
+        self.model._jax_state_synced = False
+        self.model.jax_state_sync()
+        self.rule.check()
         return out
 
 

@@ -16,22 +16,30 @@ inner optimizer's slots and ``iterations``), so:
   ``StatelessScope`` and each variable it wrote takes the new value only where
   the step is applied (``where(applied, new, old)``; what a skipped step
   computed from inf/NaN gradients is discarded, bit for bit as a skip);
+* :func:`cond` is ``ops.cond``, except in an eager JAX step (``jit_compile=False``),
+  where the concrete predicate picks the branch in Python;
 * :func:`tracing` tells a traced step (no host reads) from an eager one.
 
-The divergence rule (its state sits outside the optimizer's variables) and
-:class:`keras_ext.MixedPrecisionMonitor` (device-record variables of its own,
-read between steps) are TensorFlow/torch only: on JAX the rule is off and the
-monitor refuses to attach.
+The divergence streaks and an attached :class:`keras_ext.MixedPrecisionMonitor`'s
+device record are written inside the step too but are not the optimizer's saved
+state: they sit in its :class:`StepState`, which on JAX the optimizer lists after
+its own variables (so the jitted step threads them like the scaler's) and never
+saves.  Between steps the JAX trainer keeps the state to itself (the variables
+hold it only after ``model.jax_state_sync()``): the monitor syncs before a host
+read or write (:func:`sync`, logging steps only), and the rule reads its stop
+latch from the state the train function returns (:mod:`keras_ext.divergence`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 from keras import ops
 
-__all__ = ["is_jax", "refuse_monitor_on_jax", "run_if", "stateless_apply", "tracing"]
+__all__ = ["StepState", "StepStateOwner", "cond", "in_stateless_step", "is_jax", "run_if", "stateless_apply", "sync",
+           "tracing"]
 
 
 def is_jax() -> bool:
@@ -52,6 +60,14 @@ def stateless_apply(optimizer: keras.optimizers.Optimizer, optimizer_variables: 
                     trainable_variables: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """Keras' generic stateless apply (``apply`` inside a ``StatelessScope``) for ``optimizer``."""
     return keras.optimizers.Optimizer.stateless_apply(optimizer, optimizer_variables, grads, trainable_variables)
+
+
+def cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+    """``ops.cond``; on JAX outside a trace (an eager step, ``jit_compile=False``) the concrete ``pred``
+    picks the branch in Python (``jax.lax.cond`` would compile both branches on every call)."""
+    if is_jax() and not tracing(pred):
+        return true_fn() if bool(ops.convert_to_numpy(pred)) else false_fn()
+    return ops.cond(pred, true_fn, false_fn)
 
 
 def _current(variable: Any) -> Any:
@@ -83,8 +99,82 @@ def run_if(applied: Any, fn: Callable[[], None], variables: Sequence[Any]) -> No
             v.assign(ops.where(applied, after, before))
 
 
-def refuse_monitor_on_jax() -> None:
-    """The monitor's device record lives outside the JAX trainer's state: refused on JAX."""
-    if is_jax():
-        raise NotImplementedError("keras_ext.MixedPrecisionMonitor needs the tensorflow or torch backend (on JAX "
-                                  "its device record would live outside the jitted train step's state)")
+def in_stateless_step() -> bool:
+    """True inside a ``StatelessScope`` on JAX (the JAX trainer's step, traced or not: no host reads)."""
+    if not is_jax():
+        return False
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    return in_stateless_scope()
+
+
+def sync(model: Any) -> None:
+    """JAX: write the trainer's current state into the model's and optimizer's variables (Keras'
+    ``jax_state_sync``; the next step reads it back from them).  Elsewhere: nothing."""
+    if is_jax() and hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()
+
+
+class StepState:
+    """Variables a train step writes besides the optimizer's saved state, in groups by owner.
+
+    On JAX :attr:`variables` lists them (the optimizer appends them to its own, so the jitted step
+    threads them); elsewhere it is empty.  A group registered later comes later, so removing the
+    newest group (the monitor's, at detach) never moves another variable's position.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[str, list[Any]] = {}
+        self._hidden = False
+
+    def register(self, owner: str, variables: Sequence[Any]) -> None:
+        """Add (or replace, at the end) ``owner``'s group."""
+        self._groups.pop(owner, None)
+        self._groups[owner] = list(variables)
+
+    def remove(self, owner: str) -> None:
+        """Drop ``owner``'s group (no error when absent)."""
+        self._groups.pop(owner, None)
+
+    @property
+    def variables(self) -> list[Any]:
+        """The registered variables, oldest group first (JAX only; empty while :meth:`hidden`)."""
+        if self._hidden or not is_jax():
+            return []
+        return [v for group in self._groups.values() for v in group]
+
+    @contextlib.contextmanager
+    def hidden(self) -> Iterator[None]:
+        """Leave the groups out of :attr:`variables` (while the optimizer saves or loads its own)."""
+        self._hidden, before = True, self._hidden
+        try:
+            yield
+        finally:
+            self._hidden = before
+
+
+class StepStateOwner:
+    """Optimizer mixin: :attr:`step_state`, listed after Keras' ``variables`` (JAX) and never saved."""
+
+    @property
+    def step_state(self) -> StepState:
+        """The step-written variables that are not saved (:class:`StepState`)."""
+        state = getattr(self, "_mp_step_state", None)
+        if state is None:
+            state = self._mp_step_state = StepState()
+        return state
+
+    @property
+    def variables(self) -> list[Any]:
+        """Keras' list, then (JAX only) the :attr:`step_state` the jitted train step threads along."""
+        return super().variables + self.step_state.variables  # type: ignore[misc]
+
+    def save_own_variables(self, store: Any) -> None:
+        """Keras' save, without the step state."""
+        with self.step_state.hidden():
+            super().save_own_variables(store)  # type: ignore[misc]
+
+    def load_own_variables(self, store: Any) -> None:
+        """Keras' load, without the step state."""
+        with self.step_state.hidden():
+            super().load_own_variables(store)  # type: ignore[misc]

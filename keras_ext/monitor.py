@@ -30,7 +30,10 @@ event; counters stay exact).  Attribution: :mod:`keras_ext.attribution`.
 Under a multi-replica ``tf.distribute`` strategy the optimizer does not call
 the monitor: meters, attribution and overflow rows are off, and a record takes
 the optimizer's variables at the read (``mp/scale`` after the step,
-``mp/overflow``: an overflow since the previous record).
+``mp/overflow``: an overflow since the previous record).  JAX: the record
+rides in the optimizer's step state (:mod:`keras_ext.jax_support`), the
+trainer's state is synced into the variables on logging steps only, and
+attribution (so the auto-fallback) is TensorFlow/torch only.
 
 Persistence: :meth:`state_dict` is the core's plain-data envelope;
 :meth:`save_state` / :meth:`load_state` (and ``state_path=``: loaded at train
@@ -46,23 +49,23 @@ import warnings
 from typing import Any, Optional
 
 import keras
-from keras import ops
 
 from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats, json_safe, memory_metrics
 from mp_callbacks.dtypes import canonical_dtype
 from mp_callbacks.meters import METER_SAMPLES, DivergenceError
 from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
-from mp_callbacks.monitor_helpers import swamp_storage_dtype
 
 from .attribution import LayerAttribution
 from .device_record import COUNTERS, DeviceRecord
+from .fallback import blocked_message, move_layer_to_fp32
 from .fp8 import host_metrics as fp8_host_metrics
-from .fp8 import is_fp8_variable
-from .keras_meters import SwampMeter, grad_norm, swamped_counts, underflow_counts
+from .jax_support import is_jax, sync
+from .keras_meters import SwampMeter
 from .keras_ops import is_tf
 from .memory import memory_report
 from .optimizer import LossScaleOptimizer
-from .policy import _own_variables, _walk, keep_layer_in_fp32, policy_report
+from .policy import policy_report
+from .swamping import swamp_counts, swamp_targets
 
 __all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
 
@@ -180,11 +183,18 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         if self.core.fallback is not None:
             for path in self.core.fallback.moved:
                 self._move_to_fp32(path, announce=False)
+        if self.attribute_overflows and is_jax():  # (its probes would have to leave the JAX trainer's grad)
+            warnings.warn("keras_ext.MixedPrecisionMonitor: overflow attribution (so the auto-fallback) is "
+                          "TensorFlow/torch only: off on JAX", stacklevel=2)
+            self.attribute_overflows = False
         if self.attribute_overflows:
             self.attribution.install(self.model)
         opt.attach_monitor(self)
-        if opt.update_rounding is not None:  # bf16-kahan/bf16-sr: the FP32 updates, kept by the rounding
-            opt.update_rounding.track_updates(self.measure_swamping, self.meter_samples)
+        rounding = opt.update_rounding
+        if rounding is not None:  # bf16-kahan/bf16-sr: the FP32 updates, kept by the rounding
+            rounding.track_updates(self.measure_swamping, self.meter_samples)
+        tracked = [v for b, u, _ in (rounding.tracked_updates() if rounding is not None else []) for v in (b, u)]
+        opt.step_state.register("monitor", self._dev.variables + tracked)  # JAX: threaded through the step
         self._retrace()
         if self.log_memory:
             self._log_memory("train_start", logs)
@@ -210,10 +220,11 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         self._logging_now = any(self.core.should_log(k) for k in range(self._step + 1, self._step + n + 1))
         if not self._logging_now:
             return
+        sync(self.model)  # JAX: the step after this one reads the request and the weights from the variables
         if self.measure_grads:
             self._dev.request.assign(1)
         if self.measure_swamping:
-            self._swamp.snapshot(self._swamp_targets())
+            self._swamp.snapshot(swamp_targets(self.model, self._opt))
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         """Count the steps; on a logging step read the device values once and write ``logs``."""
@@ -245,15 +256,16 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         self._logging_now = False
         self.attribution.uninstall()
         if self._opt is not None and self._opt.monitor is self:
+            sync(self.model)  # JAX: the trainer's state into the variables while they are still listed
             self._opt.detach_monitor(self)
+            self._opt.step_state.remove("monitor")
             if self._opt.update_rounding is not None:
                 self._opt.update_rounding.track_updates(False)
             self._retrace()
         self._swamp.clear()
 
     def _retrace(self) -> None:
-        if hasattr(self.model, "make_train_function"):
-            self.model.make_train_function(force=True)
+        getattr(self.model, "make_train_function", lambda force: None)(force=True)
 
     # -------------------------------------------------------- the device hook
     def on_optimizer_step(self, found_inf: Any, grads: list[Any], tvs: list[Any], scale_used: Any) -> None:
@@ -261,67 +273,11 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         dev, opt = self._dev, self._opt
         if dev is None or opt is None:
             return
-        found = ops.convert_to_tensor(found_inf)
-        dense = [g for g, v in zip(grads, tvs) if g is not None and not is_fp8_variable(v)]  # FP8 states: no grads
-        nan = ops.convert_to_tensor(float("nan"), dtype="float64")
-
-        def basic() -> None:
-            dev.write_stats(scale=scale_used, found=found, grad_norm=nan, underflow_lost=nan, underflow_total=nan,
-                            measured=0.0)
-
-        def meters() -> None:
-            lost, total = underflow_counts(dense, self._compute, ops.cast(scale_used, "float64"), self.meter_samples)
-            dev.write_stats(scale=scale_used, found=found, grad_norm=grad_norm(dense), underflow_lost=lost,
-                            underflow_total=total, measured=1.0)
-
-        if self.measure_grads and dense:
-            ops.cond(ops.greater(ops.convert_to_tensor(dev.request), 0), meters, basic)
-        else:
-            basic()
-        trace = self.attribution.current() if self.attribute_overflows else None
-        generation = self.attribution.generation
-
-        def write() -> None:
-            culprit = self.attribution.culprit(trace, grads, tvs) if trace is not None else -1.0
-            counters = {c: ops.convert_to_tensor(opt.loss_scaler.variable(c)) for c in COUNTERS}
-            dev.push_row(step=ops.convert_to_tensor(opt.loss_scaler.variable("steps")), scale=scale_used,
-                         culprit=culprit, generation=float(generation), **counters)
-
-        ops.cond(found, write, lambda: None)
+        attribution = self.attribution if self.attribute_overflows else None
+        dev.write_step(found_inf, grads, tvs, scale_used, opt.loss_scaler, self.measure_grads, self._compute,
+                       self.meter_samples, attribution)
 
     # -------------------------------------------------------------- reading
-    def _swamp_targets(self) -> list[tuple[Any, str]]:
-        """(the variable the optimizer updates, the dtype its update is measured against:
-        :func:`~mp_callbacks.monitor_helpers.swamp_storage_dtype`; a variable counts as kept in FP32
-        when its layer computes in float32, by policy or fallback)."""
-        opt = self._opt
-        kept: dict[int, bool] = {}
-        for _, layer in _walk(self.model):
-            fp32 = canonical_dtype(layer.dtype_policy.compute_dtype) == "float32"
-            for v in _own_variables(layer):
-                kept[id(v)] = fp32
-        out = []
-        rounding = opt.update_rounding
-        for v in (v for v in self.model.trainable_variables if not is_fp8_variable(v)):
-            if rounding is not None and rounding.working_variables[opt._get_variable_index(v)] is not None:
-                continue  # bf16-kahan/bf16-sr: metered on the FP32 update the rounding keeps (_swamp_counts)
-            stored = canonical_dtype(keras.backend.standardize_dtype(v.dtype))
-            master = opt.master_variables[opt._get_variable_index(v)] if opt.master_weights else None
-            target = master if master is not None else v  # the FP32 master under *-master
-            out.append((target, swamp_storage_dtype(opt.recipe, stored, kept.get(id(v), stored == "float32"))))
-        return out
-
-    def _swamp_counts(self) -> Any:
-        """``[lost, nonzero]`` of the step: the snapshot's targets, plus under ``bf16-kahan``/``bf16-sr`` the FP32
-        updates the optimizer asked for (as Lightning meters them), kept by the update rounding."""
-        counts = self._swamp.counts()
-        rounding = self._opt.update_rounding
-        tracked = rounding.tracked_updates() if rounding is not None and self.measure_swamping else []
-        if tracked:
-            extra = ops.stack(list(swamped_counts(*(list(x) for x in zip(*tracked)))))
-            counts = extra if counts is None else ops.add(counts, extra)
-        return counts
-
     def _drain(self, logging: bool = False) -> Optional[StepStats]:
         """One read: record the overflow rows since the last read, then (``logging``) this step's record.
 
@@ -330,7 +286,8 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         dev, opt = self._dev, self._opt
         if dev is None or opt is None:
             return None
-        swamp = self._swamp_counts() if logging else None
+        sync(self.model)  # JAX: the trainer's state into the variables read here
+        swamp = swamp_counts(self._swamp, opt, self.measure_swamping) if logging else None
         self._swamp.clear()
         if logging and self.measure_grads:
             dev.request.assign(0)
@@ -391,24 +348,15 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
 
     # ------------------------------------------------------------ fallback
     def _move_to_fp32(self, path: str, announce: bool = True, step: Optional[int] = None) -> bool:
-        """Give layer ``path`` and its sub-layers the float32 policy (compute only: variables must be float32)."""
-        layer = next((l for p, l in _walk(self.model) if p == path), None)
-        if layer is None:
+        """Give layer ``path`` and its sub-layers the float32 policy (:func:`keras_ext.fallback.move_layer_to_fp32`)."""
+        low = move_layer_to_fp32(self.model, path)
+        if low is None:
             logger.info("MixedPrecisionMonitor: no layer %r to keep in FP32 in this model; skipped.", path)
             return False
-        layers = [layer] + [l for _, l in _walk(layer)]
-        low = [v.path for l in layers for v in _own_variables(l)
-               if keras.backend.standardize_dtype(v.dtype) in ("float16", "bfloat16")]
         if low:
-            message = (f"MixedPrecisionMonitor: {path!r} keeps overflowing but its variables {low} are stored in low "
-                       "precision, and Keras cannot change the dtype of built variables; rebuild the model with "
-                       f"keras_ext.apply_policy(model, policy.with_fp32_modules({path!r})) before compile.")
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(blocked_message(path, low), stacklevel=2)
             self.history.add_event("fallback_failed", step=step if step is not None else self._step, module=path)
             return False
-        for l in layers:
-            l.dtype_policy = keras.DTypePolicy("float32")
-        keep_layer_in_fp32(path)
         self._retrace()
         if announce:
             message = self.core.fallback_message(path)

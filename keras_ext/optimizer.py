@@ -42,7 +42,7 @@ from mp_callbacks.scaler import ScalerConfig, ScalerCounters, ScalerState
 
 from .distribute import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
-from .jax_support import refuse_monitor_on_jax, run_if, stateless_apply
+from .jax_support import StepStateOwner, run_if, stateless_apply
 from .keras_ops import is_tf
 from .masters import MasterWeights, master_optimizer, widened_in_update  # master_optimizer: re-exported
 from .policy import coerce_recipe, optimizer_recipe
@@ -58,7 +58,7 @@ except Exception:  # pragma: no cover - older/newer Keras layouts
 
 
 @keras.saving.register_keras_serializable(package="keras_ext")
-class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.optimizers.LossScaleOptimizer):
     """Dynamic loss scaling (and optional FP32 master weights) around any Keras optimizer.
 
     Args:
@@ -233,10 +233,6 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
 
     def _scale_before(self) -> Any:
         return self._scaler.scale_copy() if self.monitor is not None else None
-
-    def attach_monitor(self, monitor: Any) -> None:  # noqa: D102 - MonitorPort's; refused on JAX
-        refuse_monitor_on_jax()
-        super().attach_monitor(monitor)
 
     # -- loss and gradients ------------------------------------------------------------
     def scale_loss(self, loss: Any) -> Any:

@@ -11,9 +11,16 @@ JAX trainer, which applies the optimizer statelessly inside ``jit``:
   over 2 CPU devices with an inf in the second device's half of one batch: that step is skipped and the
   scale trajectory, counters and skipped step equal the one-device run's.
 
+* :mod:`tests.keras.helpers.cross_backend` on both backends: ``MixedPrecisionMonitor`` on JAX logs the same
+  steps, metric keys, scale trajectory, skip and overflow counts as on TensorFlow (overflows injected by inf
+  sample weights, two epochs), its record rides in the optimizer's step state only while attached and is never
+  saved; the divergence rule stops a NaN-loss run (with and without the monitor, bf16-mixed and 16-master)
+  and a finite-loss gradient overflow below scale 1 at the same step, with the same message, counters and
+  nothing applied, as on TensorFlow.
+
 ``test_backend_agnostic_tests_pass_on_jax`` (marked slow: about 6 minutes here) runs the backend-agnostic
 test files and Keras' own ``LossScaleOptimizer`` suite again on JAX, as test_torch_backend.py does for torch
-(the monitor and divergence-stop tests skip there: TF/torch only).
+(tests marked ``not_on_jax`` skip there).
 """
 
 import json
@@ -26,7 +33,9 @@ import pytest
 
 import keras
 
-from tests.keras.helpers import stock_parity
+from mp_callbacks.diagnostics import METRICS, OVERFLOW_MODULE
+from mp_callbacks.monitor_helpers import SCALER_SERIES
+from tests.keras.helpers import cross_backend, stock_parity
 from tests.keras.helpers.util import ROOT, run_pytest
 from tests.keras.test_optimizer import _assert_same
 
@@ -70,6 +79,48 @@ def test_data_parallel_over_two_devices_skips_like_one_device(on_jax):
         for a, b in zip(dp[key], one[key]):
             assert np.all(np.isfinite(a))
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0.05, atol=2e-3)
+
+
+@pytest.fixture(scope="module")
+def on_tf():
+    return {"monitor": cross_backend.monitor_run(), "divergence": cross_backend.divergence_runs()}
+
+
+def test_monitor_on_jax_logs_what_it_logs_on_tensorflow(on_jax, on_tf):
+    jax_run, tf_run = on_jax["monitor"], on_tf["monitor"]
+    assert jax_run["logged_steps"] == tf_run["logged_steps"] == list(range(2, 21, 2))
+    assert [sorted(r) for r in jax_run["rows"]] == [sorted(r) for r in tf_run["rows"]]
+    assert set(jax_run["rows"][0]) == {m for m in METRICS if m != OVERFLOW_MODULE}  # every shared numeric name
+    for name in SCALER_SERIES:  # scale and counters: exact
+        assert [r[name] for r in jax_run["rows"]] == [r[name] for r in tf_run["rows"]], name
+        assert jax_run["epoch"][name] == tf_run["epoch"][name], name
+    assert jax_run["history"] == tf_run["history"]  # overflow steps between reads too: step, scale, counters
+    assert jax_run["measured"] == tf_run["measured"]  # meters on the same steps (swamping on applied ones)
+    assert sorted(jax_run["epoch"]) == sorted(tf_run["epoch"])
+    for a, b in zip(jax_run["rows"], tf_run["rows"]):  # the meters: the same weights, fp16 kernels of each backend
+        for name in ("mp/grad_norm", "mp/grad_underflow_frac", "mp/update_swamped_frac"):
+            if a.get(name) is None or b.get(name) is None:
+                assert a.get(name) == b.get(name), name
+            else:
+                np.testing.assert_allclose(a[name], b[name], rtol=1e-3, atol=0.01, err_msg=name)
+
+
+def test_monitor_record_is_step_state_while_attached_and_never_saved(on_jax, on_tf):
+    jax_run, tf_run = on_jax["monitor"], on_tf["monitor"]
+    assert jax_run["detached"] and tf_run["detached"]
+    assert jax_run["saved"] == tf_run["saved"]  # the optimizer saves the same variables on both backends
+    assert tf_run["step_state"] == []  # TensorFlow: nothing extra in optimizer.variables
+    assert jax_run["step_state"] == ["divergence_loss_streak", "divergence_overflow_streak",
+                                     "divergence_stop_step", "divergence_stop_scale"]  # the monitor's left
+
+
+@pytest.mark.parametrize("case", ["bf16-mixed", "16-master", "overflow"])
+def test_divergence_rule_stops_on_jax_as_on_tensorflow(on_jax, on_tf, case):
+    jax_run, tf_run = on_jax["divergence"][case], on_tf["divergence"][case]
+    assert jax_run == tf_run
+    assert jax_run["message"] and jax_run["unchanged"] and jax_run["iterations"] == 0
+    if case == "bf16-mixed":  # with a monitor attached: uninstalled before the error, overflow rows read
+        assert jax_run["monitor_detached"] and jax_run["monitor_overflows"] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@
   ``LossScaleOptimizer`` and with ours (Keras' JAX trainer: ``stateless_apply`` inside ``jit``);
 * ``single`` / ``data_parallel``: ``model.fit`` with ``16-master`` (bf16 variables, FP32 masters) on one
   device and under ``keras.distribution.DataParallel`` over the 2 devices; one sample of batch 2 is inf
-  (on the second device's half of the batch).
+  (on the second device's half of the batch);
+* ``monitor`` / ``divergence``: :mod:`tests.keras.helpers.cross_backend`'s runs (the test runs them on
+  TensorFlow too and compares).
 """
 
 import json
@@ -19,7 +21,7 @@ import numpy as np  # noqa: E402
 from keras import ops  # noqa: E402
 
 import keras_ext  # noqa: E402
-from tests.keras.helpers import stock_parity  # noqa: E402
+from tests.keras.helpers import cross_backend, stock_parity  # noqa: E402
 
 BATCH = 8
 
@@ -57,6 +59,7 @@ def fit(distributed: bool) -> dict:
 
 if __name__ == "__main__":
     out = {"backend": keras.backend.backend(), "devices": len(jax.devices()), "parity": stock_parity.compare(),
-           "single": fit(False), "data_parallel": fit(True)}
+           "single": fit(False), "data_parallel": fit(True), "monitor": cross_backend.monitor_run(),
+           "divergence": cross_backend.divergence_runs()}
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)

@@ -1,0 +1,44 @@
+"""The Keras side of the monitor's auto-fallback: give one layer (and its sub-layers) FP32 compute.
+
+Keras cannot change the dtype of built variables, so a layer moves only when
+its variables are float32 already (``*-mixed`` recipes); under ``*-master``
+(low-precision variables) :func:`move_layer_to_fp32` names the variables in
+the way and changes nothing: the model must be rebuilt with
+``apply_policy(model, policy.with_fp32_modules(path))``.  The decision of
+*which* layer moves is the core's (:class:`~mp_callbacks.monitor.MonitorCore`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+
+from .policy import _own_variables, _walk, keep_layer_in_fp32
+
+__all__ = ["blocked_message", "move_layer_to_fp32"]
+
+
+def move_layer_to_fp32(model: keras.Model, path: str) -> Optional[list[str]]:
+    """Give layer ``path`` of ``model`` and its sub-layers the float32 policy (and keep it there on
+    rebuilds); returns ``[]`` when moved, the paths of its low-precision variables when they block
+    the move (nothing changed), None when ``model`` has no such layer."""
+    layer = next((l for p, l in _walk(model) if p == path), None)
+    if layer is None:
+        return None
+    layers = [layer] + [l for _, l in _walk(layer)]
+    low = [v.path for l in layers for v in _own_variables(l)
+           if keras.backend.standardize_dtype(v.dtype) in ("float16", "bfloat16")]
+    if low:
+        return low
+    for l in layers:
+        l.dtype_policy = keras.DTypePolicy("float32")
+    keep_layer_in_fp32(path)
+    return []
+
+
+def blocked_message(path: str, low: list[str]) -> str:
+    """The warning when the variables ``low`` of layer ``path`` block the move."""
+    return (f"MixedPrecisionMonitor: {path!r} keeps overflowing but its variables {low} are stored in low "
+            "precision, and Keras cannot change the dtype of built variables; rebuild the model with "
+            f"keras_ext.apply_policy(model, policy.with_fp32_modules({path!r})) before compile.")
