@@ -127,3 +127,13 @@ def test_model_fit_one_worker_overflow_makes_both_workers_skip(workers):
     assert fit["comm"]["gradients"] == [[["float32", n] for n in numels]]
     assert fit["grad_bytes"] == [allreduce_bytes(numels, "float32")]
     assert fit["comm"]["other"] == [[["float32", 2]]]  # the overflow and non-finite-loss flags
+
+
+def test_multi_worker_fit_is_a_no_op_outside_multi_worker_strategies():
+    import keras
+
+    from keras_ext.distribute import multi_worker_fit
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    assert multi_worker_fit(model) is model
+    assert not {"train_step", "test_step", "_maybe_symbolic_build"} & set(vars(model))
