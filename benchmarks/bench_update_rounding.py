@@ -53,7 +53,7 @@ def optimizer_factory(name: str):
 
 
 def measure(recipe: str, spec: RunSpec, optimizer, optimizer_name: str, held: dict[str, tuple[float, float]]):
-    """One Lightning run of ``recipe`` -> (wall, CPU) seconds per step; records (held, estimated) bytes per parameter."""
+    """One Lightning run of ``recipe`` -> (wall, CPU) seconds per step; records (held, estimated) bytes/param."""
     def once() -> tuple[float, float]:
         plugin = MixedPrecision(recipe, "cpu")
         module, recorder = fit_once(plugin, spec, optimizer=optimizer)

@@ -1,4 +1,4 @@
-"""What a Lightning module and its optimizers hold under :class:`lightning_ext.MixedPrecision`, next to the core's estimate.
+"""What a Lightning module and its optimizers hold under :class:`lightning_ext.MixedPrecision`, and the estimate.
 
 The torch twin of :mod:`keras_ext.memory`: the bytes are counted from the
 tensors that exist (real ``nbytes``); the estimate and the report's layout are

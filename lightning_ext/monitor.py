@@ -166,7 +166,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         return storage_dtypes(self._plugin(trainer), trainer.lightning_module, trainer.optimizers)
 
     def memory_report(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        """Bytes of model state actually held, next to the core's estimate: :func:`lightning_ext.memory.memory_report`."""
+        """Model state actually held, next to the core's estimate: :func:`lightning_ext.memory.memory_report`."""
         return memory_report(self._plugin(trainer), trainer.lightning_module, trainer.optimizers)
 
     # ------------------------------------------------------------- lifecycle
