@@ -1,6 +1,6 @@
 """Keras: our LossScaleOptimizer vs keras.optimizers.LossScaleOptimizer (the scaler's overhead).
 
-    python benchmarks/bench_keras.py [--threads 1 2] [--rounds 7] [--steps 40] [--jit]
+    python benchmarks/bench_keras.py [--threads 1 2] [--rounds 7] [--steps 40] [--jit] [--master]
 
 Both variants train the same MLP on the same batches with ``model.fit``
 (:func:`keras_ext.compare.fit_once`), the same AdamW, the same dtype policy and
@@ -16,6 +16,12 @@ recipe's): TensorFlow's float16 kernels on CPU are slow or fused into slow
 kernels, which would bury the scaler's cost under matmul time; bf16 keeps the
 step fast (AMX) so the scaler's share is as large as it gets.  ``--policy
 float32`` runs float32 compute with loss scaling on instead.
+
+``--master``: bf16-master instead (``keras_ext.master_optimizer(AdamW,
+"bf16-master")``, bf16 variables, FP32 masters) vs native bf16-mixed (Keras'
+``mixed_bfloat16`` policy, FP32 variables, plain AdamW), and bf16-master with
+the whole FP32 gradient list widened before the update (the step before each
+gradient was widened inside its own variable's update).
 
 Rounds alternate the variants in one process; the ratio is the median over
 rounds of ours/native (step time = median of a fit's steps, warm-up excluded).
@@ -68,6 +74,11 @@ def worker(args: argparse.Namespace) -> None:
             return statistics.median(recorder.timed())
         return once
 
+    if args.master:
+        return masters(args, spec)
+    from common import machine_line
+
+    print(machine_line(args.threads))
     times = alternate(with_controls({k: measure(v) for k, v in variants.items()}, ["native LossScaleOptimizer"]),
                       args.rounds)
     print_table(
@@ -77,10 +88,56 @@ def worker(args: argparse.Namespace) -> None:
     )
 
 
+def masters(args: argparse.Namespace, spec) -> None:  # noqa: ANN001
+    """``--master``: bf16-master (and with the FP32 gradient list) vs native ``mixed_bfloat16`` + AdamW."""
+    import keras
+
+    import keras_ext
+    from common import alternate, machine_line, print_table, with_controls
+    from keras_ext.compare import _arrays, _Recorder, fit_once, graph_options, mlp
+
+    def ours(fp32_list: bool):
+        def wrap(inner):  # noqa: ANN001, ANN202
+            opt = keras_ext.master_optimizer(inner, "bf16-master")
+            if fp32_list:
+                opt._masters.widens_in_update = lambda optimizer: False
+            return opt
+
+        def once() -> float:
+            return statistics.median(fit_once("bf16-master", spec, optimizer=wrap, record=False)[2].timed())
+        return once
+
+    def native() -> float:
+        before = keras.config.dtype_policy()
+        keras.utils.set_random_seed(spec.seed)
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        try:
+            model = mlp(spec.hidden, spec.depth)
+        finally:
+            keras.config.set_dtype_policy(before)
+        model.compile(keras.optimizers.AdamW(spec.lr), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=False)
+        recorder = _Recorder(None, None, False)
+        x, y, w = _arrays(spec)
+        with graph_options():
+            model.fit(x, y, sample_weight=w, batch_size=spec.batch_size, shuffle=False, verbose=0, callbacks=[recorder])
+        return statistics.median(recorder.timed())
+
+    variants = {"ours bf16-master": ours(False), "ours bf16-master, FP32 gradient list": ours(True),
+                "native bf16-mixed": native}
+    print(machine_line(args.threads))
+    times = alternate(with_controls(variants, ["native bf16-mixed"]), args.rounds)
+    print_table(f"Keras {keras.__version__} ({keras.backend.backend()}), MLP {args.depth}x{args.hidden}, batch "
+                f"{args.batch_size}, {args.threads} thread(s), AdamW, jit_compile=False", times,
+                [("ours bf16-master", "native bf16-mixed", "<= 0.95"),
+                 ("ours bf16-master", "ours bf16-master, FP32 gradient list", "none")])
+
+
 def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--policy", choices=["mixed_bfloat16", "float32"], default="mixed_bfloat16")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA) for both variants")
+    parser.add_argument("--master", action="store_true", help="bf16-master vs native bf16-mixed (see above)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -89,8 +146,7 @@ def main() -> None:
         return
     passthrough = ["--rounds", str(args.rounds), "--steps", str(args.steps), "--hidden", str(args.hidden),
                    "--depth", str(args.depth), "--batch-size", str(args.batch_size), "--policy", args.policy]
-    if args.jit:
-        passthrough.append("--jit")
+    passthrough += ["--jit"] * args.jit + ["--master"] * args.master
     env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "tensorflow"))
     for threads in args.threads:
         env["OMP_NUM_THREADS"] = str(threads)
