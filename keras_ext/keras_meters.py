@@ -140,8 +140,8 @@ class SwampMeter:
 
     ``targets`` are ``(variable the optimizer updates, storage dtype its update is
     measured against)``; the snapshot copies only the sampled elements, and the
-    counts run in one function (a ``tf.function`` on TensorFlow, compiled again
-    only when the targets change).
+    counts run in one function (a ``tf.function`` on TensorFlow, ``jax.jit`` on
+    JAX, compiled again only when the targets change).
 
     Args:
       samples: elements read per tensor (:func:`sample`).
@@ -178,6 +178,16 @@ class SwampMeter:
                        for (t, _), b in zip(targets, befores)]
             return ops.stack(list(swamped_counts(befores, updates, storages)))
 
+        if keras.backend.backend() == "jax":  # one jitted call; the variables' values are passed, never captured
+            import jax
+
+            def of_values(befores: list[Any], afters: list[Any]) -> Any:
+                updates = [ops.subtract(ops.cast(a, "float32"), ops.cast(b, "float32"))
+                           for a, b in zip(afters, befores)]
+                return ops.stack(list(swamped_counts(befores, updates, storages)))
+
+            jitted = jax.jit(of_values)
+            return lambda befores: jitted(befores, [sample(ops.convert_to_tensor(t), self.samples) for t, _ in targets])
         if keras.backend.backend() == "tensorflow":
             import tensorflow as tf
 

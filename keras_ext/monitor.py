@@ -215,7 +215,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
         """On a logging step: ask for the gradient meters, snapshot the weights to update."""
         self._begin_step = batch
-        spe = getattr(self.model, "steps_per_execution", 1)
+        spe = getattr(self._model, "steps_per_execution", 1)  # not self.model: on JAX its getter syncs the state
         n = spe if isinstance(spe, int) and spe > 0 else 1
         self._logging_now = any(self.core.should_log(k) for k in range(self._step + 1, self._step + n + 1))
         if not self._logging_now:

@@ -18,8 +18,25 @@ def _scaler_row(s) -> list:
     return [s.step, s.overflow, s.scale, s.overflows_total, s.skipped_total, s.growths_total]
 
 
+def _count_syncs(model) -> list:
+    """JAX: one entry per ``jax_state_sync`` that wrote the trainer's state into the variables (Keras'
+    ``Callback.model`` getter syncs too, so a callback that touches it every step syncs every step)."""
+    calls: list = []
+    original = getattr(model, "jax_state_sync", None)
+    if original is None:
+        return calls
+
+    def counting():
+        if getattr(model, "_jax_state", None) and not model._jax_state_synced:
+            calls.append(1)
+        original()
+
+    model.jax_state_sync = counting
+    return calls
+
+
 def monitor_run(jit: bool | None = None) -> dict:
-    """fp16 with overflows at batches 2, 3, 7 of 10 (two epochs), monitor logging every 2nd step; ``jit``:
+    """fp16 with overflows at batches 2, 3, 7 of 10 (two epochs), monitor logging every 5th step; ``jit``:
     ``compile(jit_compile=...)``, default: on JAX only (the JAX trainer's jitted step)."""
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -28,8 +45,9 @@ def monitor_run(jit: bool | None = None) -> dict:
         model.set_weights([rng.normal(scale=0.3, size=w.shape).astype("float32") for w in model.get_weights()])
         opt = keras_ext.LossScaleOptimizer(keras.optimizers.SGD(1e-2), {"init_scale": 2.0**4, "growth_interval": 3})
         model.compile(opt, "mse", jit_compile=keras.backend.backend() == "jax" if jit is None else jit)
-        monitor = keras_ext.MixedPrecisionMonitor(log_every_n_steps=2, log_memory=False)
+        monitor = keras_ext.MixedPrecisionMonitor(log_every_n_steps=5, log_memory=False)
         rec = RecordLogs()
+        syncs = _count_syncs(model)
         history = fit(model, monitor, 10, inf_steps=INF_STEPS, epochs=2, callbacks=[rec])
         logged = [{k: v for k, v in r.items() if k.startswith("mp/")} for r in rec.rows]
         store: dict = {}
@@ -42,7 +60,7 @@ def monitor_run(jit: bool | None = None) -> dict:
                           s.update_swamped_frac is not None] for s in monitor.history],
             "epoch": {k: [float(x) for x in v] for k, v in history.history.items() if k.startswith("mp/")},
             "detached": opt.monitor is None, "step_state": [v.name for v in opt.step_state.variables],
-            "saved": len(store), "inner": len(opt.inner_optimizer.variables),
+            "saved": len(store), "inner": len(opt.inner_optimizer.variables), "syncs": len(syncs),
         }
     finally:
         keras.config.set_dtype_policy("float32")
