@@ -20,7 +20,7 @@ from keras import ops
 from mp_callbacks.monitor import PackedLayout
 
 from .fp8 import is_fp8_variable
-from .jax_support import cond
+from .jax_support import cond, is_jax, tracing
 from .keras_meters import grad_norm, underflow_counts
 
 __all__ = ["COUNTERS", "DeviceRecord"]
@@ -66,11 +66,17 @@ class DeviceRecord:
 
         self.capacity = capacity
         self.seen = 0  # rows already read back
+        self.asked = False  # the host's copy of ``request``
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             self.request = keras.Variable(0, dtype="int32", trainable=False, name="mp_monitor_request")
             self.stats = f64("mp_monitor_stats", np.zeros(self.STATS.size))
             self.ring = f64("mp_monitor_overflows", np.zeros((capacity, self.ROW.size)))
             self.count = f64("mp_monitor_overflow_count", 0.0)
+
+    def ask(self, on: bool) -> None:
+        """Set ``request`` (1: the next step runs the meters); the host keeps its own copy (eager JAX steps)."""
+        self.request.assign(1 if on else 0)
+        self.asked = on
 
     @property
     def variables(self) -> list[keras.Variable]:
@@ -100,8 +106,12 @@ class DeviceRecord:
             return self.stats_of(scale=scale_used, found=found, grad_norm=grad_norm(dense), underflow_lost=lost,
                                  underflow_total=total, measured=1.0)
 
-        asked = ops.greater(ops.convert_to_tensor(self.request), 0)
-        self.stats.assign(cond(asked, meters, basic) if measure_grads and dense else basic())
+        if not (measure_grads and dense):
+            self.stats.assign(basic())
+        elif is_jax() and not tracing(found):  # an eager JAX step: the host's copy, no read, no compiled cond
+            self.stats.assign(meters() if self.asked else basic())
+        else:
+            self.stats.assign(ops.cond(ops.greater(ops.convert_to_tensor(self.request), 0), meters, basic))
         trace = attribution.current() if attribution is not None else None
         generation = attribution.generation if attribution is not None else 0
 

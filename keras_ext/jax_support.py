@@ -17,7 +17,7 @@ inner optimizer's slots and ``iterations``), so:
   the step is applied (``where(applied, new, old)``; what a skipped step
   computed from inf/NaN gradients is discarded, bit for bit as a skip);
 * :func:`cond` is ``ops.cond``, except in an eager JAX step (``jit_compile=False``),
-  where the concrete predicate picks the branch in Python;
+  where both branches run and ``where`` picks (no compile per call, no host read);
 * :func:`tracing` tells a traced step (no host reads) from an eager one.
 
 The divergence streaks and an attached :class:`keras_ext.MixedPrecisionMonitor`'s
@@ -39,7 +39,7 @@ import keras
 from keras import ops
 
 __all__ = ["StepState", "StepStateOwner", "cond", "in_stateless_step", "is_jax", "run_if", "stateless_apply", "sync",
-           "tracing"]
+           "tracing", "tree_where"]
 
 
 def is_jax() -> bool:
@@ -63,11 +63,19 @@ def stateless_apply(optimizer: keras.optimizers.Optimizer, optimizer_variables: 
 
 
 def cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
-    """``ops.cond``; on JAX outside a trace (an eager step, ``jit_compile=False``) the concrete ``pred``
-    picks the branch in Python (``jax.lax.cond`` would compile both branches on every call)."""
+    """``ops.cond`` over branches that return values (no writes).  On JAX outside a trace (an eager step,
+    ``jit_compile=False``) both branches run and ``where`` picks: ``jax.lax.cond`` would compile them on
+    every call, and a Python ``if`` would read ``pred`` on the host; keep such branches cheap."""
     if is_jax() and not tracing(pred):
-        return true_fn() if bool(ops.convert_to_numpy(pred)) else false_fn()
+        return tree_where(pred, true_fn(), false_fn())
     return ops.cond(pred, true_fn, false_fn)
+
+
+def tree_where(pred: Any, a: Any, b: Any) -> Any:
+    """``where(pred, a, b)`` leaf by leaf over matching tuples/lists (or two tensors)."""
+    if isinstance(a, (tuple, list)):
+        return type(a)(tree_where(pred, x, y) for x, y in zip(a, b))
+    return ops.where(pred, a, b)
 
 
 def _current(variable: Any) -> Any:

@@ -222,7 +222,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             return
         sync(self.model)  # JAX: the step after this one reads the request and the weights from the variables
         if self.measure_grads:
-            self._dev.request.assign(1)
+            self._dev.ask(True)
         if self.measure_swamping:
             self._swamp.snapshot(swamp_targets(self.model, self._opt))
 
@@ -290,7 +290,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         swamp = swamp_counts(self._swamp, opt, self.measure_swamping) if logging else None
         self._swamp.clear()
         if logging and self.measure_grads:
-            dev.request.assign(0)
+            dev.ask(False)
         got = dev.read([opt.loss_scaler.variable(c) for c in COUNTERS], opt.loss_scaler.variable("scale"), swamp)
         if got["dropped"]:
             self.history.add_event("dropped", step=self._step, rows=got["dropped"])
