@@ -9,7 +9,7 @@ JAX trainer, which applies the optimizer statelessly inside ``jit``:
   ``iterations`` (the overflows come from the data: samples of 1e20);
 * ``16-master`` (bf16 variables, FP32 masters in the optimizer) under ``keras.distribution.DataParallel``
   over 2 CPU devices with an inf in the second device's half of one batch: that step is skipped and the
-  scale trajectory, counters and skipped step equal the one-device run's.
+  scale trajectory, counters and skipped step equal the one-device run's, and so do a monitor's records.
 
 * :mod:`tests.keras.helpers.cross_backend` on both backends: ``MixedPrecisionMonitor`` on JAX logs the same
   steps, metric keys, scale trajectory, skip and overflow counts as on TensorFlow (overflows injected by inf
@@ -76,6 +76,7 @@ def test_data_parallel_over_two_devices_skips_like_one_device(on_jax):
         assert dp[key] == one[key], key
     assert dp["skipped"] == dp["overflows"] == 1 and dp["iterations"] == dp["steps"] - 1 == 5
     assert dp["scales"][2] == dp["scales"][1] / 2  # batch 2 (inf on the second device's half) backed off
+    assert dp["monitor"] == one["monitor"] and [r[0] for r in dp["monitor"] if r[1]] == [3]  # the monitor too
     for key in ("weights", "masters"):  # bf16 compute: the sharded matmul sums partial products in another order
         for a, b in zip(dp[key], one[key]):
             assert np.all(np.isfinite(a))

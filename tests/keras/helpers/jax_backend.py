@@ -3,9 +3,9 @@
 
 * ``parity``: :func:`tests.keras.helpers.stock_parity.compare` on JAX: ``model.fit`` with stock Keras'
   ``LossScaleOptimizer`` and with ours (Keras' JAX trainer: ``stateless_apply`` inside ``jit``);
-* ``single`` / ``data_parallel``: ``model.fit`` with ``16-master`` (bf16 variables, FP32 masters) on one
-  device and under ``keras.distribution.DataParallel`` over the 2 devices; one sample of batch 2 is inf
-  (on the second device's half of the batch);
+* ``single`` / ``data_parallel``: ``model.fit`` with ``16-master`` (bf16 variables, FP32 masters) and a
+  ``MixedPrecisionMonitor`` on one device and under ``keras.distribution.DataParallel`` over the 2 devices;
+  one sample of batch 2 is inf (on the second device's half of the batch);
 * ``monitor`` / ``divergence``: :mod:`tests.keras.helpers.cross_backend`'s runs (the test runs them on
   TensorFlow too and compares).
 """
@@ -44,15 +44,18 @@ def fit(distributed: bool) -> dict:
             model.jax_state_sync()
             scales.append(opt.current_scale)
 
+        monitor = keras_ext.MixedPrecisionMonitor(log_every_n_steps=2, log_memory=False)
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=on_batch_end)])
+                  callbacks=[monitor, keras.callbacks.LambdaCallback(on_train_batch_end=on_batch_end)])
         sharding = str(model.trainable_variables[0].value.sharding)
         return {"scales": scales, "skipped": opt.skipped, "overflows": opt.overflows, "steps": opt.steps,
                 "iterations": int(ops.convert_to_numpy(opt.iterations)),
                 "weights": [ops.convert_to_numpy(ops.cast(v, "float32")).tolist() for v in model.trainable_variables],
                 "masters": [ops.convert_to_numpy(m).tolist() for m in opt.master_variables if m is not None],
                 "dtypes": [keras.backend.standardize_dtype(v.dtype) for v in model.trainable_variables],
-                "sharding": sharding}
+                "sharding": sharding,
+                "monitor": [[s.step, s.overflow, s.scale, s.skipped_total, s.grad_norm is not None]
+                            for s in monitor.history]}
     finally:
         keras.distribution.set_distribution(None)
 
