@@ -92,7 +92,8 @@ def keras_measure(recipe: str, spec: RunSpec, optimizer_name: str, held: dict[st
         storage = [(int(np.prod(v.shape)), keras.backend.standardize_dtype(v.dtype)) for v in tvs]
         n = sum(size for size, _ in storage)
         kind = "adamw" if optimizer_name == "adamw" else "sgd-momentum"
-        est = estimate_memory(get_recipe(recipe).master, kind, storage, fp32_master_grads=True).bytes_per_param
+        est = estimate_memory(get_recipe(recipe).master, kind, storage,
+                              fp32_master_grads=bool(getattr(opt, "fp32_master_grads", True))).bytes_per_param
         held[recipe] = (state_bytes(model, opt) / n, est)
         return fit_figures(recorder.times, recorder.cpu_times)
     return once

@@ -75,8 +75,8 @@ def mlp(hidden: int, depth: int) -> keras.Sequential:
 def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> int:
     """Bytes of model state held at the optimizer step: variables, FP32 masters, per-parameter
     optimizer slots, and one gradient per trainable variable (Keras keeps no gradients between
-    steps, so they are counted, not read): FP32 for a variable with a master (the adapter casts
-    the gradient to FP32 before unscaling it onto the master), else the variable's dtype."""
+    steps, so they are counted, not read): FP32 for a variable with a master when the step widens
+    the whole gradient list first (``LossScaleOptimizer.fp32_master_grads``), else the variable's dtype."""
     seen: set[int] = set()
     total = 0
 
@@ -91,9 +91,10 @@ def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> in
             add(v)
     masters = [m for m in optimizer.master_variables if m is not None] if isinstance(optimizer, LossScaleOptimizer) \
         else []
+    fp32_grads = bool(masters) and optimizer.fp32_master_grads  # else each is widened inside its own update
     for v in (v for v in model.trainable_variables if not is_fp8_variable(v)):  # the gradients
         numel = int(np.prod(v.shape, dtype=np.int64))
-        total += 4 * numel if (masters and _is_low(v)) else nbytes(v)
+        total += 4 * numel if (fp32_grads and _is_low(v)) else nbytes(v)
     inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
     for m in masters:
         add(m)
@@ -263,7 +264,8 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     n_params = sum(int(np.prod(v.shape)) for v in trainables)
     storage = [(int(np.prod(v.shape)), keras.backend.standardize_dtype(v.dtype)) for v in trainables]
     name = get_recipe(recipe).name
-    estimate = estimate_memory(get_recipe(name).master, "adamw", storage, fp32_master_grads=True)
+    estimate = estimate_memory(get_recipe(name).master, "adamw", storage,
+                               fp32_master_grads=bool(getattr(opt, "fp32_master_grads", True)))
     losses = [s.loss for s in recorder.history if s.loss is not None and np.isfinite(s.loss)]
     tail = losses[-10:] or [float("nan")]
     return RunResult(
