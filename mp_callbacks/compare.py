@@ -288,7 +288,7 @@ def write_report(results: Sequence[RunResult], spec: RunSpec, out: str | os.Path
     ]
     for r in runs:
         if len(r.history):
-            md += [f"## {r.framework} {r.recipe}", "", f"![scale](" + f"{r.framework}_{r.recipe}_scale.png)", ""]
+            md += [f"## {r.framework} {r.recipe}", "", f"![scale]({r.framework}_{r.recipe}_scale.png)", ""]
     md += fp8_report_lines(runs, out)  # fp8-mixed runs: per-tensor FP8 rows and scale plots
     (out / "README.md").write_text("\n".join(md))
     return out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mp_callbacks.recipes import RECIPE_NAMES, get_recipe
+from mp_callbacks.recipes import RECIPE_NAMES
 
 from .baseline import check_against_baseline, check_baseline
 

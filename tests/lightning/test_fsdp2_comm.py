@@ -8,17 +8,16 @@ counter (bit for bit), and an FP32 reduction of the same injected gradient (no o
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.lightning.helpers.torchrun import run_two_ranks
+
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, BATCH, BOOST_STEP = 3, 8, 1
 RUNS = {  # name: (recipe, comm_dtype, counted, boosted)
     "mixed_bf16": ("16-mixed", "bfloat16", True, False),
@@ -29,21 +28,11 @@ RUNS = {  # name: (recipe, comm_dtype, counted, boosted)
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Every run on 2 processes; returns [rank 0's results, rank 1's results]."""
     out = tmp_path_factory.mktemp("fsdp2_comm")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           "-m", "tests.lightning.test_fsdp2_comm", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    run_two_ranks("tests.lightning.test_fsdp2_comm", out, timeout=300)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

@@ -22,7 +22,7 @@ from tests.lightning.helpers.monitor_models import (
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 from lightning_ext.torch_meters import grad_underflow_fraction, underflow_limit, update_swamped_fraction
-from mp_callbacks import History, estimate_memory
+from mp_callbacks import History
 from mp_callbacks import meters as ref
 from mp_callbacks.diagnostics import METRICS, OVERFLOW_MODULE, plot
 from mp_callbacks.meters import DivergenceError

@@ -9,39 +9,24 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.lightning.helpers.torchrun import run_two_ranks
 from tests.lightning.helpers.scale_out_worker import BOOST_STEP, INF_STEP, STEPS
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.multiprocess  # one torchrun launch: shares the xdist worker of process-launching tests
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run every scenario on 2 processes; ``ranks(name)`` -> [rank 0's result, rank 1's result]."""
     out = tmp_path_factory.mktemp("scale_out")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           "-m", "tests.lightning.helpers.scale_out_worker", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    run_two_ranks("tests.lightning.helpers.scale_out_worker", out, timeout=480)
 
     def load(name: str) -> list:
         return [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]
