@@ -16,7 +16,7 @@ from keras import ops
 import keras_ext
 from mp_callbacks.divergence import DivergenceRule, DivergenceState
 from mp_callbacks.meters import DivergenceError
-from tests.keras.helpers.util import not_on_jax, requires_tf_backend
+from tests.keras.helpers.util import requires_tf_backend
 
 RECIPES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")
 LOSS_MESSAGE = "loss was not finite on 5 consecutive steps up to step 5; none of them was applied.*no loss scale fixes"
@@ -54,7 +54,6 @@ def _iterations(opt):
     return int(ops.convert_to_numpy(opt.iterations))
 
 
-@not_on_jax
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_nan_every_step_stops_within_ten_steps_with_nothing_applied(recipe):
     model, opt = _setup(recipe)

@@ -21,7 +21,7 @@ JAX trainer, which applies the optimizer statelessly inside ``jit``:
 
 ``test_backend_agnostic_tests_pass_on_jax`` (marked slow: about 6 minutes here) runs the backend-agnostic
 test files and Keras' own ``LossScaleOptimizer`` suite again on JAX, as test_torch_backend.py does for torch
-(tests marked ``not_on_jax`` skip there).
+(the monitor and divergence tests in them included).
 """
 
 import json

@@ -20,7 +20,7 @@ import keras_ext
 from mp_callbacks import ConfigError, ScalerConfig
 from mp_callbacks.scaler import checks_overflow
 from tests.keras.helpers import stock_parity
-from tests.keras.helpers.util import not_on_jax, requires_tf_backend, run_script
+from tests.keras.helpers.util import requires_tf_backend, run_script
 
 KERAS_CONFIG_KEYS = {"name", "inner_optimizer", "initial_scale", "dynamic_growth_steps"}
 
@@ -137,7 +137,6 @@ def test_recipe_comes_from_master_optimizer_the_keyword_or_the_global_policy():
 
 
 # ---------------------------------------------------------------- monitor port
-@not_on_jax
 def test_monitor_port_attaches_one_monitor_and_follows_the_core_overflow_check_rule():
     opt = keras_ext.LossScaleOptimizer(keras.optimizers.SGD(), {"enabled": False})
 

@@ -15,7 +15,6 @@ import keras_ext
 from keras_ext.policy import POLICY_ATTR, RECIPE_ATTR
 from mp_callbacks import PolicyError, PrecisionPolicy, get_recipe
 from mp_callbacks.policy import format_report
-from tests.keras.helpers.util import not_on_jax
 
 
 class Scale(keras.layers.Layer):
@@ -204,7 +203,6 @@ def test_policy_report_rows_say_what_was_decided_and_why():
     assert text.splitlines()[0].split() == ["path", "class", "compute", "storage", "why"]
 
 
-@not_on_jax
 def test_the_monitor_prints_the_report_at_train_start(capsys):
     keras_ext.set_global_policy("bf16-master")
     model = keras_ext.apply_policy(_subclassed_layers())

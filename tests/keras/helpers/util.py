@@ -18,12 +18,6 @@ requires_tf_backend = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="uses TensorFlow APIs (tf.GradientTape / XLA)"
 )
 
-not_on_jax = pytest.mark.skipif(
-    keras.backend.backend() == "jax",
-    reason="the monitor and the divergence rule are TensorFlow/torch only (keras_ext.jax_support)",
-)
-
-
 def run_script(name: str, *args: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
     """Run ``python -m tests.keras.helpers.<name>`` in a fresh process from the repository root
     (TensorFlow backend unless ``env`` says otherwise; the backend and the device split must be
