@@ -79,15 +79,15 @@ def run(recipe: str = "bf16-master", epochs: int = 10, seed: int = 0) -> dict[st
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, train)
     trainer.test(model, test, verbose=False)
-    scaler = trainer.scaler
+    counters = plugin.loss_scaler  # counts steps, overflows and skips under every recipe
     masters = plugin.master_state_dict()
     return {
         "recipe": recipe,
         "accuracy": model.correct / max(model.seen, 1),
-        "scale": scaler.get_scale(),
-        "steps": scaler.steps,
-        "overflows": scaler.overflows,
-        "skipped": scaler.skipped,
+        "scale": trainer.scaler.get_scale() if trainer.scaler is not None else None,  # None: nothing is scaled
+        "steps": counters.steps,
+        "overflows": counters.overflows,
+        "skipped": counters.skipped,
         "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()}),
         "master_params": sum(m.numel() for m in masters.values()),
     }
@@ -104,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows = [run(r, args.epochs) for r in (RECIPE_NAMES if args.compare else [args.recipe])]
     print(f"{'recipe':<12} {'acc':>6} {'scale':>8} {'steps':>6} {'ovf':>4} {'skip':>5} {'masters':>8}  params")
     for r in rows:
-        print(f"{r['recipe']:<12} {r['accuracy']:6.3f} {r['scale']:8g} {r['steps']:6d} {r['overflows']:4d} "
+        scale = "-" if r["scale"] is None else f"{r['scale']:g}"
+        print(f"{r['recipe']:<12} {r['accuracy']:6.3f} {scale:>8} {r['steps']:6d} {r['overflows']:4d} "
               f"{r['skipped']:5d} {r['master_params']:8d}  {','.join(r['param_dtypes'])}")
     return rows
 

@@ -6,6 +6,7 @@ NumPy float32 and by the adapters with torch tensors or ``keras.ops``.
 """
 
 from .diagnostics import METRICS, History, StepStats
+from .divergence import DivergenceError, DivergenceRule
 from .master import MasterPlan, MemoryEstimate, bytes_per_param, estimate_memory
 from .ops import NUMPY_OPS, ArrayOps, NumpyOps
 from .policy import PolicyError, PrecisionPolicy
@@ -27,7 +28,7 @@ from .scaler import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArrayOps", "ConfigError", "DynamicLossScaler", "History", "METRICS", "MasterPlan",
+    "ArrayOps", "ConfigError", "DivergenceError", "DivergenceRule", "DynamicLossScaler", "History", "METRICS", "MasterPlan",
     "MemoryEstimate", "NUMPY_OPS", "NumpyOps", "PRESETS", "PolicyError", "PrecisionPolicy",
     "RECIPE_NAMES", "Recipe", "RecipeError", "ScaleFloorError", "ScaleFloorWarning",
     "ScalerConfig", "ScalerState", "StateDictError", "StepStats", "bytes_per_param",
