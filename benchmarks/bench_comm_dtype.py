@@ -6,7 +6,7 @@
 Launches itself with torchrun (2 CPU processes, gloo) unless already under it.  For each strategy, recipe
 and ``comm_dtype`` (float32, bfloat16, float16) it trains the same MLP on scikit-learn's digits with the
 same seed and the same per-rank batches through ``lightning_ext.MixedPrecision(recipe, comm_dtype=...)``,
-with ``plugin.comm_counter = CommCounter()`` (``lightning_ext.comm``): bytes are counted, not estimated.
+with ``plugin.comm_counter = CommCounter()`` (``lightning_ext.distributed``): bytes are counted, not estimated.
 
 * ``ddp`` (Lightning's DDPStrategy): the gradient all-reduce goes through the counting hook; the bytes are
   those handed to ``all_reduce`` per bucket, next to the core's ``allreduce_bytes``.
@@ -63,9 +63,9 @@ def run_one(strategy: str, recipe: str, comm: str, args, data) -> dict:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from lightning_ext import CommCounter, MixedPrecision
-    from lightning_ext.comm import fsdp_comm_units
+    from lightning_ext.distributed import fsdp_comm_units
     from lightning_ext.fsdp import fully_shard_model
-    from mp_callbacks.sharding import allreduce_bytes, fsdp_step_bytes
+    from mp_callbacks.memory.sharding import allreduce_bytes, fsdp_step_bytes
 
     x, y = data
 
@@ -139,8 +139,8 @@ def worker(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from mp_callbacks.compare import digits_data
-    from mp_callbacks.sharding import consensus_cost
+    from mp_callbacks.app.compare import digits_data
+    from mp_callbacks.memory.sharding import consensus_cost
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

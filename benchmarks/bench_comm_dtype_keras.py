@@ -9,11 +9,11 @@ gRPC collectives).  Recipes that store bf16 weights (``bf16-master``) cannot cre
 (the strategy broadcasts initial values with ``CollectiveBcastSend``, which has no bfloat16 kernel):
 they run in one process under ``MirroredStrategy`` on 2 logical CPU devices; the table says which.
 For each recipe and each ``comm_dtype`` (float32, bfloat16, float16) the runners' MLP
-(``keras_ext.compare.mlp`` under the recipe's policy, ``keras_ext.master_optimizer`` with the recipe's
-``comm_dtype``) trains on scikit-learn's digits with ``model.fit`` (``keras_ext.distribute.multi_worker_fit``
+(``mp_callbacks.app.keras_runner.mlp`` under the recipe's policy, ``keras_ext.master_optimizer`` with the recipe's
+``comm_dtype``) trains on scikit-learn's digits with ``model.fit`` (``keras_ext.distributed.multi_worker_fit``
 under MultiWorkerMirroredStrategy), the same seed and the same per-replica batches
 (``distribute_datasets_from_function``: replica i reads half i of each global batch).  What a step
-hands to the all-reduce is recorded by ``keras_ext.distribute.CommCounter`` when the step is traced
+hands to the all-reduce is recorded by ``keras_ext.distributed.CommCounter`` when the step is traced
 (counted, not estimated: the gradients on Keras' own FP32 path and on keras_ext's ``comm_dtype`` path,
 and the flags; per replica); the core's ``allreduce_bytes`` is printed beside it.
 Losses: each step's loss (the mean over both workers, as Keras logs it), the largest per-step
@@ -64,10 +64,10 @@ def run_one(strategy, recipe: str, comm: str, args, data, worker: int) -> dict:
     import tensorflow as tf
 
     import keras_ext
-    from keras_ext.compare import graph_options, mlp
-    from keras_ext.distribute import CommCounter, multi_worker_fit
+    from mp_callbacks.app.keras_runner import graph_options, mlp
+    from keras_ext.distributed import CommCounter, multi_worker_fit
     from mp_callbacks import get_recipe
-    from mp_callbacks.compare import RunSpec, batch_indices
+    from mp_callbacks.app.compare import RunSpec, batch_indices
 
     x, y = data
     spec = RunSpec(steps=args.steps, batch_size=WORKERS * args.batch_size, hidden=args.hidden, depth=args.depth)
@@ -138,7 +138,7 @@ def worker(argv: list[str]) -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
 
-    from mp_callbacks.compare import digits_data
+    from mp_callbacks.app.compare import digits_data
 
     args = parse(argv)
     index = 0 if mirrored else json.loads(os.environ["TF_CONFIG"])["task"]["index"]
@@ -151,7 +151,7 @@ def worker(argv: list[str]) -> None:
 
 
 def report(runs: list[dict], args) -> None:
-    from mp_callbacks.sharding import allreduce_bytes
+    from mp_callbacks.memory.sharding import allreduce_bytes
 
     print(machine_line(1))
     print(f"model.fit, MLP 64-{'-'.join([str(args.hidden)] * args.depth)}-10, {args.steps} steps, "

@@ -10,7 +10,7 @@ alternating in one process (order reversed every other round, a control copy
 of ``bf16-mixed``), and prints, in wall and in CPU time, the step times (a
 fit's figure: its median timed window, ``common.fit_figures``) and the median
 per-round ratios fp8-mixed / bf16-mixed, fp8-mixed / bf16-master, fp8-mixed /
-32-true, with the CPU model (``--json PATH`` also writes them).  Keras (``keras_ext.compare.fit_once``, ``model.fit``,
+32-true, with the CPU model (``--json PATH`` also writes them).  Keras (``mp_callbacks.app.keras_runner.fit_once``, ``model.fit``,
 TensorFlow unless KERAS_BACKEND says otherwise) runs the same after Lightning
 with the first ``--threads`` value.
 
@@ -41,8 +41,8 @@ from common import (  # noqa: E402
     alternate, base_parser, fit_figures, machine_line, print_tables, thread_specs, with_controls, write_json,
 )
 from lightning_ext import MixedPrecision  # noqa: E402
-from lightning_ext.compare import fit_once  # noqa: E402
-from mp_callbacks.compare import RunSpec  # noqa: E402
+from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
+from mp_callbacks.app.compare import RunSpec  # noqa: E402
 
 RECIPES = ("fp8-mixed", "bf16-mixed", "bf16-master", "32-true")
 PAIRS = [("fp8-mixed", "bf16-mixed"), ("fp8-mixed", "bf16-master"), ("fp8-mixed", "32-true"),
@@ -58,7 +58,7 @@ def lightning_measure(recipe: str, spec: RunSpec):
 
 def keras_measure(recipe: str, spec: RunSpec):
     def once() -> tuple[float, float]:
-        from keras_ext.compare import fit_once as keras_fit_once
+        from mp_callbacks.app.keras_runner import fit_once as keras_fit_once
 
         _, _, recorder = keras_fit_once(recipe, spec, record=False)
         return fit_figures(recorder.times, recorder.cpu_times)

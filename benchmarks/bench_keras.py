@@ -3,7 +3,7 @@
     python benchmarks/bench_keras.py [--threads 1 2] [--rounds 7] [--steps 40] [--jit] [--master]
 
 Both variants train the same MLP on the same batches with ``model.fit``
-(:func:`keras_ext.compare.fit_once`), the same AdamW, the same dtype policy and
+(:func:`mp_callbacks.app.keras_runner.fit_once`), the same AdamW, the same dtype policy and
 the same ``jit_compile`` setting; only the loss-scale optimizer differs:
 
 * ``ours``:   ``keras_ext.LossScaleOptimizer(AdamW, "keras")`` (the core transition, evaluated with keras.ops);
@@ -56,8 +56,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import keras_ext
     from common import alternate, print_table, with_controls
-    from keras_ext.compare import fit_once
-    from mp_callbacks.compare import RunSpec
+    from mp_callbacks.app.keras_runner import fit_once
+    from mp_callbacks.app.compare import RunSpec
 
     recipe = {"mixed_bfloat16": "bf16-mixed", "float32": "32-true"}[args.policy]
     spec = RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden, depth=args.depth,
@@ -94,7 +94,7 @@ def masters(args: argparse.Namespace, spec) -> None:  # noqa: ANN001
 
     import keras_ext
     from common import alternate, machine_line, print_table, with_controls
-    from keras_ext.compare import _arrays, _Recorder, fit_once, graph_options, mlp
+    from mp_callbacks.app.keras_runner import _arrays, _Recorder, fit_once, graph_options, mlp
 
     def ours(fp32_list: bool):
         def wrap(inner):  # noqa: ANN001, ANN202

@@ -7,7 +7,7 @@ Prints median per-step times and median ratios (ours / native), measured in
 one process, alternating, on the same MLP and batches; beside each ratio, the
 control ratio of the native variant against a second copy of itself (the
 noise of the machine).  A fit's figure is the median of its timed windows
-(:func:`mp_callbacks.compare.step_timing`), in wall time and in this process's
+(:func:`mp_callbacks.app.measurement.step_timing`), in wall time and in this process's
 CPU time (robust to other jobs on a shared machine); spreads are min-max over
 rounds.
 bf16-master runs its masters' step with torch's fused kernel
@@ -32,8 +32,8 @@ from common import (  # noqa: E402
     alternate, base_parser, fit_figures, machine_line, print_tables, thread_specs, with_controls, write_json,
 )
 from lightning_ext import MixedPrecision  # noqa: E402
-from lightning_ext.compare import fit_once  # noqa: E402
-from mp_callbacks.compare import RunSpec  # noqa: E402
+from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
+from mp_callbacks.app.compare import RunSpec  # noqa: E402
 
 
 def measure(make_plugin, spec: RunSpec, optimizer=None):

@@ -48,7 +48,7 @@ from bench_transformer_model import GPTConfig, TinyGPT  # noqa: E402
 from common import (  # noqa: E402
     alternate, base_parser, by_clock, machine_line, per_step, print_tables, with_controls, write_json,
 )
-from lightning_ext.compare import mlp  # noqa: E402
+from mp_callbacks.app.lightning_runner import mlp  # noqa: E402
 from lightning_ext.masters import MasterWeights  # noqa: E402
 
 LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 1e-2

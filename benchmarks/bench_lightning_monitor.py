@@ -3,7 +3,7 @@
     python benchmarks/bench_lightning_monitor.py [--threads 1 2] [--rounds 7] [--steps 100] [--recipes ...]
 
 Each recipe trains the same MLP on the same batches with our plugin
-(:func:`lightning_ext.compare.fit_once`), once with the monitor and once
+(:func:`mp_callbacks.app.lightning_runner.fit_once`), once with the monitor and once
 without, alternating in one process.  The monitor's hooks run inside the timed
 step (the timer starts before its ``on_train_batch_start`` and stops after its
 ``on_train_batch_end``).  Its heavier work (meters, host reads, logging) runs
@@ -31,8 +31,8 @@ from common import (  # noqa: E402
     alternate, base_parser, machine_line, print_table, thread_specs, with_controls, write_json,
 )
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor  # noqa: E402
-from lightning_ext.compare import fit_once  # noqa: E402
-from mp_callbacks.compare import RunSpec  # noqa: E402
+from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
+from mp_callbacks.app.compare import RunSpec  # noqa: E402
 
 
 def measure(recipe: str, spec: RunSpec, monitor: dict | None, log_every: int):

@@ -10,7 +10,7 @@ so it hides the cost of the policy's FP32 regions; this model has all of them
 variant trains the same model (same initial weights, same random-token
 batches, AdamW lr 1e-3) through ``Trainer``; variants alternate in one process
 (A B C / C B A), a fit's figure is its median timed window
-(:func:`mp_callbacks.compare.step_timing`) in wall time and in CPU time, ratios are medians of per-round
+(:func:`mp_callbacks.app.measurement.step_timing`) in wall time and in CPU time, ratios are medians of per-round
 ratios with their min-max over rounds, and each native variant runs a second
 time as a control.
 
@@ -50,7 +50,7 @@ from common import (  # noqa: E402
     alternate, base_parser, by_clock, fit_figures, machine_line, per_step, print_tables, with_controls, write_json,
 )
 from lightning_ext import MixedPrecision  # noqa: E402
-from lightning_ext.compare import state_bytes  # noqa: E402
+from mp_callbacks.app.lightning_runner import state_bytes  # noqa: E402
 from mp_callbacks.recipes import get_recipe  # noqa: E402
 
 GELU_RULE = ("NewGELUActivation", "bfloat16")

@@ -10,7 +10,7 @@ layer of plain ops (``NewGELU``, GPT-2's tanh GELU: a layer the op policy does
 not know, so keras_ext runs it in FP32 unless a module rule declares it), a
 final ``LayerNormalization`` and a ``Dense`` head; random-token batches,
 ``model.fit``, AdamW lr 1e-3, ``jit_compile=False``, Grappler's remapper off
-for every variant (``keras_ext.compare.graph_options``).
+for every variant (``mp_callbacks.app.keras_runner.graph_options``).
 
 * native: Keras' own global policy (``float32``, ``mixed_float16``,
   ``mixed_bfloat16``), AdamW, ``keras.optimizers.LossScaleOptimizer`` under
@@ -72,8 +72,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import keras_ext
     from common import alternate, fit_figures, machine_line, print_tables, with_controls
-    from keras_ext.compare import graph_options
-    from keras_ext.compare import run as keras_run
+    from mp_callbacks.app.keras_runner import graph_options
+    from mp_callbacks.app.keras_runner import run as keras_run
     from mp_callbacks.recipes import get_recipe
 
     @keras.saving.register_keras_serializable(package="bench")

@@ -19,7 +19,7 @@ around Keras' AdamW / SGD, ``model.fit`` on the TensorFlow backend unless
 KERAS_BACKEND says otherwise) runs the same three side by side in the same
 process, after Lightning, with the first ``--threads`` value only (TensorFlow
 fixes its thread pools when it starts); its bytes per parameter are the
-variables held plus one gradient per variable (``keras_ext.compare.state_bytes``).
+variables held plus one gradient per variable (``mp_callbacks.app.keras_runner.state_bytes``).
 No thresholds: figures only.
 """
 
@@ -39,9 +39,9 @@ from common import (  # noqa: E402
     alternate, base_parser, fit_figures, machine_line, print_tables, thread_specs, with_controls, write_json,
 )
 from lightning_ext import MixedPrecision  # noqa: E402
-from lightning_ext.compare import fit_once  # noqa: E402
-from mp_callbacks.compare import RunSpec  # noqa: E402
-from mp_callbacks.master import estimate_memory  # noqa: E402
+from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
+from mp_callbacks.app.compare import RunSpec  # noqa: E402
+from mp_callbacks.memory.estimate import estimate_memory  # noqa: E402
 
 RECIPES = ("bf16-master", "bf16-kahan", "bf16-sr")
 
@@ -64,7 +64,7 @@ def measure(recipe: str, spec: RunSpec, optimizer, optimizer_name: str, held: di
 
 
 def estimate(recipe: str, spec: RunSpec, optimizer_name: str) -> float:
-    from lightning_ext.compare import mlp
+    from mp_callbacks.app.lightning_runner import mlp
 
     storage = [(p.numel(), "bfloat16") for p in mlp(spec.hidden, spec.depth).parameters()]
     kind = "adamw" if optimizer_name == "adamw" else "sgd-momentum"
@@ -78,7 +78,7 @@ def keras_measure(recipe: str, spec: RunSpec, optimizer_name: str, held: dict[st
     import keras
 
     from keras_ext import master_optimizer
-    from keras_ext.compare import fit_once, state_bytes
+    from mp_callbacks.app.keras_runner import fit_once, state_bytes
     from mp_callbacks.recipes import get_recipe
 
     def wrap(inner: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:

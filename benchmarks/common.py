@@ -113,8 +113,8 @@ what the fit itself computed, robust to other jobs sharing the machine, which on
 
 
 def fit_figures(wall: list[float], cpu: list[float]) -> tuple[float, float]:
-    """A fit's (wall, cpu) seconds per step: the median of its timed windows (mp_callbacks.compare.step_timing)."""
-    from mp_callbacks.compare import step_timing
+    """A fit's (wall, cpu) seconds per step: the median of its timed windows (mp_callbacks.app.measurement.step_timing)."""
+    from mp_callbacks.app.measurement import step_timing
 
     return step_timing(wall).median_ms / 1000, step_timing(cpu).median_ms / 1000
 
@@ -130,8 +130,8 @@ def print_tables(title: str, times: Mapping[str, list[Any]], pairs: list[tuple[s
 
 
 def machine_line(threads: int | None = None) -> str:
-    """CPU model, the low-precision features found (mp_callbacks.machine), torch's version, threads."""
-    from mp_callbacks.machine import cpu_model, features
+    """CPU model, the low-precision features found (mp_callbacks.app.machine), torch's version, threads."""
+    from mp_callbacks.app.machine import cpu_model, features
 
     found = [k for k, v in features().items() if v and k in ("amx_bf16", "amx_fp16", "avx512_bf16",
                                                                   "avx512_fp16", "avx512f", "avx2")]
@@ -171,7 +171,7 @@ def base_parser(doc: str | None, rounds: int = 7, steps: int = 40, hidden: int =
 
 def thread_specs(args: argparse.Namespace) -> Iterator[tuple[int, Any]]:
     """``(threads, RunSpec)`` for each ``--threads`` value, with Lightning's and Python's chatter off."""
-    from mp_callbacks.compare import RunSpec
+    from mp_callbacks.app.compare import RunSpec
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")

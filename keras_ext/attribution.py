@@ -15,9 +15,9 @@ dropout masks; no eager re-run):
 * :meth:`~LayerAttribution.culprit` (called by the monitor on overflow steps
   only, inside the step) turns the probes and the step's parameter gradients
   into flags and returns the index of the first flagged entry of the name
-  table: the core's :func:`~mp_callbacks.monitor_helpers.attribution_order`
+  table: the core's :func:`~mp_callbacks.diagnostics.attribution.attribution_order`
   (forward outputs in call order, the loss, then layers in reverse call order),
-  so the index names :func:`~mp_callbacks.monitor_helpers.first_culprit`'s answer.
+  so the index names :func:`~mp_callbacks.diagnostics.attribution.first_culprit`'s answer.
 * :meth:`~LayerAttribution.name` maps an index read back on the host to the
   dotted layer path (``"encoder.dense_1"``, as in :func:`keras_ext.layer_dtype_policies`).
 
@@ -35,10 +35,10 @@ from typing import Any, Iterator, Optional
 import keras
 from keras import ops
 
-from mp_callbacks.monitor_helpers import attribution_order
+from mp_callbacks.diagnostics.attribution import attribution_order
 
 from .policy import _own_variables, _walk
-from .keras_ops import is_tf
+from .ops import is_tf
 
 __all__ = ["LayerAttribution"]
 

@@ -18,7 +18,7 @@ optimizer's variables.  This module adds what Keras cannot do by itself:
 * :func:`resume`: continue a saved run with this model and optimizer, under
   their recipe (the core's :func:`~mp_callbacks.recipes.plan_resume`).  The same
   recipe restores everything; another recipe (opt-in: ``allow_recipe_change=True``;
-  otherwise a :class:`~mp_callbacks.scaler.StateDictError` names both) takes the
+  otherwise a :class:`~mp_callbacks.loss_scale.scaler.StateDictError` names both) takes the
   weights from the FP32 values (the masters of a ``*-master`` run), builds this
   optimizer's masters from them, carries the inner optimizer's slots, step count
   and learning rate over, and restarts the loss scaler from its config with a warning.
@@ -37,7 +37,7 @@ from keras import ops
 
 from mp_callbacks.policy import PolicyError
 from mp_callbacks.recipes import ResumePlan, get_recipe, plan_resume
-from mp_callbacks.scaler import StateDictError, check_state_dict
+from mp_callbacks.loss_scale.scaler import StateDictError, check_state_dict
 
 from .optimizer import LossScaleOptimizer
 from .policy import _RECIPE_OF_DTYPES, _layers, _walk, clone_with_policies, is_clonable, optimizer_recipe
@@ -172,7 +172,7 @@ def resume(model: keras.Model, source: keras.Model | str | os.PathLike[str],
     :class:`~mp_callbacks.recipes.ResumePlan`.
 
     The same recipe: weights, masters, optimizer slots and step count, scaler state, exactly.  Another
-    recipe, with ``allow_recipe_change=True`` (else :class:`~mp_callbacks.scaler.StateDictError` naming
+    recipe, with ``allow_recipe_change=True`` (else :class:`~mp_callbacks.loss_scale.scaler.StateDictError` naming
     both): the weights from the saved FP32 values (masters where the saved run kept them), this
     optimizer's masters from those values, the inner optimizer's variables (slots, step count, learning
     rate) carried over, the scaler restarted from its config (a warning says so).  The divergence

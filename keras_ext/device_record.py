@@ -4,7 +4,7 @@ The Keras monitor cannot read device values in the step without a host sync,
 so :meth:`keras_ext.MixedPrecisionMonitor.on_optimizer_step` writes them into
 :class:`DeviceRecord` variables and the monitor reads them all at once on
 logging steps and at epoch / train end.  Every vector has named slots
-(:class:`~mp_callbacks.monitor.PackedLayout`), so nothing is addressed by
+(:class:`~mp_callbacks.diagnostics.monitor.PackedLayout`), so nothing is addressed by
 position.
 """
 
@@ -17,11 +17,11 @@ import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.monitor import PackedLayout
+from mp_callbacks.diagnostics.monitor import PackedLayout
 
 from .fp8 import is_fp8_variable
 from .jax_support import cond, is_jax, tracing
-from .keras_meters import grad_norm, underflow_counts
+from .meters import grad_norm, underflow_counts
 
 __all__ = ["COUNTERS", "DeviceRecord"]
 

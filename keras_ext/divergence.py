@@ -1,8 +1,8 @@
 """``KerasDivergence``: the core's divergence rule inside the Keras optimizer's step.
 
-The twin of the divergence part of :class:`lightning_ext.torch_scaler.TorchLossScaler`,
-with the same rule (:class:`mp_callbacks.divergence.DivergenceRule`, evaluated by
-its pure transition :func:`~mp_callbacks.divergence.next_divergence_state` with
+The twin of the divergence part of :class:`lightning_ext.scaler.TorchLossScaler`,
+with the same rule (:class:`mp_callbacks.diagnostics.divergence.DivergenceRule`, evaluated by
+its pure transition :func:`~mp_callbacks.diagnostics.divergence.next_divergence_state` with
 ``keras.ops``) and the same message (:meth:`DivergenceRule.error`).  In Keras:
 
 * :meth:`KerasDivergence.record_loss` (from ``scale_loss``, which Keras'
@@ -17,7 +17,7 @@ its pure transition :func:`~mp_callbacks.divergence.next_divergence_state` with
   latches ``stop_step``; from then on every step is skipped and the scaler state
   frozen (:meth:`stopped`), so nothing is applied while the host has not looked;
 * :meth:`KerasDivergence.check` is the host side: one scalar read of the latch,
-  and the :class:`~mp_callbacks.meters.DivergenceError` when it is set (the
+  and the :class:`~mp_callbacks.diagnostics.meters.DivergenceError` when it is set (the
   latch is cleared, the streaks stay, as in the core rule).  It runs at the end
   of every eager ``apply`` (torch backend, ``run_eagerly=True``) and, when the
   step is a ``tf.function``, after every call of ``model.train_function``
@@ -41,11 +41,11 @@ from typing import Any, Callable
 import keras
 from keras import ops
 
-from mp_callbacks.divergence import DivergenceRule, DivergenceState, next_divergence_state
-from mp_callbacks.scaler import ScalerConfig
+from mp_callbacks.diagnostics.divergence import DivergenceRule, DivergenceState, next_divergence_state
+from mp_callbacks.loss_scale.config import ScalerConfig
 
 from .jax_support import in_stateless_step, is_jax
-from .keras_ops import KERAS_OPS, is_tf
+from .ops import KERAS_OPS, is_tf
 
 __all__ = ["KerasDivergence", "VARIABLES"]
 
@@ -57,7 +57,7 @@ class KerasDivergence:
     """The divergence rule of one optimizer, on the device.
 
     Args:
-      rule: the :class:`~mp_callbacks.divergence.DivergenceRule` (its limits; its host streaks are unused).
+      rule: the :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule` (its limits; its host streaks are unused).
       config: the optimizer's scaler config (the rule needs steps that can be skipped).
       on_stop: called on the host just before the error is raised (the optimizer uninstalls an
         attached monitor, as Lightning's monitor does on an exception).
@@ -122,7 +122,7 @@ class KerasDivergence:
 
     # ------------------------------------------------------------- the host
     def check(self) -> None:
-        """Raise :class:`~mp_callbacks.meters.DivergenceError` when a stop is latched (one scalar read)."""
+        """Raise :class:`~mp_callbacks.diagnostics.meters.DivergenceError` when a stop is latched (one scalar read)."""
         if not self._vars:
             return
         step = int(_read(self._vars["stop_step"]))  # the one read of a step without a stop

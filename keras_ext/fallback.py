@@ -5,7 +5,7 @@ its variables are float32 already (``*-mixed`` recipes); under ``*-master``
 (low-precision variables) :func:`move_layer_to_fp32` names the variables in
 the way and changes nothing: the model must be rebuilt with
 ``apply_policy(model, policy.with_fp32_modules(path))``.  The decision of
-*which* layer moves is the core's (:class:`~mp_callbacks.monitor.MonitorCore`).
+*which* layer moves is the core's (:class:`~mp_callbacks.diagnostics.monitor.MonitorCore`).
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ in low precision (so not the FP32 output layers, norms or custom layers;
 ``qdq_g`` is the identity forward and quantize-dequantizes the output
 gradient to e5m2 in the backward (so the kernel and input gradients use it,
 the bias gradient does not), the matmul runs in float32 on the dequantized
-values: the arithmetic of :mod:`mp_callbacks.fp8_recipe`, the same as
+values: the arithmetic of :mod:`mp_callbacks.fp8.recipe`, the same as
 :mod:`lightning_ext.fp8`.  This is the structure of Keras's own float8 layers
 (``layer.quantize("float8")``), whose variables it mirrors, with the core's
-transition (:func:`mp_callbacks.fp8.next_fp8_state` evaluated with
-:class:`~keras_ext.keras_ops.KerasOps`) instead of Keras's rule.
+transition (:func:`mp_callbacks.fp8.scaling.next_fp8_state` evaluated with
+:class:`~keras_ext.ops.KerasOps`) instead of Keras's rule.
 
 Per tensor role (``inputs``, ``weights``, ``grad_outputs``) a layer gets four
 float32 variables with ``overwrite_with_gradient=True`` (as Keras's float8
@@ -23,7 +23,7 @@ layers): ``fp8_<role>_amax_history``, ``fp8_<role>_scale``,
 ``fp8_<role>_scale_inv`` and ``fp8_<role>_nonfinite``.  Their "gradients"
 are the next state, so the optimizer writes them, and only on applied steps:
 under :class:`keras_ext.LossScaleOptimizer` a skipped step writes nothing, so
-the states keep their values, exactly like :func:`~mp_callbacks.fp8.select_fp8_state`.
+the states keep their values, exactly like :func:`~mp_callbacks.fp8.scaling.select_fp8_state`.
 The ``nonfinite`` variable's "gradient" is NaN when the role's amax was not
 finite: the optimizer's finite check then skips the step like any overflow
 (the state itself stays clean: the core rule does not record the amax).  Use
@@ -44,10 +44,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.fp8 import FP8State, next_fp8_state
-from mp_callbacks.fp8_recipe import FP8_ROLES, FP8Recipe
+from mp_callbacks.fp8.scaling import FP8State, next_fp8_state
+from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe
 
-from .keras_ops import KERAS_OPS, is_tf
+from .ops import KERAS_OPS, is_tf
 
 __all__ = ["FP8_VARIABLE_FIELDS", "enable_fp8", "fp8_layers", "fp8_recipe_of", "fp8_state", "host_metrics", "install",
            "is_fp8_variable"]
@@ -196,7 +196,7 @@ def _amax(x: Any) -> Any:
 
 
 def _qdq(x32: Any, config: Any, scale: Any, scale_inv: Any, amax: Any = None) -> Any:
-    """The float32 value after the FP8 round trip (the core's :func:`~mp_callbacks.fp8_recipe.fp8_qdq`);
+    """The float32 value after the FP8 round trip (the core's :func:`~mp_callbacks.fp8.recipe.fp8_qdq`);
     with ``amax``, also the stats vector ``[amax, saturated, flushed, elements]``."""
     fmax = float(config.fmt.max)
     y = ops.divide(x32, scale_inv) if config.stored == "scale_inv" else ops.multiply(x32, scale)
@@ -301,9 +301,9 @@ def _fp8_call(layer: Any, inputs: Any, training: Any = None) -> Any:
 
 
 def host_metrics(model: Any) -> dict[str, float] | None:
-    """The ``mp/fp8_*`` metrics of the last applied step (:func:`mp_callbacks.diagnostics.fp8_metrics`),
+    """The ``mp/fp8_*`` metrics of the last applied step (:func:`mp_callbacks.diagnostics.metrics.fp8_metrics`),
     read from the FP8 layers' variables (one small read per variable); None without FP8 layers."""
-    from mp_callbacks.diagnostics import fp8_metrics
+    from mp_callbacks.diagnostics.metrics import fp8_metrics
 
     layers = list(fp8_layers(model))
     if not layers:

@@ -1,7 +1,7 @@
 """FP32 master weights inside a Keras optimizer (the ``*-master`` recipes).
 
 The twin of :class:`lightning_ext.masters.MasterWeights`.  The core's rule
-(:mod:`mp_callbacks.master`): a variable stored in float16/bfloat16 gets an
+(:mod:`mp_callbacks.memory.estimate`): a variable stored in float16/bfloat16 gets an
 FP32 master; the inner optimizer is built on (and updates) the master, so its
 slots are FP32; after every *applied* step the master is rounded back into the
 low-precision variable.  Variables kept in FP32 are their own master.  In Keras:
@@ -34,9 +34,9 @@ import keras
 from keras import ops
 
 from mp_callbacks.recipes import Recipe, get_recipe
-from mp_callbacks.scaler import ScalerConfig
+from mp_callbacks.loss_scale.config import ScalerConfig
 
-from .keras_ops import dtype_name, is_tf
+from .ops import dtype_name, is_tf
 
 __all__ = ["LOW_PRECISION", "MasterWeights", "master_optimizer", "widened_in_update", "widens_in_update"]
 

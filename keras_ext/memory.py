@@ -5,7 +5,7 @@ from the variables that exist (Keras keeps no gradients between steps, so they
 are counted as the step holds them: the variable's dtype, or FP32 for a variable
 with a master when the optimizer widens the whole list first,
 :attr:`~keras_ext.LossScaleOptimizer.fp32_master_grads`); the estimate and the
-report's layout are the core's :func:`mp_callbacks.master.memory_report`.
+report's layout are the core's :func:`mp_callbacks.memory.estimate.memory_report`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import keras
 import numpy as np
 
 from mp_callbacks.dtypes import canonical_dtype, dtype_bytes
-from mp_callbacks.fp8_recipe import fp8_state_bytes
-from mp_callbacks.master import MemoryEstimate, is_optimizer_state
-from mp_callbacks.master import memory_report as core_memory_report
+from mp_callbacks.fp8.recipe import fp8_state_bytes
+from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state
+from mp_callbacks.memory.estimate import memory_report as core_memory_report
 
 from .fp8 import fp8_layers, fp8_recipe_of, is_fp8_variable
 
@@ -37,7 +37,7 @@ def memory_report(model: keras.Model, opt: Any) -> dict[str, Any]:
     """The core's memory report for ``opt.recipe`` with ``actual`` counted from the variables held.
 
     ``actual``: the trainable variables, the FP32 masters, the inner optimizer's variables that
-    :func:`~mp_callbacks.master.is_optimizer_state` counts, ``bf16-kahan``'s compensation buffers,
+    :func:`~mp_callbacks.memory.estimate.is_optimizer_state` counts, ``bf16-kahan``'s compensation buffers,
     the gradients, and under ``fp8-mixed`` the FP8 scaling variables (state, not parameters).
     """
     every = list(model.trainable_variables)

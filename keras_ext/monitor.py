@@ -1,8 +1,8 @@
 """``keras_ext.MixedPrecisionMonitor``: the core's diagnostics as a Keras callback.
 
 The Keras twin of :class:`lightning_ext.MixedPrecisionMonitor`:
-:class:`~mp_callbacks.monitor.MonitorCore` decides the cadence, keeps the
-:class:`~mp_callbacks.diagnostics.History`, runs the divergence guard and the
+:class:`~mp_callbacks.diagnostics.monitor.MonitorCore` decides the cadence, keeps the
+:class:`~mp_callbacks.diagnostics.metrics.History`, runs the divergence guard and the
 auto-fallback tracker; this callback gathers the numbers from
 :class:`keras_ext.LossScaleOptimizer` (and its ``recipe``) and writes the
 shared metric names into Keras ``logs``: on logging steps into the batch
@@ -16,12 +16,12 @@ is the scale the step's gradients were produced with, the counters are the
 totals after the step.
 
 Host syncs: none between logging steps.  The monitor attaches to the
-optimizer (:class:`~mp_callbacks.monitor.MonitorPort`), which calls
+optimizer (:class:`~mp_callbacks.diagnostics.monitor.MonitorPort`), which calls
 :meth:`MixedPrecisionMonitor.on_optimizer_step` inside the traced step; it only
 writes the :class:`~keras_ext.device_record.DeviceRecord` (the step's scale and
 flag, the meters when a device flag asks for them, one row per overflow step).
 Logging steps and epoch / train end read it in one host read; the swamping
-meter (:class:`~keras_ext.keras_meters.SwampMeter`) snapshots the sampled
+meter (:class:`~keras_ext.meters.SwampMeter`) snapshots the sampled
 elements of the updated variables (FP32 masters under ``*-master``) before a
 logging step.  Overflow steps between two reads are recorded (exact step,
 scale, counters, culprit) at the next read, where the guard and the fallback
@@ -50,18 +50,18 @@ from typing import Any, Optional
 
 import keras
 
-from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats, json_safe, memory_metrics
+from mp_callbacks.diagnostics.metrics import OVERFLOW_MODULE, StepStats, json_safe, memory_metrics
 from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.meters import METER_SAMPLES, DivergenceError
-from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
+from mp_callbacks.diagnostics.meters import METER_SAMPLES, DivergenceError
+from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
 
 from .attribution import LayerAttribution
 from .device_record import COUNTERS, DeviceRecord
 from .fallback import blocked_message, move_layer_to_fp32
 from .fp8 import host_metrics as fp8_host_metrics
 from .jax_support import is_jax, sync
-from .keras_meters import SwampMeter
-from .keras_ops import is_tf
+from .meters import SwampMeter
+from .ops import is_tf
 from .memory import memory_report
 from .optimizer import LossScaleOptimizer
 from .policy import policy_report
@@ -80,7 +80,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     Args:
       log_every_n_steps: write a full record (all shared metrics) every N
         steps; overflow steps are always recorded (at the next read).
-      divergence_patience: raise :class:`~mp_callbacks.meters.DivergenceError`
+      divergence_patience: raise :class:`~mp_callbacks.diagnostics.meters.DivergenceError`
         after this many consecutive overflows with the scale at its floor
         (None: never); the message names the scale, the step, the first
         non-finite layer and a checklist.
@@ -97,7 +97,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
       measure_grads: ``mp/grad_norm`` and ``mp/grad_underflow_frac`` on logging steps.
       measure_swamping: ``mp/update_swamped_frac`` on logging steps.
       meter_samples: elements per tensor that the underflow and swamping
-        meters read (:func:`mp_callbacks.meters.sample_stride`); ``None`` reads
+        meters read (:func:`mp_callbacks.diagnostics.meters.sample_stride`); ``None`` reads
         every element.  ``mp/grad_norm`` always reads every element.
       log_memory: compute :meth:`memory_report` at train start and end.
       compute_dtype: the low-precision compute dtype of the underflow rule
@@ -110,7 +110,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         (:func:`keras_ext.policy_report`; kept as a ``"policy"`` history event).
 
     While attached, the optimizer's per-step overflow check runs even where no
-    step is skipped (``skip_nonfinite=False``; :func:`mp_callbacks.scaler.checks_overflow`).
+    step is skipped (``skip_nonfinite=False``; :func:`mp_callbacks.loss_scale.scaler.checks_overflow`).
     Put the monitor *before* ``TensorBoard``/``CSVLogger`` in ``callbacks`` so
     that they see the names it adds to ``logs``.  With ``steps_per_execution=k``
     a logging record is the last step of an execution that contains a logging
@@ -251,7 +251,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     # ---------------------------------------------------------- installing
     def uninstall(self) -> None:
         """Detach from the optimizer and remove the attribution wrappers (idempotent).  Runs at train end,
-        before a :class:`~mp_callbacks.meters.DivergenceError` (the guard's or the optimizer's) propagates
+        before a :class:`~mp_callbacks.diagnostics.meters.DivergenceError` (the guard's or the optimizer's) propagates
         and at the next train start; after a ``fit`` that raised otherwise, call it to restore the model."""
         self._logging_now = False
         self.attribution.uninstall()

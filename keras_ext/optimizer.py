@@ -7,20 +7,20 @@ decision comes from the core:
 
 * the scaler state lives in :class:`~keras_ext.scaler.KerasLossScaler`
   (Keras variables on this optimizer, moved by
-  :func:`mp_callbacks.scaler.next_state` evaluated with ``keras.ops``);
+  :func:`mp_callbacks.loss_scale.scaler.next_state` evaluated with ``keras.ops``);
 * the finite check covers every gradient of the step and, under ``tf.distribute``, is all-reduced
   across replicas *before* the decision (any replica overflows => every replica skips);
 * a skipped step leaves variables, optimizer slots, masters and the inner ``iterations`` untouched
   (on JAX, :mod:`keras_ext.jax_support`: the stateless path of Keras' JAX trainer);
 * ``master_weights=True`` (the ``*-master`` recipes) keeps FP32 masters
   (:class:`~keras_ext.masters.MasterWeights`); ``bf16-kahan``/``bf16-sr`` round
-  the update into the bf16 variables instead (:class:`~keras_ext.update_rounding.UpdateRounding`);
+  the update into the bf16 variables instead (:class:`~keras_ext.rounding.UpdateRounding`);
 * :attr:`LossScaleOptimizer.recipe`: the :class:`~mp_callbacks.Recipe` implemented (the monitor reads it);
 * the core's divergence rule runs inside the step
   (:class:`~keras_ext.divergence.KerasDivergence`): a run that cannot recover
-  stops with :class:`~mp_callbacks.meters.DivergenceError`;
+  stops with :class:`~mp_callbacks.diagnostics.meters.DivergenceError`;
 * a :class:`keras_ext.MixedPrecisionMonitor` attaches through the core's
-  :class:`~mp_callbacks.monitor.MonitorPort`; while attached, :meth:`apply`
+  :class:`~mp_callbacks.diagnostics.monitor.MonitorPort`; while attached, :meth:`apply`
   calls its ``on_optimizer_step`` inside the traced step.
 """
 
@@ -34,20 +34,21 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import keras
 from keras import ops
 
-from mp_callbacks.diagnostics import OVERFLOW, StepStats
-from mp_callbacks.divergence import DivergenceRule
-from mp_callbacks.monitor import MonitorPort
+from mp_callbacks.diagnostics.metrics import OVERFLOW, StepStats
+from mp_callbacks.diagnostics.divergence import DivergenceRule
+from mp_callbacks.diagnostics.monitor import MonitorPort
 from mp_callbacks.recipes import Recipe
-from mp_callbacks.scaler import ScalerConfig, ScalerCounters, ScalerState
+from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale.scaler import ScalerCounters, ScalerState
 
-from .distribute import inner_reduction_off, reduce_gradients, reduces_itself
+from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
 from .jax_support import StepStateOwner, run_if, stateless_apply
-from .keras_ops import is_tf
+from .ops import is_tf
 from .masters import MasterWeights, master_optimizer, widened_in_update  # master_optimizer: re-exported
 from .policy import coerce_recipe, optimizer_recipe
 from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
-from .update_rounding import UpdateRounding, weight_store
+from .rounding import UpdateRounding, weight_store
 
 __all__ = ["LossScaleOptimizer", "master_optimizer"]
 
@@ -82,13 +83,13 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
         gradients to count them; ``None`` (default): only while a
         :class:`keras_ext.MixedPrecisionMonitor` is attached.  Otherwise the
         check always runs (it decides the skip): the rule is
-        :func:`mp_callbacks.scaler.checks_overflow`, as in the Lightning plugin.
+        :func:`mp_callbacks.loss_scale.scaler.checks_overflow`, as in the Lightning plugin.
       recipe: the :class:`mp_callbacks.Recipe` (or recipe name) this optimizer
         implements; None: keras_ext's global recipe
         (:func:`keras_ext.get_global_recipe`) at construction.  Either way
         :attr:`recipe` carries this optimizer's scaler and master choice.
       divergence: when to stop a run that cannot recover
-        (:class:`~mp_callbacks.divergence.DivergenceRule`, a dict of its limits;
+        (:class:`~mp_callbacks.diagnostics.divergence.DivergenceRule`, a dict of its limits;
         None: the default rule, False: never).
       seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.rounding`).
       name: the optimizer's name.
@@ -243,11 +244,11 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
 
     @property
     def divergence(self) -> DivergenceRule:
-        """The :class:`~mp_callbacks.divergence.DivergenceRule` (its limits; the streaks live on the device)."""
+        """The :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule` (its limits; the streaks live on the device)."""
         return self._divergence.rule
 
     def check_divergence(self) -> None:
-        """Raise :class:`~mp_callbacks.meters.DivergenceError` if the rule stopped the run (one host read).
+        """Raise :class:`~mp_callbacks.diagnostics.meters.DivergenceError` if the rule stopped the run (one host read).
 
         ``model.fit`` and eager steps check by themselves; call it after each step of a custom
         ``tf.function`` loop (until then every step is skipped)."""

@@ -37,7 +37,7 @@ from keras import ops
 
 from mp_callbacks.policy import PolicyError, PrecisionPolicy, class_names
 from mp_callbacks.recipes import Recipe, get_recipe
-from mp_callbacks.scaler import ScalerConfig
+from mp_callbacks.loss_scale.config import ScalerConfig
 
 __all__ = [
     "POLICY_ATTR",
@@ -271,7 +271,7 @@ def _plan(model: keras.Model, policy: Any) -> list[tuple[str, Any, keras.DTypePo
 def policy_report(model: keras.Model, policy: Any = None) -> list[dict[str, str]]:
     """What the policy decides for every layer of ``model``: ``{"path", "class", "compute", "storage", "why"}``.
 
-    The rows of :func:`lightning_ext.module_policy.policy_report` (format them with
+    The rows of :func:`lightning_ext.policy.policy_report` (format them with
     :func:`mp_callbacks.policy.format_report`): ``compute`` is the dtype the
     policy gives the layer (``policy``: anything :func:`resolve_policy` takes;
     default: the global one, as :func:`apply_policy`), ``storage`` the dtype of

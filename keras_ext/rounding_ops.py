@@ -1,6 +1,6 @@
-"""The core's rounding ops (:class:`mp_callbacks.rounding.RoundingOps`) over ``keras.ops``, and the element layout.
+"""The core's rounding ops (:class:`mp_callbacks.rounding.rules.RoundingOps`) over ``keras.ops``, and the element layout.
 
-What :mod:`keras_ext.update_rounding` evaluates the core's Kahan and
+What :mod:`keras_ext.rounding` evaluates the core's Kahan and
 stochastic-rounding rules with: bit for bit the NumPy reference's numbers and
 :mod:`lightning_ext.rounding_ops`' (u32 values held as int32 with the same
 bits).  :func:`element_index` and :func:`canonical_perm` index a Keras
@@ -14,9 +14,9 @@ from typing import Any, Optional, Sequence
 
 from keras import ops
 
-from mp_callbacks.rounding import index_strides, keras_kernel_to_canonical, s32
+from mp_callbacks.rounding.random_source import index_strides, keras_kernel_to_canonical, s32
 
-from .keras_ops import dtype_name
+from .ops import dtype_name
 
 __all__ = ["KERAS_ROUNDING_OPS", "KERNEL_NAMES", "KerasRoundingOps", "canonical_perm", "element_index"]
 
@@ -25,7 +25,7 @@ KERNEL_NAMES = ("kernel",)
 
 
 class KerasRoundingOps:
-    """:class:`mp_callbacks.rounding.RoundingOps` over ``keras.ops`` (any backend, traced or eager).
+    """:class:`mp_callbacks.rounding.rules.RoundingOps` over ``keras.ops`` (any backend, traced or eager).
 
     u32 values live in int32 tensors (the same bits: multiplication and addition wrap modulo ``2**32``;
     ``shr`` masks the sign extension of the arithmetic shift); bf16 arithmetic is the backend's (computed
@@ -83,7 +83,7 @@ KERAS_ROUNDING_OPS = KerasRoundingOps()
 
 def element_index(shape: Sequence[int], to_canonical: Optional[tuple[int, ...]] = None) -> Any:
     """int32 (u32 bits) canonical flat indices of a stored array of ``shape`` (broadcast ``arange``s with
-    :func:`~mp_callbacks.rounding.index_strides`; equals :func:`~mp_callbacks.rounding.layout_index`)."""
+    :func:`~mp_callbacks.rounding.random_source.index_strides`; equals :func:`~mp_callbacks.rounding.random_source.layout_index`)."""
     shape = tuple(int(n) for n in shape)
     index = ops.zeros(shape, dtype="int32")
     for axis, (n, stride) in enumerate(zip(shape, index_strides(shape, to_canonical))):

@@ -1,18 +1,18 @@
 """``KerasLossScaler``: the core's loss-scaler state in Keras variables.
 
-The twin of :class:`lightning_ext.torch_scaler.TorchLossScaler`.  The state
-(:class:`~mp_callbacks.scaler.ScalerState`: scale, growth tracker,
+The twin of :class:`lightning_ext.scaler.TorchLossScaler`.  The state
+(:class:`~mp_callbacks.loss_scale.scaler.ScalerState`: scale, growth tracker,
 hysteresis, counters) lives in non-trainable scalar variables created on the
 optimizer that owns this object (so they are saved, restored and mirrored
-with it) and moves only by :func:`mp_callbacks.scaler.next_state` evaluated
-with :class:`~keras_ext.keras_ops.KerasOps` (no host read inside a traced
+with it) and moves only by :func:`mp_callbacks.loss_scale.scaler.next_state` evaluated
+with :class:`~keras_ext.ops.KerasOps` (no host read inside a traced
 step).  Rules:
 
 * :meth:`transition` computes the next state; :meth:`write` assigns it, after
   the floor reaction;
 * a floor hit (an overflow that asks for a backoff at ``min_scale``) reacts per
   ``on_min_scale``: eagerly through the core's
-  :func:`~mp_callbacks.scaler.react_to_floor_hit`; inside a traced
+  :func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`; inside a traced
   ``tf.function`` as a ``tf.debugging.Assert`` (``"raise"``) or a ``tf.print``
   (``"warn"``); under XLA, which has neither, only the ``floor_hits`` counter
   records it (a warning says so when the step is compiled);
@@ -32,11 +32,18 @@ import numpy as np
 from keras import ops
 
 from mp_callbacks.recipes import Recipe
-from mp_callbacks.scaler import STATE_FIELDS, ScaleFloorWarning, ScalerConfig, ScalerCounters, ScalerState
-from mp_callbacks.scaler import check_state_dict, initial_state, make_state_dict, next_state, react_to_floor_hit
+from mp_callbacks.loss_scale.scaler import STATE_FIELDS, ScaleFloorWarning, ScalerCounters, ScalerState
+from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale.scaler import (
+    check_state_dict,
+    initial_state,
+    make_state_dict,
+    next_state,
+    react_to_floor_hit,
+)
 
 from .jax_support import tracing
-from .keras_ops import KERAS_OPS, dtype_name, is_tf
+from .ops import KERAS_OPS, dtype_name, is_tf
 
 __all__ = ["KerasLossScaler", "VARIABLE_NAMES", "found_inf", "scaler_config", "unscale"]
 
@@ -95,7 +102,7 @@ class KerasLossScaler(ScalerCounters):
     """The scaler state of one optimizer as Keras variables, advanced by the core transition.
 
     Args:
-      config: the :class:`~mp_callbacks.scaler.ScalerConfig`.
+      config: the :class:`~mp_callbacks.loss_scale.config.ScalerConfig`.
     """
 
     def __init__(self, config: ScalerConfig) -> None:
@@ -109,7 +116,7 @@ class KerasLossScaler(ScalerCounters):
         return bool(self._vars)
 
     def build(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """Create the state variables on ``optimizer`` (in :data:`~mp_callbacks.scaler.STATE_FIELDS` order)."""
+        """Create the state variables on ``optimizer`` (in :data:`~mp_callbacks.loss_scale.scaler.STATE_FIELDS` order)."""
         init = initial_state(self.config)
         self._vars = {
             field: optimizer.add_variable(

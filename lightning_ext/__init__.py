@@ -16,17 +16,18 @@ Modules, one job each: ``plugin`` (Lightning hooks), ``torch_scaler``,
 """
 
 from .attribution import OverflowTracer
-from .comm import CommCounter
+from .distributed import CommCounter
 from .fsdp import fully_shard_model
 from .fsdp1 import FSDPMixedPrecision
 from .masters import MasterWeights
-from .module_policy import apply_module_policy, cast_module_storage
+from .policy import apply_module_policy, cast_module_storage
 from .monitor import MixedPrecisionMonitor
 from .plugin import MixedPrecision
 from .support import check_strategy
-from .torch_ops import TorchOps
-from .torch_scaler import OptState, TorchLossScaler
-from .update_rounding import TorchRoundingOps, UpdateRounding
+from .ops import TorchOps
+from .scaler import OptState, TorchLossScaler
+from .rounding_ops import TorchRoundingOps
+from .rounding import UpdateRounding
 
 __all__ = ["CommCounter", "FSDPMixedPrecision", "MasterWeights", "MixedPrecision", "MixedPrecisionMonitor", "OptState", "OverflowTracer",
            "TorchLossScaler", "TorchOps", "TorchRoundingOps", "UpdateRounding", "apply_module_policy",

@@ -3,7 +3,7 @@
 :class:`OverflowTracer` hooks every sub-module and queues device flags
 (no host sync) as the step runs; :func:`blame` reads them once on an overflow
 step and applies the core's blame order
-(:func:`~mp_callbacks.monitor_helpers.first_culprit`: forward outputs in call
+(:func:`~mp_callbacks.diagnostics.attribution.first_culprit`: forward outputs in call
 order, then the loss, then gradients in backward order).  Under DDP the ranks
 agree on one answer.
 """
@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from mp_callbacks.monitor_helpers import LOSS_SOURCE, first_culprit
+from mp_callbacks.diagnostics.attribution import LOSS_SOURCE, first_culprit
 
 __all__ = ["OverflowTracer", "blame", "tensors_in"]
 
@@ -45,7 +45,7 @@ class OverflowTracer:
     :meth:`first_bad` reads the flags (one sync) and hands the non-finite
     forward records (call order), the loss flag and the non-finite backward
     records (the order they fired: backward order) to the core's
-    :func:`~mp_callbacks.monitor_helpers.first_culprit`.  The root module is
+    :func:`~mp_callbacks.diagnostics.attribution.first_culprit`.  The root module is
     not hooked (its forward is the whole model); when several modules receive
     the same input tensor the innermost (last to register) owns its gradient record.
     """
@@ -145,7 +145,7 @@ class OverflowTracer:
 
     @staticmethod
     def first_bad(records: list[tuple[str, str, Tensor]]) -> Optional[str]:
-        """The core's :func:`~mp_callbacks.monitor_helpers.first_culprit` of ``records``
+        """The core's :func:`~mp_callbacks.diagnostics.attribution.first_culprit` of ``records``
         (reads the flags: one sync), None if all are finite."""
         if not records:
             return None

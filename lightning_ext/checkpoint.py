@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from mp_callbacks.policy import added_fp32_rules
 from mp_callbacks.recipes import plan_resume
-from mp_callbacks.scaler import StateDictError, check_state_dict
+from mp_callbacks.loss_scale.scaler import StateDictError, check_state_dict
 
-from .update_rounding import rounding_record
+from .rounding import rounding_record
 
 if TYPE_CHECKING:
     from .plugin import MixedPrecision
@@ -58,7 +58,7 @@ def _check_schema(state_dict: Any, here: str) -> None:
 
 def load_plugin_record(plugin: "MixedPrecision", state_dict: Mapping[str, Any]) -> None:
     """Restore :func:`plugin_record`'s data into ``plugin``; another schema, recipe (unless the plugin
-    allows recipe changes) or scaler config is a :class:`~mp_callbacks.scaler.StateDictError` naming both."""
+    allows recipe changes) or scaler config is a :class:`~mp_callbacks.loss_scale.scaler.StateDictError` naming both."""
     _check_schema(state_dict, f"lightning_ext.MixedPrecision({plugin.recipe.name!r}) schema v{PLUGIN_SCHEMA_VERSION}")
     recipe = state_dict.get("recipe")
     plan = plan_resume(recipe, plugin.recipe, plugin.allow_recipe_change, f"Resume with MixedPrecision({recipe!r}). ")

@@ -21,9 +21,9 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor
 
-from mp_callbacks.scaler import ScalerConfig
+from mp_callbacks.loss_scale.config import ScalerConfig
 
-from .torch_scaler import unwrap_optimizer
+from .scaler import unwrap_optimizer
 
 __all__ = ["ExternalScaler", "is_external_scaler", "optimizer_unscales_in_step"]
 
@@ -43,7 +43,7 @@ def optimizer_unscales_in_step(optimizer: Any) -> bool:
 
 
 class ExternalScaler:
-    """The subset of :class:`~lightning_ext.torch_scaler.TorchLossScaler` the plugin calls, forwarded to ``scaler``.
+    """The subset of :class:`~lightning_ext.scaler.TorchLossScaler` the plugin calls, forwarded to ``scaler``.
 
     Args:
       scaler: the user's object with ``scale``/``unscale_``/``step``/``update``.

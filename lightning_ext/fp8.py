@@ -8,14 +8,14 @@
   (its in/out projections, :mod:`lightning_ext.fp8_attention`) by an FP8
   matmul (:class:`_FP8Matmul`): inputs and weights quantize-dequantize to
   e4m3 with their own scales, the output gradient to e5m2 in the backward,
-  as :mod:`mp_callbacks.fp8_recipe` describes (the matmul of the dequantized
+  as :mod:`mp_callbacks.fp8.recipe` describes (the matmul of the dequantized
   values in float32, the output in the autocast dtype; :mod:`lightning_ext.fp8_matmul`);
 * keeps, for the three tensors of every FP8 matmul, the core's
-  :class:`~mp_callbacks.fp8.FP8State` as batched device tensors (one batch per
+  :class:`~mp_callbacks.fp8.scaling.FP8State` as batched device tensors (one batch per
   tensor role), records each tensor's amax during the step (a running max,
   no host read) and steps the states with the core's
-  :func:`~mp_callbacks.fp8.next_fp8_state` evaluated with
-  :class:`~lightning_ext.torch_ops.TorchOps` after the optimizer step:
+  :func:`~mp_callbacks.fp8.scaling.next_fp8_state` evaluated with
+  :class:`~lightning_ext.ops.TorchOps` after the optimizer step:
   3 batched transitions per step, no host synchronisation;
 * folds "an amax was not finite" into the step's ``found_inf`` before the
   plugin's skip decision (:meth:`before_step`), so such a step is skipped
@@ -41,16 +41,16 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from mp_callbacks.diagnostics import fp8_metrics
-from mp_callbacks.fp8 import FP8State, fp8_state_from_dict, fp8_state_to_dict, next_fp8_state
-from mp_callbacks.fp8_recipe import FP8_ROLES, FP8Recipe
+from mp_callbacks.diagnostics.metrics import fp8_metrics
+from mp_callbacks.fp8.scaling import FP8State, fp8_state_from_dict, fp8_state_to_dict, next_fp8_state
+from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe
 from mp_callbacks.policy import PrecisionPolicy
-from mp_callbacks.scaler import StateDictError
+from mp_callbacks.loss_scale.scaler import StateDictError
 
 from .fp8_attention import mha_forward, mha_matmuls
 from .fp8_matmul import fp8_linear
-from .module_policy import fp32_compute_modules
-from .torch_ops import TorchOps
+from .policy import fp32_compute_modules
+from .ops import TorchOps
 
 __all__ = ["TorchFP8", "fp8_linear", "fp8_modules"]
 
@@ -81,7 +81,7 @@ class TorchFP8:
     """The FP8 matmuls of one model and their per-tensor scaling states (see the module docstring).
 
     Args:
-      recipe: the :class:`~mp_callbacks.fp8_recipe.FP8Recipe` (``plugin.recipe.fp8``).
+      recipe: the :class:`~mp_callbacks.fp8.recipe.FP8Recipe` (``plugin.recipe.fp8``).
     """
 
     def __init__(self, recipe: FP8Recipe) -> None:
@@ -285,7 +285,7 @@ class TorchFP8:
         self.discard_step()
 
     def host_metrics(self) -> Optional[dict[str, float]]:
-        """The latest step's ``mp/fp8_*`` metrics (:func:`mp_callbacks.diagnostics.fp8_metrics`): one host
+        """The latest step's ``mp/fp8_*`` metrics (:func:`mp_callbacks.diagnostics.metrics.fp8_metrics`): one host
         read (the monitor's logging steps); None before the first step."""
         latest = self.latest
         if not latest or "scale" not in latest:

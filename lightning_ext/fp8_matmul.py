@@ -2,7 +2,7 @@
 
 ``y = qdq(x) @ qdq(W)^T + b`` with e4m3 inputs and weights in the forward
 pass and the e5m2 output gradient in the backward pass
-(:mod:`mp_callbacks.fp8_recipe`): the FP8 operands are kept for the backward
+(:mod:`mp_callbacks.fp8.recipe`): the FP8 operands are kept for the backward
 (1 byte per element, as on FP8 hardware), the matmul runs in float32 on the
 dequantized values, the output in the autocast dtype.  On a CUDA device with
 FP8 tensor cores the forward matmul is ``torch._scaled_mm`` (gated by

@@ -1,7 +1,7 @@
 """The plugin under Lightning's ``ModelParallelStrategy`` (torch FSDP2, ``fully_shard``).
 
 The core decides what a recipe means when sharded
-(:func:`mp_callbacks.sharding.sharded_dtypes`); this module translates:
+(:func:`mp_callbacks.memory.sharding.sharded_dtypes`); this module translates:
 
 * :func:`fsdp_policy`: the recipe as torch's ``MixedPrecisionPolicy``
   (``plugin.fsdp_policy(module)`` in ``configure_model``); a module the
@@ -20,7 +20,7 @@ plugin keeps no second copy, the optimizer updates the FP32 shards (its
 states are FP32 shards), and FSDP2 casts them to bf16/fp16 when it gathers a
 unit for compute.  The loss scaler's overflow check runs on each rank's
 gradient shards and its flag is all-reduced (MAX) over every rank before the
-decision (:class:`~lightning_ext.torch_scaler.TorchLossScaler`): torch's
+decision (:class:`~lightning_ext.scaler.TorchLossScaler`): torch's
 ``ShardedGradScaler`` semantics, every rank skips together.
 """
 
@@ -34,11 +34,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.master import MemoryEstimate, is_optimizer_state, memory_report
+from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state, memory_report
 from mp_callbacks.policy import class_names
-from mp_callbacks.sharding import ShardedDtypes, sharded_dtypes
+from mp_callbacks.memory.sharding import ShardedDtypes, sharded_dtypes
 
-from .module_policy import torch_dtype
+from .policy import torch_dtype
 
 __all__ = ["ShardedLayout", "fsdp_policy", "fully_shard_model", "inspect_sharded", "local"]
 
@@ -122,7 +122,7 @@ class ShardedLayout:
         A parameter gathered in low precision is its own FP32 master (counted in
         ``masters``, as the estimate does); grads and optimizer states are the local shards.
         """
-        from .torch_scaler import unwrap_optimizer
+        from .scaler import unwrap_optimizer
         from .attribution import tensors_in
 
         params = list({id(p): p for p in module.parameters()}.values())

@@ -1,6 +1,6 @@
 """FP32 master weights inside torch optimizers (the ``*-master`` recipes).
 
-The core's rule (:mod:`mp_callbacks.master`): a parameter stored in fp16/bf16
+The core's rule (:mod:`mp_callbacks.memory.estimate`): a parameter stored in fp16/bf16
 gets an FP32 master; the optimizer updates the master (its param group holds
 the master, so its states are FP32); after every *applied* step the master is
 rounded back into the low-precision parameter.  Parameters kept in FP32 are
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mp_callbacks.scaler import StateDictError
+from mp_callbacks.loss_scale.scaler import StateDictError
 
 from .fused_step import fused_implementation
 

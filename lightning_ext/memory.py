@@ -2,7 +2,7 @@
 
 The torch twin of :mod:`keras_ext.memory`: the bytes are counted from the
 tensors that exist (real ``nbytes``); the estimate and the report's layout are
-the core's :func:`mp_callbacks.master.memory_report`.  The monitor
+the core's :func:`mp_callbacks.memory.estimate.memory_report`.  The monitor
 (:class:`lightning_ext.MixedPrecisionMonitor`) logs it at train start and end
 and reads :func:`storage_dtypes` for its swamping meter.
 """
@@ -14,14 +14,14 @@ from typing import Any, Iterable, Sequence
 from torch import Tensor, nn
 
 from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.fp8_recipe import fp8_state_bytes
-from mp_callbacks.master import MemoryEstimate, is_optimizer_state
-from mp_callbacks.master import memory_report as core_memory_report
-from mp_callbacks.monitor_helpers import swamp_storage_dtype
+from mp_callbacks.fp8.recipe import fp8_state_bytes
+from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state
+from mp_callbacks.memory.estimate import memory_report as core_memory_report
+from mp_callbacks.diagnostics.attribution import swamp_storage_dtype
 
 from .attribution import tensors_in
 from .plugin import MixedPrecision
-from .torch_scaler import unwrap_optimizer
+from .scaler import unwrap_optimizer
 
 __all__ = ["memory_report", "optimizer_params", "storage_dtypes"]
 
@@ -37,7 +37,7 @@ def storage_dtypes(plugin: MixedPrecision, module: nn.Module,
 
     The stored dtype is the low-precision weight's (the FP32 master's low twin
     under ``*-master``, the gathered dtype under FSDP2); the swamping dtype is
-    the core's :func:`~mp_callbacks.monitor_helpers.swamp_storage_dtype`.
+    the core's :func:`~mp_callbacks.diagnostics.attribution.swamp_storage_dtype`.
     """
     kept: dict[int, bool] = {}
     for path, sub in module.named_modules():
@@ -62,8 +62,8 @@ def memory_report(plugin: MixedPrecision, module: nn.Module, optimizers: Sequenc
     parameters), ``grads`` (their ``.grad`` plus the FP32 masters'),
     ``masters`` (optimizer parameters that are not module parameters: the
     FP32 masters of ``*-master``), ``optimizer_state`` (optimizer state
-    tensors per :func:`mp_callbacks.master.is_optimizer_state`).  The
-    report is the core's :func:`mp_callbacks.master.memory_report` (the
+    tensors per :func:`mp_callbacks.memory.estimate.is_optimizer_state`).  The
+    report is the core's :func:`mp_callbacks.memory.estimate.memory_report` (the
     estimate at the optimizer step, with ``weights_released`` as the
     plugin's ``free_weights_during_step``).  Gradients and optimizer state
     that do not exist yet (before the first step) are not counted in ``actual``.

@@ -1,11 +1,11 @@
 """``lightning_ext.MixedPrecisionMonitor``: the core's diagnostics as a Lightning callback.
 
-A thin translation: :class:`~mp_callbacks.monitor.MonitorCore` decides the
-cadence, keeps the :class:`~mp_callbacks.diagnostics.History`, records
+A thin translation: :class:`~mp_callbacks.diagnostics.monitor.MonitorCore` decides the
+cadence, keeps the :class:`~mp_callbacks.diagnostics.metrics.History`, records
 overflow attributions, runs the divergence guard and the auto-fallback
 tracker; this callback gathers the numbers from torch and
 :class:`lightning_ext.MixedPrecision`, and writes the shared metric names
-(:data:`mp_callbacks.diagnostics.METRICS`) to every Lightning logger with
+(:data:`mp_callbacks.diagnostics.metrics.METRICS`) to every Lightning logger with
 ``logger.log_metrics`` (CSVLogger, TensorBoardLogger...).
 ``mp/overflow_module`` is text: it goes to the history, to the checkpoint and
 to loggers that take text (TensorBoard's ``add_text``), never to a metric.
@@ -14,7 +14,7 @@ Step numbering: one step per scaler transition (optimizer steps that ran a
 backward), 1-based, continuing across resumes (read from the plugin's
 counter once at train start).  Loggers get ``step=`` this number.
 ``mp/scale`` is the scale the step's gradients were produced with, the
-counters are the totals after the step (see :mod:`mp_callbacks.monitor_helpers`).
+counters are the totals after the step (see :mod:`mp_callbacks.diagnostics.attribution`).
 
 Host syncs (the point of the design):
 
@@ -53,15 +53,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from mp_callbacks.diagnostics import OVERFLOW_MODULE, StepStats, memory_metrics
-from mp_callbacks.meters import METER_SAMPLES
-from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade, PackedLayout  # version: re-exported
+from mp_callbacks.diagnostics.metrics import OVERFLOW_MODULE, StepStats, memory_metrics
+from mp_callbacks.diagnostics.meters import METER_SAMPLES
+from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade, PackedLayout  # version: re-exported
 
 from .attribution import OverflowTracer, blame
 from .memory import memory_report, optimizer_params, storage_dtypes
-from .module_policy import policy_report
+from .policy import policy_report
 from .plugin import MixedPrecision
-from .torch_meters import grad_norm, sample, swamped_counts, underflow_counts
+from .meters import grad_norm, sample, swamped_counts, underflow_counts
 
 __all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
 
@@ -89,7 +89,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
       log_every_n_steps: log a full record (all shared metrics) every N steps;
         overflow steps are always recorded.  Between logging steps no host
         sync is added (see the module docstring).
-      divergence_patience: raise :class:`~mp_callbacks.meters.DivergenceError`
+      divergence_patience: raise :class:`~mp_callbacks.diagnostics.meters.DivergenceError`
         after this many consecutive overflows with the scale at its floor
         (None: never).  The message names the scale, the step, the first
         non-finite module and a checklist.
@@ -103,25 +103,25 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
       measure_swamping: compute ``mp/update_swamped_frac`` on logging steps
         (snapshots the optimizer's parameters before the step).
       meter_samples: elements per tensor that the underflow and swamping
-        meters read (a strided sample, :func:`mp_callbacks.meters.sample_stride`),
+        meters read (a strided sample, :func:`mp_callbacks.diagnostics.meters.sample_stride`),
         which bounds a logging step's cost per tensor; ``None`` reads every element.
         ``mp/grad_norm`` always reads every element.
       log_memory: log :meth:`memory_report` at train start and end.
       history_maxlen: records kept in :attr:`history`.
       report_policy: at train start, print (and keep as a ``"policy"`` history
-        event) what the policy decided per module (:func:`~lightning_ext.module_policy.policy_report`).
+        event) what the policy decided per module (:func:`~lightning_ext.policy.policy_report`).
 
     While attached, the monitor turns on the plugin's per-step overflow check
     for recipes without loss scaling (``mp/overflow``, ``mp/overflows_total``
     count inf/NaN gradients there too; see
-    :func:`mp_callbacks.scaler.checks_overflow`): one pass over the gradients
+    :func:`mp_callbacks.loss_scale.scaler.checks_overflow`): one pass over the gradients
     per step, the monitor's main per-step cost under bf16 recipes.
 
     ``mp/update_swamped_frac`` measures the applied update of every optimizer
     parameter (the FP32 master under ``*-master``; under ``bf16-kahan`` and
     ``bf16-sr`` the optimizer's FP32 update before the rounding rule writes
     it into the bf16 weight) against the dtype chosen by
-    :func:`~mp_callbacks.monitor_helpers.swamp_storage_dtype`: the actual
+    :func:`~mp_callbacks.diagnostics.attribution.swamp_storage_dtype`: the actual
     low-precision storage under ``*-master``, the policy's compute dtype under
     ``*-mixed`` (float32 for modules the policy keeps in FP32); skipped steps
     have no update and log no value.

@@ -2,12 +2,12 @@
 
 A drop-in for Lightning's ``MixedPrecision`` that, like Lightning's ``amp.py``,
 holds the Lightning hooks and hands off: the loss scaler to
-:class:`~lightning_ext.torch_scaler.TorchLossScaler` (``plugin.scaler`` /
+:class:`~lightning_ext.scaler.TorchLossScaler` (``plugin.scaler`` /
 ``trainer.scaler`` when the recipe scales the loss, else None; ``loss_scaler``
 always, it counts overflows for monitors), FP32 masters to :class:`~lightning_ext.masters.MasterWeights`,
-update rounding (``bf16-kahan``, ``bf16-sr``) to :class:`~lightning_ext.update_rounding.UpdateRounding`,
+update rounding (``bf16-kahan``, ``bf16-sr``) to :class:`~lightning_ext.rounding.UpdateRounding`,
 the LR-scheduler hold to :class:`~lightning_ext.scheduler_hold.SchedulerHold`, FP32 regions and storage
-to :mod:`~lightning_ext.module_policy`, what it trains with to :mod:`~lightning_ext.support`, FP8
+to :mod:`~lightning_ext.policy`, what it trains with to :mod:`~lightning_ext.support`, FP8
 matmuls and their per-tensor scaling (``fp8-mixed``) to :class:`~lightning_ext.fp8.TorchFP8` (``plugin.fp8``).
 
 One optimizer step: the closure runs the backward of ``loss * scale``; the
@@ -31,19 +31,19 @@ from torch.optim import LBFGS, Optimizer
 
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
-from mp_callbacks.scaler import ScalerConfig
+from mp_callbacks.loss_scale.config import ScalerConfig
 
 from .external_scaler import ExternalScaler, is_external_scaler, optimizer_unscales_in_step
 from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, load_plugin_record, masters_as_weights, plugin_record
-from .comm import CommCounter, register_comm_hook
+from .distributed import CommCounter, register_comm_hook
 from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
 from .fp8 import TorchFP8
 from .masters import MasterWeights
-from .module_policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
+from .policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
 from .scheduler_hold import SchedulerHold
 from .support import check_optimizer, check_strategy, is_sharded, recipe_name
-from .torch_scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
-from .update_rounding import UpdateRounding
+from .scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
+from .rounding import UpdateRounding
 
 __all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
 
@@ -55,7 +55,7 @@ class MixedPrecision(Precision):
         ``"bf16-master"``, ``"bf16-kahan"``, ``"bf16-sr"``) or an alias (``"mixed_float16"``...).
       device: the device type for ``torch.autocast`` (``"cpu"``, ``"cuda"``...).
       scaler: a ``torch.amp.GradScaler`` (its settings are taken), a
-        :class:`~mp_callbacks.scaler.ScalerConfig`, a preset name (``"torch"``,
+        :class:`~mp_callbacks.loss_scale.config.ScalerConfig`, a preset name (``"torch"``,
         ``"megatron"``...), a dict of fields, or None for the recipe's default
         (dynamic ``torch`` preset for fp16, off for bf16/fp32).  Another object with
         ``GradScaler``'s API is used as it is, as Lightning uses it (``16-mixed`` only, no
@@ -71,14 +71,14 @@ class MixedPrecision(Precision):
       allow_recipe_change: resume checkpoints saved under another recipe
         (:func:`mp_callbacks.recipes.plan_resume`); refused by default.
       divergence: when to stop a run that cannot recover
-        (:class:`~mp_callbacks.divergence.DivergenceRule`; None: the default rule, False: never).
+        (:class:`~mp_callbacks.diagnostics.divergence.DivergenceRule`; None: the default rule, False: never).
       state_dtype: ``bf16-kahan``/``bf16-sr`` only: ``"bfloat16"`` optimizer states (None: FP32).
       seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.rounding`).
       fp8: ``fp8-mixed`` only: the FP8 scaling settings (a preset name, ``"transformer-engine"``
         default, ``"keras"``, ``"torchao"``, or a dict such as ``{"mode": "current"}``,
-        ``{"history_len": 16, "margin": 1}``: :class:`~mp_callbacks.fp8_recipe.FP8Recipe`).
+        ``{"history_len": 16, "margin": 1}``: :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).
       comm_dtype: the dtype gradients are reduced across ranks in (``"float32"`` default,
-        ``"bfloat16"``, ``"float16"``): a DDP communication hook (:mod:`lightning_ext.comm`),
+        ``"bfloat16"``, ``"float16"``): a DDP communication hook (:mod:`lightning_ext.distributed`),
         FSDP2's ``reduce_dtype`` (:meth:`fsdp_policy`).
 
     Raises:
@@ -124,7 +124,7 @@ class MixedPrecision(Precision):
         self._lightning_module: Any = None
         self.pending_fp32_paths: list[str] = []
         self.sharded: Optional[ShardedLayout] = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
-        self.comm_counter: Optional[CommCounter] = None  # set one to count DDP all-reduce / FSDP2 collective bytes (lightning_ext.comm)
+        self.comm_counter: Optional[CommCounter] = None  # set one to count DDP all-reduce / FSDP2 collective bytes (lightning_ext.distributed)
 
     @property
     def scaler(self) -> Any:
@@ -151,7 +151,7 @@ class MixedPrecision(Precision):
 
     @property
     def can_skip(self) -> bool:
-        """True when a step can be skipped (:attr:`~mp_callbacks.scaler.ScalerConfig.can_skip`): one host read."""
+        """True when a step can be skipped (:attr:`~mp_callbacks.loss_scale.config.ScalerConfig.can_skip`): one host read."""
         return self.loss_scaler.config.can_skip
 
     @property
@@ -166,7 +166,7 @@ class MixedPrecision(Precision):
 
     @property
     def checks_overflow(self) -> bool:
-        """True when steps look for inf/NaN gradients (:func:`mp_callbacks.scaler.checks_overflow`)."""
+        """True when steps look for inf/NaN gradients (:func:`mp_callbacks.loss_scale.scaler.checks_overflow`)."""
         return self.loss_scaler.checks_overflow
 
     def __repr__(self) -> str:

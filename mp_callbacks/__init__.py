@@ -5,19 +5,18 @@ over a small array-ops protocol (:mod:`mp_callbacks.ops`), evaluated here with
 NumPy float32 and by the adapters with torch tensors or ``keras.ops``.
 """
 
-from .diagnostics import METRICS, History, StepStats
-from .divergence import DivergenceError, DivergenceRule
-from .master import MasterPlan, MemoryEstimate, bytes_per_param, estimate_memory
+from .diagnostics.metrics import METRICS, History, StepStats
+from .diagnostics.meters import DivergenceError
+from .diagnostics.divergence import DivergenceRule
+from .memory.estimate import MasterPlan, MemoryEstimate, bytes_per_param, estimate_memory
 from .ops import NUMPY_OPS, ArrayOps, NumpyOps
 from .policy import PolicyError, PrecisionPolicy
 from .recipes import RECIPE_NAMES, Recipe, RecipeError, canonical_recipe_name, get_recipe
-from .scaler import (
-    PRESETS,
-    ConfigError,
+from .loss_scale.config import PRESETS, ConfigError, ScalerConfig
+from .loss_scale.scaler import (
     DynamicLossScaler,
     ScaleFloorError,
     ScaleFloorWarning,
-    ScalerConfig,
     ScalerState,
     StateDictError,
     checks_overflow,

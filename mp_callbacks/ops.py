@@ -1,6 +1,6 @@
 """The tiny array-ops vocabulary the scaler transition is written in.
 
-The transition in :mod:`mp_callbacks.scaler` never touches a framework
+The transition in :mod:`mp_callbacks.loss_scale.scaler` never touches a framework
 directly: it calls the methods of an :class:`ArrayOps` object.  The core ships
 the NumPy float32 reference backend (:class:`NumpyOps`); the Lightning adapter
 supplies torch tensors on the device, the Keras adapter supplies ``keras.ops``

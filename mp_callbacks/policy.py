@@ -242,9 +242,9 @@ def added_fp32_rules(saved: Any, current: PrecisionPolicy) -> list[str]:
 
     These are rules a run added while training (the auto-fallback's
     ``with_fp32_modules``) and a resume must re-apply.  A saved policy that is
-    invalid or has other dtypes is a :class:`~mp_callbacks.scaler.StateDictError` naming both.
+    invalid or has other dtypes is a :class:`~mp_callbacks.loss_scale.scaler.StateDictError` naming both.
     """
-    from .scaler import StateDictError
+    from .loss_scale.scaler import StateDictError
 
     try:
         policy = PrecisionPolicy.from_dict(saved)

@@ -25,8 +25,8 @@ over, and the scaler restarts from its config.
 
 ``fp8-mixed`` is ``bf16-master`` whose linear/dense matmuls (attention
 projections included) run on FP8 inputs with per-tensor scales
-(:mod:`mp_callbacks.fp8_recipe`; knobs: ``get_recipe("fp8-mixed", fp8={...})``,
-an :class:`~mp_callbacks.fp8_recipe.FP8Recipe`).
+(:mod:`mp_callbacks.fp8.recipe`; knobs: ``get_recipe("fp8-mixed", fp8={...})``,
+an :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .dtypes import canonical_dtype
-from .fp8_recipe import FP8Recipe
-from .master import MasterPlan
+from .fp8.recipe import FP8Recipe
+from .memory.estimate import MasterPlan
 from .policy import PrecisionPolicy
-from .scaler import ScalerConfig, StateDictError
+from .loss_scale.config import ScalerConfig
+from .loss_scale.scaler import StateDictError
 
 RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master", "bf16-kahan", "bf16-sr",
                 "fp8-mixed")
@@ -83,7 +84,7 @@ class Recipe:
     reduced gradients, so an overflow of the reduction itself skips the step.
 
     ``fp8``: the FP8 matmul settings of ``fp8-mixed``
-    (:class:`~mp_callbacks.fp8_recipe.FP8Recipe`); None for every other recipe.
+    (:class:`~mp_callbacks.fp8.recipe.FP8Recipe`); None for every other recipe.
     """
 
     name: str
@@ -127,7 +128,7 @@ class Recipe:
 
     def with_fp8(self, fp8: FP8Recipe | str | Mapping[str, Any] | None) -> "Recipe":
         """A copy with other FP8 settings (``fp8-mixed`` only; a preset name or a dict of
-        :class:`~mp_callbacks.fp8_recipe.FP8Recipe` settings); None keeps them."""
+        :class:`~mp_callbacks.fp8.recipe.FP8Recipe` settings); None keeps them."""
         if fp8 is None:
             return self
         if self.fp8 is None:
@@ -201,7 +202,7 @@ def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype
                comm_dtype: str | None = None, fp8: Any = None) -> Recipe:
     """The named recipe, optionally with another scaler config/preset, policy, (``bf16-kahan``,
     ``bf16-sr``) optimizer-state dtype, communication dtype (:attr:`Recipe.comm_dtype`) or
-    (``fp8-mixed``) FP8 settings (:class:`~mp_callbacks.fp8_recipe.FP8Recipe`)."""
+    (``fp8-mixed``) FP8 settings (:class:`~mp_callbacks.fp8.recipe.FP8Recipe`)."""
     name = canonical_recipe_name(name)
     if name == "fp8-mixed":  # bf16-master + FP8 matmuls; per-tensor FP8 scaling instead of loss scaling
         recipe = Recipe(name, PrecisionPolicy(params="bfloat16", compute="bfloat16", output="float32"),
@@ -264,7 +265,7 @@ class ResumePlan:
 def plan_resume(saved: Any, current: Recipe, allow_recipe_change: bool = False, hint: str = "") -> ResumePlan:
     """The :class:`ResumePlan` for a checkpoint of recipe ``saved``.
 
-    Another recipe without ``allow_recipe_change`` is a :class:`~mp_callbacks.scaler.StateDictError`
+    Another recipe without ``allow_recipe_change`` is a :class:`~mp_callbacks.loss_scale.scaler.StateDictError`
     naming both (``hint``: how to resume in the adapter's words); an unknown saved recipe always is.
     """
     try:

@@ -1,6 +1,6 @@
 """``make demo`` sizes itself to the CPU: a slow low-precision matmul shrinks the model and says why."""
 
-from mp_callbacks.cli import DEMO_ARGS, SLOW_FACTOR, SMALL_DEMO, demo_args, matmul_slowdown
+from mp_callbacks.app.cli import DEMO_ARGS, SLOW_FACTOR, SMALL_DEMO, demo_args, matmul_slowdown
 
 
 def _value(args, flag):

@@ -1,4 +1,4 @@
-"""keras_ext/compare.py: the Keras runner of ``mpx compare`` (in-process, and on the torch backend)."""
+"""mp_callbacks/app/keras_runner.py: the Keras runner of ``mpx compare`` (in-process, and on the torch backend)."""
 
 import functools
 import json
@@ -15,8 +15,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
 
 import keras_ext  # noqa: E402
-from keras_ext import compare as kc  # noqa: E402
-from mp_callbacks.compare import RunSpec  # noqa: E402
+from mp_callbacks.app import keras_runner as kc  # noqa: E402
+from mp_callbacks.app.compare import RunSpec  # noqa: E402
 
 from .baseline import check_against_baseline  # noqa: E402
 
@@ -99,8 +99,8 @@ def test_runner_on_torch_backend():
         pytest.skip("covered in-process")
     script = (
         "import json, keras\n"
-        "from keras_ext.compare import run\n"
-        "from mp_callbacks.compare import RunSpec\n"
+        "from mp_callbacks.app.keras_runner import run\n"
+        "from mp_callbacks.app.compare import RunSpec\n"
         "spec = RunSpec(steps=30, batch_size=16, hidden=16, depth=1, inject=(2,), lr=1e-2)\n"
         "rows = [run(r, spec).row() for r in ('32-true', '16-mixed', 'bf16-master')]\n"
         "print(json.dumps({'backend': keras.backend.backend(), 'rows': rows}))\n"

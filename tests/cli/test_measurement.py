@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from mp_callbacks import compare as mc
-from mp_callbacks.machine import FEATURES, features, native_kernel, recipe_notes
+from mp_callbacks.app import compare as mc
+from mp_callbacks.app.machine import FEATURES, features, native_kernel, recipe_notes
 
 
 def test_step_timing_leaves_out_the_warm_up_and_reports_windows():
@@ -78,7 +78,7 @@ def test_lightning_bytes_per_param_after_one_step(recipe, expected):
     """With one step the optimizer state exists only once the step ran: measured at the step's end too
     (it read 8 before: grads + weights or masters, no m and v yet)."""
     pytest.importorskip("lightning")
-    from lightning_ext import compare as lc
+    from mp_callbacks.app import lightning_runner as lc
 
     spec = mc.RunSpec(steps=1, batch_size=8, hidden=8, depth=1)
     result = lc.run(recipe, spec)
@@ -89,7 +89,7 @@ def test_lightning_bytes_per_param_after_one_step(recipe, expected):
 
 def test_lightning_bytes_per_param_when_no_step_was_applied():
     pytest.importorskip("lightning")
-    from lightning_ext import compare as lc
+    from mp_callbacks.app import lightning_runner as lc
 
     result = lc.run("bf16-master", mc.RunSpec(steps=1, batch_size=8, hidden=8, depth=1, inject=(0,)))
     assert result.skipped == 1 and result.state_bytes_per_param is None and result.row()["model_state_mb"] is None

@@ -10,7 +10,7 @@ import pytest
 
 from mp_callbacks import ScalerConfig
 from mp_callbacks.recipes import RECIPE_NAMES
-from mp_callbacks.scaler import PRESETS
+from mp_callbacks.loss_scale.config import PRESETS
 
 STEPS, INTERVAL = 400, 20
 

@@ -5,7 +5,7 @@ are meant to measure precision, not a different random starting point.  A run wh
 skipped (an inf injected at step 0, skipped by every recipe) ends with its initial weights.
 
 Both runners draw the initial weights in FP32 for every recipe and then round them to the
-recipe's storage dtype (Lightning: the plugin casts the module; Keras: ``keras_ext.compare.fit_once``
+recipe's storage dtype (Lightning: the plugin casts the module; Keras: ``mp_callbacks.app.keras_runner.fit_once``
 builds the model under the ``float32`` policy and ``apply_policy`` clones it with the recipe's
 dtypes, casting the weights), so ``*-master`` runs start from the same point as the others.
 """
@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 
-from mp_callbacks.compare import RunSpec, scaler_for
+from mp_callbacks.app.compare import RunSpec, scaler_for
 from mp_callbacks.recipes import RECIPE_NAMES, get_recipe
 
 KERAS_RECIPES = list(RECIPE_NAMES)
@@ -37,11 +37,11 @@ def lightning_starts():
     import torch
 
     from lightning_ext import MixedPrecision
-    from lightning_ext.compare import fit_once
+    from mp_callbacks.app.lightning_runner import fit_once
 
     out = {}
     for recipe in RECIPE_NAMES:
-        policy = get_recipe(recipe).policy.with_fp32_modules(f"net.{2 * SPEC.depth}")  # as lightning_ext.compare.run
+        policy = get_recipe(recipe).policy.with_fp32_modules(f"net.{2 * SPEC.depth}")  # as mp_callbacks.app.lightning_runner.run
         plugin = MixedPrecision(recipe, "cpu", scaler=scaler_for(recipe, SPEC), policy=policy, count_overflows=True)
         module, _ = fit_once(plugin, SPEC)
         assert plugin.scaler.skipped == 1  # the only step was skipped: the weights are the initial ones
@@ -71,7 +71,7 @@ def keras_starts():
     keras = pytest.importorskip("keras")
     from keras import ops
 
-    from keras_ext.compare import fit_once
+    from mp_callbacks.app.keras_runner import fit_once
     from keras_ext.fp8 import is_fp8_variable
 
     out = {}

@@ -1,6 +1,6 @@
 """Inputs shared by the FP8 backend tests: each backend's ops and transition against the NumPy reference.
 
-:func:`op_cases` gives the arguments of the five :class:`~mp_callbacks.fp8.FP8ArrayOps`
+:func:`op_cases` gives the arguments of the five :class:`~mp_callbacks.fp8.scaling.FP8ArrayOps`
 (and the batched ``where``) with their NumPy results; :func:`step_batched` steps a batch of
 states with any backend.  The adapters' tests (``tests/lightning/test_fp8_ops.py``,
 ``tests/keras/test_fp8_ops.py``) compare bit for bit.
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mp_callbacks.fp8 import FLOAT32_MAX, NUMPY_FP8_OPS, FP8State, initial_fp8_state, next_fp8_state
+from mp_callbacks.fp8.formats import FLOAT32_MAX
+from mp_callbacks.fp8.scaling import NUMPY_FP8_OPS, FP8State, initial_fp8_state, next_fp8_state
 
 f32 = np.float32
 

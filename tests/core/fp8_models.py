@@ -2,7 +2,7 @@
 
 Each model follows its anchor's own structure and names (its order of
 operations, its float32 arithmetic, its treatment of zero / tiny / non-finite
-amaxes), so a test compares :func:`mp_callbacks.fp8.next_fp8_state` with an
+amaxes), so a test compares :func:`mp_callbacks.fp8.scaling.next_fp8_state` with an
 independent statement of each rule.  The models record whatever amax they are
 given, as the anchors do: a non-finite amax poisons their history.  A step that
 the training loop skips is modelled with ``apply=False`` on that row: the

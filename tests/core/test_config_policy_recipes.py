@@ -11,7 +11,7 @@ from mp_callbacks import (
     ConfigError, History, MasterPlan, PolicyError, PrecisionPolicy, RecipeError, ScalerConfig,
     StepStats, bytes_per_param, estimate_memory, get_recipe,
 )
-from mp_callbacks.diagnostics import METRICS, plot
+from mp_callbacks.diagnostics.metrics import METRICS, plot
 
 
 @pytest.mark.parametrize(

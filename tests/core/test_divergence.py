@@ -2,8 +2,8 @@
 
 import pytest
 
-from mp_callbacks.divergence import DivergenceRule
-from mp_callbacks.meters import DivergenceError
+from mp_callbacks.diagnostics.divergence import DivergenceRule
+from mp_callbacks.diagnostics.meters import DivergenceError
 
 
 def test_nonfinite_losses_stop_after_the_limit_and_say_why():
@@ -65,7 +65,7 @@ def test_the_pure_transition_equals_the_rule_written_by_hand(limits):
     """next_divergence_state (what Keras evaluates in its traced step) over random step sequences."""
     import numpy as np
 
-    from mp_callbacks.divergence import DivergenceState, next_divergence_state
+    from mp_callbacks.diagnostics.divergence import DivergenceState, next_divergence_state
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -93,7 +93,7 @@ def test_the_pure_transition_equals_the_rule_written_by_hand(limits):
 
 
 def test_error_names_the_streak_of_a_given_state():
-    from mp_callbacks.divergence import DivergenceState
+    from mp_callbacks.diagnostics.divergence import DivergenceState
 
     rule = DivergenceRule()
     assert "loss was not finite on 5 consecutive steps up to step 9" in str(rule.error(9, state=DivergenceState(5, 0)))

@@ -26,30 +26,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mp_callbacks import NUMPY_OPS
-from mp_callbacks.fp8 import (
+from mp_callbacks.fp8.formats import (
     E4M3,
     E5M2,
     FLOAT32_MAX,
-    FP8_OP_NAMES,
-    FP8_PRESETS,
-    FP8ArrayOps,
     FP8ConfigError,
-    FP8ScalingConfig,
-    FP8State,
-    NUMPY_FP8_OPS,
     flushed_fraction,
     fp8_format,
-    fp8_ops,
     fp8_round,
+    quantize_dequantize,
+    saturated_fraction,
+)
+from mp_callbacks.fp8.scaling import (
+    FP8_OP_NAMES,
+    FP8ArrayOps,
+    FP8State,
+    NUMPY_FP8_OPS,
+    fp8_ops,
     fp8_state_from_dict,
     fp8_state_to_dict,
     initial_fp8_state,
     next_fp8_state,
-    preset_configs,
-    quantize_dequantize,
-    saturated_fraction,
     select_fp8_state,
 )
+from mp_callbacks.fp8.config import FP8_PRESETS, FP8ScalingConfig, preset_configs
 
 from .fp8_models import KerasFloat8Model, TEDelayedScalingModel, TorchaoModel
 
@@ -514,7 +514,7 @@ def test_select_fp8_state_keeps_the_scaling_and_advances_the_counters():
 
 def _keras_ops_with_fp8():
     """keras_ext's KerasOps, which implements the five FP8 ops (tests/keras/test_fp8_ops.py tests them one by one)."""
-    from keras_ext.keras_ops import KERAS_OPS
+    from keras_ext.ops import KERAS_OPS
 
     return KERAS_OPS
 
@@ -619,11 +619,11 @@ def test_quantize_dequantize_matches_keras():
 
 
 def _torch_ops_module():
-    """lightning_ext/torch_ops.py on its own (it imports only torch): the package would import Lightning."""
+    """lightning_ext/ops.py on its own (it imports only torch): the package would import Lightning."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "lightning_ext" / "torch_ops.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "lightning_ext" / "ops.py"
     spec = importlib.util.spec_from_file_location("_fp8_test_torch_ops", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

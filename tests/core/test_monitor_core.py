@@ -2,11 +2,11 @@
 
 import pytest
 
-from mp_callbacks.diagnostics import StepStats, json_safe
-from mp_callbacks.master import optimizer_kind
-from mp_callbacks.meters import DivergenceError, fraction
-from mp_callbacks.monitor import MONITOR_SCHEMA_VERSION, MonitorCore
-from mp_callbacks.monitor_helpers import LOSS_SOURCE, attribution_order, first_culprit
+from mp_callbacks.diagnostics.metrics import StepStats, json_safe
+from mp_callbacks.memory.estimate import optimizer_kind
+from mp_callbacks.diagnostics.meters import DivergenceError, fraction
+from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorCore
+from mp_callbacks.diagnostics.attribution import LOSS_SOURCE, attribution_order, first_culprit
 
 
 def stats(step, overflow=False, module=None, scale=8.0):
@@ -99,7 +99,7 @@ def test_json_safe_and_optimizer_kind():
 
 
 def test_attribution_is_opt_in_unless_fallback_needs_it():
-    from mp_callbacks.monitor import MonitorFacade
+    from mp_callbacks.diagnostics.monitor import MonitorFacade
 
     def setup(**kw):
         m = MonitorFacade()

@@ -10,27 +10,24 @@ import numpy as np
 import pytest
 
 from mp_callbacks import get_recipe
-from mp_callbacks.master import MasterPlan, bytes_per_param, estimate_memory
-from mp_callbacks.meters import half_ulp
+from mp_callbacks.memory.estimate import MasterPlan, bytes_per_param, estimate_memory
+from mp_callbacks.diagnostics.meters import half_ulp
 from mp_callbacks.recipes import RECIPE_NAMES, RecipeError, canonical_recipe_name
-from mp_callbacks.rounding import (
+from mp_callbacks.rounding.rules import (
     NUMPY_ROUNDING_OPS as OPS,
-    PY_INT_OPS,
     RoundingStream,
-    StateDictError,
     bf16_bits,
     bf16_to_f32,
     initial_compensation,
     kahan_add,
     kahan_apply,
     make_rounding_state,
-    mix32,
     read_rounding_state,
     round_with_thresholds,
-    sr_key,
-    sr_thresholds,
     stochastic_round,
 )
+from mp_callbacks.rounding.random_source import PY_INT_OPS, mix32, sr_key, sr_thresholds
+from mp_callbacks.loss_scale.scaler import StateDictError
 
 M = 2**32
 

@@ -9,10 +9,16 @@ from __future__ import annotations
 import pytest
 
 from mp_callbacks import estimate_memory, get_recipe
-from mp_callbacks.master import bytes_per_param
+from mp_callbacks.memory.estimate import bytes_per_param
 from mp_callbacks.recipes import COMM_DTYPES, Recipe, RecipeError
-from mp_callbacks.sharding import (ShardedDtypes, allreduce_bytes, consensus_cost, fsdp_step_bytes, padded_numel,
-                                    sharded_dtypes)
+from mp_callbacks.memory.sharding import (
+    ShardedDtypes,
+    allreduce_bytes,
+    consensus_cost,
+    fsdp_step_bytes,
+    padded_numel,
+    sharded_dtypes,
+)
 
 
 @pytest.mark.parametrize("comm", COMM_DTYPES)

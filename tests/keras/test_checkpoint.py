@@ -12,7 +12,7 @@ from keras import ops
 
 import keras_ext
 from mp_callbacks.policy import PolicyError
-from mp_callbacks.scaler import StateDictError, initial_state, state_to_dict
+from mp_callbacks.loss_scale.scaler import StateDictError, initial_state, state_to_dict
 
 RECIPES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")
 MASTER_RECIPES = ("16-master", "bf16-master")

@@ -14,8 +14,8 @@ import keras
 from keras import ops
 
 import keras_ext
-from mp_callbacks.divergence import DivergenceRule, DivergenceState
-from mp_callbacks.meters import DivergenceError
+from mp_callbacks.diagnostics.divergence import DivergenceRule, DivergenceState
+from mp_callbacks.diagnostics.meters import DivergenceError
 from tests.keras.helpers.util import requires_tf_backend
 
 RECIPES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")

@@ -1,7 +1,7 @@
 """``KerasOps``' FP8 vector ops and the FP8 scaling transition with ``keras.ops`` equal the NumPy reference.
 
-Every op of :class:`mp_callbacks.fp8.FP8ArrayOps` (and the batched ``where``) on the same float32
-inputs as :class:`~mp_callbacks.fp8.NumpyFP8Ops`, bit for bit; then the transition of every preset
+Every op of :class:`mp_callbacks.fp8.scaling.FP8ArrayOps` (and the batched ``where``) on the same float32
+inputs as :class:`~mp_callbacks.fp8.scaling.NumpyFP8Ops`, bit for bit; then the transition of every preset
 stepped over random amax sequences (inf/NaN included) as a batch of states: eagerly, inside
 ``tf.function`` and under XLA (``jit_compile=True``) on TensorFlow.  The torch backend runs this
 file too (``test_fp8_torch_backend.py``).
@@ -23,7 +23,8 @@ keras = pytest.importorskip("keras")
 from keras import ops  # noqa: E402
 
 from keras_ext import KERAS_OPS  # noqa: E402
-from mp_callbacks.fp8 import FP8_PRESETS, FP8ArrayOps, FP8ScalingConfig, next_fp8_state  # noqa: E402
+from mp_callbacks.fp8.config import FP8_PRESETS, FP8ScalingConfig
+from mp_callbacks.fp8.scaling import FP8ArrayOps, next_fp8_state  # noqa: E402
 from tests.core.fp8_cases import op_cases, same, step_batched  # noqa: E402
 from tests.core.test_fp8 import amax_sequences  # noqa: E402
 

@@ -34,8 +34,8 @@ import pytest
 
 import keras
 
-from mp_callbacks.diagnostics import METRICS, OVERFLOW_MODULE
-from mp_callbacks.monitor_helpers import SCALER_SERIES
+from mp_callbacks.diagnostics.metrics import METRICS, OVERFLOW_MODULE
+from mp_callbacks.diagnostics.attribution import SCALER_SERIES
 from tests.keras.helpers import cross_backend, stock_parity
 from tests.keras.helpers.util import ROOT, run_pytest
 from tests.keras.test_optimizer import _assert_same

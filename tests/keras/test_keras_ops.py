@@ -2,7 +2,7 @@
 
 The Keras twin of the Lightning test that checks ``TorchOps`` against the reference
 (``test_torch_ops_match_the_numpy_reference``): every configuration branch of
-:func:`mp_callbacks.scaler.next_state` (hysteresis > 1, consecutive hysteresis, the ``max_scale``
+:func:`mp_callbacks.loss_scale.scaler.next_state` (hysteresis > 1, consecutive hysteresis, the ``max_scale``
 cap, a growth candidate that overflows float32, the ``min_scale`` floor under every
 ``on_min_scale`` value, ``dynamic=False``, ``enabled=False`` with and without ``skip_nonfinite``)
 is stepped over 300-step random overflow patterns eagerly, inside ``tf.function`` and inside
@@ -29,7 +29,8 @@ from keras import ops  # noqa: E402
 
 from keras_ext import KERAS_OPS, KerasOps  # noqa: E402
 from mp_callbacks import NUMPY_OPS, DynamicLossScaler, ScalerConfig, initial_state, next_state
-from mp_callbacks.scaler import FLOAT32_MAX, STATE_FIELDS, ScalerState, state_to_dict
+from mp_callbacks.loss_scale.config import FLOAT32_MAX
+from mp_callbacks.loss_scale.scaler import STATE_FIELDS, ScalerState, state_to_dict
 
 requires_tf_backend = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
                                          reason="tf.function / XLA: TensorFlow backend")

@@ -1,4 +1,4 @@
-"""keras_ext/keras_meters.py: the core's meter rules with keras.ops equal the NumPy references
+"""keras_ext/meters.py: the core's meter rules with keras.ops equal the NumPy references
 (exactly, on the same sampled elements), and the swamping meter around a step (SwampMeter)."""
 
 import numpy as np
@@ -7,8 +7,8 @@ import pytest
 import keras
 from keras import ops
 
-from keras_ext.keras_meters import SwampMeter, grad_underflow_fraction, update_swamped_fraction
-from mp_callbacks import meters as ref
+from keras_ext.meters import SwampMeter, grad_underflow_fraction, update_swamped_fraction
+from mp_callbacks.diagnostics import meters as ref
 
 
 def test_keras_meters_equal_the_numpy_references():

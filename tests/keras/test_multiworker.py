@@ -3,7 +3,7 @@ processes, one launch): an inf in worker 1's batch only makes both workers skip;
 the scale stay equal across workers and equal the one-process run on the summed gradients; a run saved
 to ``.keras`` and resumed equals the uninterrupted one; ``comm_dtype="bfloat16"`` all-reduces bf16
 gradients between the workers, and a float16 reduction that overflows skips the step on both; ``model.fit``
-(with ``keras_ext.distribute.multi_worker_fit``) behaves as the custom loop.
+(with ``keras_ext.distributed.multi_worker_fit``) behaves as the custom loop.
 The worker: tests/keras/helpers/multiworker.py."""
 
 import json
@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from mp_callbacks.sharding import allreduce_bytes
+from mp_callbacks.memory.sharding import allreduce_bytes
 from tests.keras.helpers.util import ROOT, requires_tf_backend
 
 pytestmark = [pytest.mark.multiprocess, requires_tf_backend]
@@ -122,7 +122,7 @@ def test_model_fit_one_worker_overflow_makes_both_workers_skip(workers):
     assert np.all(np.isfinite(np.concatenate([np.ravel(w) for w in fit["weights"]])))
     _assert_same_state(fit, w1["fit"])
     _assert_same_state(fit, w0["reference_fit"])
-    # FP32 communication: Keras' own gradient all-reduce, counted by keras_ext.distribute.CommCounter
+    # FP32 communication: Keras' own gradient all-reduce, counted by keras_ext.distributed.CommCounter
     numels = [3 * 2, 2, 2 * 1, 1]
     assert fit["comm"]["gradients"] == [[["float32", n] for n in numels]]
     assert fit["grad_bytes"] == [allreduce_bytes(numels, "float32")]
@@ -132,7 +132,7 @@ def test_model_fit_one_worker_overflow_makes_both_workers_skip(workers):
 def test_multi_worker_fit_is_a_no_op_outside_multi_worker_strategies():
     import keras
 
-    from keras_ext.distribute import multi_worker_fit
+    from keras_ext.distributed import multi_worker_fit
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     assert multi_worker_fit(model) is model

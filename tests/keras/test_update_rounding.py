@@ -1,4 +1,4 @@
-"""bf16-kahan and bf16-sr in Keras (keras_ext.update_rounding): the keras.ops rules are the core's bit for bit,
+"""bf16-kahan and bf16-sr in Keras (keras_ext.rounding): the keras.ops rules are the core's bit for bit,
 the wrapped optimizer is the same optimizer on FP32 copies, skipped steps change nothing, save/load resumes bit
 for bit, the variables held at the step are the estimator's bytes, and both beat swamping like bf16-master."""
 
@@ -11,22 +11,14 @@ import keras
 from keras import ops
 
 import keras_ext
-from keras_ext.update_rounding import KERAS_ROUNDING_OPS as K
-from keras_ext.update_rounding import UpdateRounding, WorkingVariable, canonical_perm, element_index
+from keras_ext.rounding_ops import KERAS_ROUNDING_OPS as K
+from keras_ext.rounding import UpdateRounding, WorkingVariable
+from keras_ext.rounding_ops import canonical_perm, element_index
 from mp_callbacks import get_recipe
-from mp_callbacks.master import estimate_memory
-from mp_callbacks.rounding import NUMPY_ROUNDING_OPS as N
-from mp_callbacks.rounding import (
-    bf16_bits,
-    bf16_to_f32,
-    initial_compensation,
-    kahan_apply,
-    keras_kernel_to_canonical,
-    layout_index,
-    sr_key,
-    sr_thresholds,
-    stochastic_round,
-)
+from mp_callbacks.memory.estimate import estimate_memory
+from mp_callbacks.rounding.rules import NUMPY_ROUNDING_OPS as N
+from mp_callbacks.rounding.rules import bf16_bits, bf16_to_f32, initial_compensation, kahan_apply, stochastic_round
+from mp_callbacks.rounding.random_source import keras_kernel_to_canonical, layout_index, sr_key, sr_thresholds
 
 RECIPES = ["bf16-kahan", "bf16-sr"]
 TF = keras.backend.backend() == "tensorflow"

@@ -6,7 +6,7 @@ import torch
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
-from mp_callbacks.meters import DivergenceError
+from mp_callbacks.diagnostics.meters import DivergenceError
 from mp_callbacks.recipes import RECIPE_NAMES
 
 

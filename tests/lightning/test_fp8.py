@@ -2,7 +2,7 @@
 the core transition, the skip of a non-finite amax, FP32 regions, masters, attention, checkpoints.
 
 * One FP8 matmul (``lightning_ext.fp8``): output and the three gradients equal the NumPy model
-  (:func:`mp_callbacks.fp8_recipe.fp8_linear_reference`) with the same scales, within float32
+  (:func:`mp_callbacks.fp8.recipe.fp8_linear_reference`) with the same scales, within float32
   matmul rounding (different summation order); the FP8 operands themselves bit for bit.
 * Training: after every step the states equal the core's NumPy transition replayed on the amaxes
   the step recorded (bit for bit); the scale a step quantizes with is the state of the step before
@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ext import MixedPrecision
-from lightning_ext.fp8 import TorchFP8, fp8_linear, fp8_modules
+from lightning_ext.fp8 import TorchFP8, fp8_modules
+from lightning_ext.fp8_matmul import fp8_linear
 from lightning_ext.fp8_attention import mha_forward
-from mp_callbacks.fp8 import FP8State, next_fp8_state, select_fp8_state
-from mp_callbacks.fp8_recipe import FP8_ROLES, FP8Recipe, fp8_amax, fp8_linear_reference, fp8_qdq
+from mp_callbacks.fp8.scaling import FP8State, next_fp8_state, select_fp8_state
+from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe, fp8_amax, fp8_linear_reference, fp8_qdq
 from mp_callbacks.recipes import get_recipe
 from tests.lightning.helpers.models import loader, trainer_kwargs
 
@@ -306,9 +307,9 @@ def test_attention_projections_train_in_fp8():
 
 def test_monitor_logs_the_fp8_metrics_and_memory():
     from lightning_ext import MixedPrecisionMonitor
-    from mp_callbacks.diagnostics import FP8_AMAX, FP8_SATURATED_FRAC, FP8_SCALE, FP8_UNDERFLOW_FRAC
-    from mp_callbacks.fp8 import flushed_fraction, saturated_fraction
-    from mp_callbacks.fp8_recipe import fp8_state_bytes
+    from mp_callbacks.diagnostics.metrics import FP8_AMAX, FP8_SATURATED_FRAC, FP8_SCALE, FP8_UNDERFLOW_FRAC
+    from mp_callbacks.fp8.formats import flushed_fraction, saturated_fraction
+    from mp_callbacks.fp8.recipe import fp8_state_bytes
 
     plugin = MixedPrecision("fp8-mixed", fp8={"history_len": 4})
     monitor = MixedPrecisionMonitor(log_every_n_steps=2)

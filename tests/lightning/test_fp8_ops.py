@@ -1,7 +1,7 @@
 """``TorchOps``' FP8 vector ops and the FP8 scaling transition on torch tensors equal the NumPy reference.
 
-Every op of :class:`mp_callbacks.fp8.FP8ArrayOps` (and the batched ``where``) on the same
-float32 inputs as :class:`~mp_callbacks.fp8.NumpyFP8Ops` (x/0, 0/0, overflow, subnormal results,
+Every op of :class:`mp_callbacks.fp8.scaling.FP8ArrayOps` (and the batched ``where``) on the same
+float32 inputs as :class:`~mp_callbacks.fp8.scaling.NumpyFP8Ops` (x/0, 0/0, overflow, subnormal results,
 inf, NaN), bit for bit; then the transition of every preset stepped over random amax sequences
 (inf/NaN included), as one state and as a batch of states (how the plugin steps its tensors).
 """
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ext.torch_ops import TorchOps
-from mp_callbacks.fp8 import FP8_PRESETS, FP8ArrayOps, FP8ScalingConfig, initial_fp8_state, next_fp8_state
+from lightning_ext.ops import TorchOps
+from mp_callbacks.fp8.config import FP8_PRESETS, FP8ScalingConfig
+from mp_callbacks.fp8.scaling import FP8ArrayOps, initial_fp8_state, next_fp8_state
 from tests.core.fp8_cases import op_cases, same, step_batched
 from tests.core.test_fp8 import amax_sequences
 

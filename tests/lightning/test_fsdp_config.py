@@ -1,6 +1,6 @@
 """Single-process checks of the scale-out configuration: FSDP2 policies, the FSDP1 precision class, DDP hooks.
 
-Expected dtypes are written out per recipe (the table of mp_callbacks.sharding), not read from the core.
+Expected dtypes are written out per recipe (the table of mp_callbacks.memory.sharding), not read from the core.
 The training paths run on two processes in test_scale_out.py.
 """
 
@@ -14,9 +14,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ext import MixedPrecision, TorchLossScaler
-from lightning_ext.comm import comm_hook, register_comm_hook
+from lightning_ext.distributed import comm_hook, register_comm_hook
 from lightning_ext.fsdp1 import FSDPMixedPrecision
-from mp_callbacks.scaler import StateDictError
+from mp_callbacks.loss_scale.scaler import StateDictError
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # recipe -> (param_dtype, output_dtype) of the root; reduce_dtype is comm_dtype

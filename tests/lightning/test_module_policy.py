@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ext import MixedPrecision
-from lightning_ext.module_policy import apply_module_policy, policy_report
+from lightning_ext.policy import apply_module_policy, policy_report
 from mp_callbacks.policy import PrecisionPolicy
 
 

@@ -21,13 +21,13 @@ from tests.lightning.helpers.monitor_models import (
 )
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext.torch_meters import grad_underflow_fraction, underflow_limit, update_swamped_fraction
+from lightning_ext.meters import grad_underflow_fraction, underflow_limit, update_swamped_fraction
 from mp_callbacks import History
-from mp_callbacks import meters as ref
-from mp_callbacks.diagnostics import METRICS, OVERFLOW_MODULE, plot
-from mp_callbacks.meters import DivergenceError
+from mp_callbacks.diagnostics import meters as ref
+from mp_callbacks.diagnostics.metrics import METRICS, OVERFLOW_MODULE, plot
+from mp_callbacks.diagnostics.meters import DivergenceError
 from mp_callbacks.policy import PrecisionPolicy
-from mp_callbacks.monitor_helpers import LOSS_SOURCE, SCALER_SERIES, expected_series, read_csv_series
+from mp_callbacks.diagnostics.attribution import LOSS_SOURCE, SCALER_SERIES, expected_series, read_csv_series
 
 NUMERIC = [m for m in METRICS if m != OVERFLOW_MODULE]
 

@@ -13,7 +13,8 @@ from tests.lightning.helpers.models import TinyRegressor, loader, params_of, tra
 
 from lightning_ext import MixedPrecision, TorchOps, check_strategy
 from mp_callbacks import RecipeError, ScaleFloorError, ScalerConfig, initial_state, next_state
-from mp_callbacks.scaler import FLOAT32_TINY, state_to_dict
+from mp_callbacks.loss_scale.config import FLOAT32_TINY
+from mp_callbacks.loss_scale.scaler import state_to_dict
 
 
 def test_bad_recipe_names_list_the_valid_ones():

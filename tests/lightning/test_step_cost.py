@@ -7,8 +7,8 @@ import torch
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext.compare import state_bytes
-from mp_callbacks.master import bytes_per_param
+from mp_callbacks.app.lightning_runner import state_bytes
+from mp_callbacks.memory.estimate import bytes_per_param
 
 
 @pytest.fixture
@@ -171,8 +171,8 @@ def test_weights_come_back_when_the_optimizer_step_fails():
 
 
 def test_runner_takes_an_optimizer_factory():
-    from lightning_ext.compare import fit_once
-    from mp_callbacks.compare import RunSpec
+    from mp_callbacks.app.lightning_runner import fit_once
+    from mp_callbacks.app.compare import RunSpec
 
     made = []
 

@@ -1,4 +1,4 @@
-"""bf16-kahan and bf16-sr in Lightning (lightning_ext.update_rounding): the torch rules are the core's bit for
+"""bf16-kahan and bf16-sr in Lightning (lightning_ext.rounding): the torch rules are the core's bit for
 bit, the wrapped optimizer is the same optimizer on FP32 copies, skipped steps change nothing, resumes are
 bit-for-bit, the step holds the estimator's bytes, and both beat swamping like bf16-master."""
 
@@ -16,23 +16,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext.compare import state_bytes
+from mp_callbacks.app.lightning_runner import state_bytes
 from lightning_ext import update_rounding
-from lightning_ext.update_rounding import TORCH_ROUNDING_OPS as T
-from lightning_ext.update_rounding import UpdateRounding
+from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
+from lightning_ext.rounding import UpdateRounding
 from mp_callbacks import RecipeError, get_recipe
-from mp_callbacks.master import estimate_memory
-from mp_callbacks.meters import update_swamped_fraction
-from mp_callbacks.rounding import NUMPY_ROUNDING_OPS as N
-from mp_callbacks.rounding import (
-    bf16_bits,
-    bf16_to_f32,
-    initial_compensation,
-    kahan_apply,
-    sr_key,
-    sr_thresholds,
-    stochastic_round,
-)
+from mp_callbacks.memory.estimate import estimate_memory
+from mp_callbacks.diagnostics.meters import update_swamped_fraction
+from mp_callbacks.rounding.rules import NUMPY_ROUNDING_OPS as N
+from mp_callbacks.rounding.rules import bf16_bits, bf16_to_f32, initial_compensation, kahan_apply, stochastic_round
+from mp_callbacks.rounding.random_source import sr_key, sr_thresholds
 from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 RECIPES = ["bf16-kahan", "bf16-sr"]

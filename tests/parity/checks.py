@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mp_callbacks.scaler import initial_state, next_state
+from mp_callbacks.loss_scale.scaler import initial_state, next_state
 
 from . import harness
 from .runs import SGD, Case, Trajectory

@@ -25,7 +25,7 @@ import numpy as np
 
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import RECIPE_NAMES, Recipe, get_recipe
-from mp_callbacks.scaler import ScalerConfig
+from mp_callbacks.loss_scale.config import ScalerConfig
 
 from . import harness
 

@@ -5,7 +5,7 @@ multiplies the loss by inf, Keras gets an inf sample weight) run through
 ``lightning_ext.MixedPrecisionMonitor`` and ``keras_ext.MixedPrecisionMonitor`` with
 ``log_every_n_steps=1``; the ``mp/scale``, ``mp/overflows_total``, ``mp/skipped_total`` (and
 ``mp/overflow``, ``mp/growths_total``) series, the blamed source and the step numbers are equal, and
-equal to the core scaler's :func:`~mp_callbacks.monitor_helpers.expected_series`.
+equal to the core scaler's :func:`~mp_callbacks.diagnostics.attribution.expected_series`.
 
 Attribution: a model whose ``net.amplify`` layer blows up in fp16 (same dotted name in both
 frameworks) is blamed on that layer by both monitors, on every step.
@@ -20,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 pl = pytest.importorskip("lightning.pytorch")
 keras = pytest.importorskip("keras")
 
-from mp_callbacks.monitor_helpers import LOSS_SOURCE, SCALER_SERIES, expected_series, series_from_rows  # noqa: E402
+from mp_callbacks.diagnostics.attribution import LOSS_SOURCE, SCALER_SERIES, expected_series, series_from_rows  # noqa: E402
 
 INF_STEPS = {2, 3, 7, 8, 12}
 STEPS = 16

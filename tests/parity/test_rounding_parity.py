@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mp_callbacks.recipes import get_recipe
-from mp_callbacks.rounding import bf16_bits, bf16_to_f32, sr_key, sr_thresholds
+from mp_callbacks.rounding.rules import bf16_bits, bf16_to_f32
+from mp_callbacks.rounding.random_source import sr_key, sr_thresholds
 
 from . import checks, runs
 from .runs import HIDDEN, Case
@@ -39,9 +40,9 @@ def _torch_bits(t) -> np.ndarray:
 def test_both_adapters_draw_the_same_bits_for_corresponding_elements():
     """The core's element layout: a torch (out, in) weight and the Keras (in, out) kernel of the same layer get
     the same threshold per element (and a bias the same vector), from the same (seed, tensor, step)."""
-    from keras_ext.update_rounding import KERAS_ROUNDING_OPS as K
-    from keras_ext.update_rounding import canonical_perm, element_index
-    from lightning_ext.update_rounding import TORCH_ROUNDING_OPS as T
+    from keras_ext.rounding_ops import KERAS_ROUNDING_OPS as K
+    from keras_ext.rounding_ops import canonical_perm, element_index
+    from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
 
     kernel = keras.Variable(np.zeros((7, 5), "float32"), name="kernel")
     bias = keras.Variable(np.zeros((5,), "float32"), name="bias")
@@ -63,7 +64,7 @@ def test_the_same_gradients_give_bit_identical_weights_in_both(recipe):
     from torch import nn
 
     import keras_ext
-    from lightning_ext.update_rounding import UpdateRounding
+    from lightning_ext.rounding import UpdateRounding
 
     r = np.random.default_rng(5)
     sizes = [(6, 5), (5, 4), (4, 3)]

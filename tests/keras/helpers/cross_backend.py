@@ -8,7 +8,7 @@ import keras
 from keras import ops
 
 import keras_ext
-from mp_callbacks.meters import DivergenceError
+from mp_callbacks.diagnostics.meters import DivergenceError
 from tests.keras.helpers.models import RecordLogs, fit, tiny_regressor
 
 INF_STEPS = (2, 3, 7)  # 0-based batches with an inf sample weight

@@ -13,8 +13,8 @@ its own batches; only worker 1's batch holds an inf at ``BAD_STEPS``.  It writes
   the cross-worker all-reduce (counted at trace time, one trace = one step);
 * ``comm_fp16_big`` / ``reference_big``: at ``BIG_STEP`` worker 0's gradients are finite in FP32 but
   overflow float16: with ``comm_dtype="float16"`` the reduced gradients are inf, both workers skip;
-* ``fit`` / ``reference_fit``: ``model.fit`` (``keras_ext.distribute.multi_worker_fit``) on the same
-  batches with the inf in worker 0's batch instead, and what ``keras_ext.distribute.CommCounter`` counted;
+* ``fit`` / ``reference_fit``: ``model.fit`` (``keras_ext.distributed.multi_worker_fit``) on the same
+  batches with the inf in worker 0's batch instead, and what ``keras_ext.distributed.CommCounter`` counted;
   the one-process run on the summed gradients of those batches.
 """
 
@@ -33,7 +33,7 @@ STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TF op
 import keras  # noqa: E402
 
 import keras_ext  # noqa: E402
-from keras_ext.distribute import CommCounter, multi_worker_fit  # noqa: E402
+from keras_ext.distributed import CommCounter, multi_worker_fit  # noqa: E402
 from mp_callbacks import get_recipe  # noqa: E402
 from tests.keras.helpers.comm_count import ReduceCounter  # noqa: E402
 

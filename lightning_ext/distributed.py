@@ -1,0 +1,235 @@
+"""Gradient communication precision under DDP: the recipe's ``comm_dtype`` as a DDP communication hook.
+
+The core decides the dtype (:attr:`mp_callbacks.recipes.Recipe.comm_dtype`);
+this module registers the hook that reduces in it:
+
+* ``float16`` / ``bfloat16``: torch's own ``fp16_compress_hook`` /
+  ``bf16_compress_hook`` (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``):
+  each bucket is cast, divided by the world size, all-reduced and copied back
+  (DDP accepts torch's bf16 hook with NCCL/XCCL only; elsewhere, gloo on CPU,
+  :func:`cast_hook` does the same steps);
+* ``float32`` with FP32 gradients: no hook (DDP's own all-reduce); with
+  low-precision gradients (``*-master`` keeps bf16/fp16 parameters, so DDP's
+  buckets are bf16/fp16) the buckets are cast up to FP32 for the reduction
+  (torch ships no such hook; :func:`cast_hook` is the same recipe as torch's).
+
+The reduction happens inside the backward, before the plugin unscales and
+checks the gradients, so under loss scaling an fp16 reduction that overflows
+(a finite FP32 gradient above 65504 x world size) is an inf the overflow
+check sees after the reduction: every rank skips that step and the scale
+backs off.
+
+:class:`CommCounter` with :func:`cast_hook` counts what is handed to
+``all_reduce`` (the bytes of the cast bucket, per bucket), for measurements:
+``plugin.comm_counter = CommCounter()`` before ``fit`` makes the plugin
+register the counting form (numerically the same as torch's hooks).
+
+Under FSDP2 (``ModelParallelStrategy``, ``fully_shard``) the precision of
+gradient communication is the ``MixedPrecisionPolicy``'s ``reduce_dtype``
+(:func:`lightning_ext.fsdp.fsdp_policy`); there is no hook to register.  The
+same ``plugin.comm_counter`` counts there too: :func:`count_fsdp_collectives`
+wraps every unit's reduce-scatter and all-gather (FSDP2's public
+``set_custom_reduce_scatter`` / ``set_custom_all_gather``) around the comm the
+unit already had, counts each call's whole (unsharded) buffer and hands the
+call on unchanged; :func:`fsdp_comm_units` reads the units for the core's
+estimate (:func:`mp_callbacks.memory.sharding.fsdp_step_bytes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from mp_callbacks.dtypes import canonical_dtype
+
+__all__ = ["CommCounter", "cast_hook", "comm_hook", "count_fsdp_collectives", "fsdp_comm_units", "register_comm_hook"]
+
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CommCounter:
+    """Bytes handed to collectives: ``total_bytes``, ``calls``, ``by_dtype`` and ``by_op`` (op -> dtype -> bytes).
+
+    A call counts its whole buffer: the bucket of a DDP ``all_reduce``, the
+    unsharded gradients of an FSDP2 ``reduce_scatter`` (its input), the
+    unsharded parameters of an FSDP2 ``all_gather`` (its output).
+    """
+
+    def __init__(self) -> None:
+        self.total_bytes = 0
+        self.calls = 0
+        self.by_dtype: dict[str, int] = {}
+        self.by_op: dict[str, dict[str, int]] = {}
+
+    def add(self, tensor: torch.Tensor, op: str = "all_reduce") -> None:
+        """Count one collective's buffer."""
+        size = tensor.numel() * tensor.element_size()
+        name = str(tensor.dtype).replace("torch.", "")
+        self.total_bytes += size
+        self.calls += 1
+        self.by_dtype[name] = self.by_dtype.get(name, 0) + size
+        per_op = self.by_op.setdefault(op, {})
+        per_op[name] = per_op.get(name, 0) + size
+
+    def reset(self) -> None:
+        """Start counting from zero."""
+        self.__init__()
+
+    def __repr__(self) -> str:
+        return (f"CommCounter(total_bytes={self.total_bytes}, calls={self.calls}, by_dtype={self.by_dtype}, "
+                f"by_op={self.by_op})")
+
+
+def cast_hook(comm_dtype: str, counter: Optional[CommCounter] = None) -> Callable[[Any, Any], Any]:
+    """A DDP hook that all-reduces each bucket in ``comm_dtype`` (mean over ranks), counting into ``counter``.
+
+    The same steps as torch's ``_compress_hook``: cast the bucket (a no-op when
+    it already is ``comm_dtype``), divide by the world size, all-reduce, copy the
+    result back into the bucket.  Any bucket dtype works (FP32 buckets reduced
+    in bf16, bf16 buckets reduced in FP32).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    dtype = _TORCH[canonical_dtype(comm_dtype, "comm_dtype")]
+
+    def hook(state, bucket):  # no annotations: DDP checks them (and this module's are strings)
+        buffer = bucket.buffer()
+        wire = buffer.to(dtype)
+        if counter is not None:
+            counter.add(wire)
+        if wire is buffer:
+            return allreduce_hook(state, bucket)
+        bucket.set_buffer(wire)  # allreduce_hook divides and reduces the bucket's buffer
+        fut = allreduce_hook(state, bucket)
+
+        def back(done: Any) -> torch.Tensor:
+            buffer.copy_(done.value())
+            return buffer
+
+        return fut.then(back)
+
+    return hook
+
+
+def comm_hook(comm_dtype: str, grad_dtypes: set, counter: Optional[CommCounter] = None) -> Optional[Callable]:
+    """The hook that reduces gradients of ``grad_dtypes`` in ``comm_dtype`` (None: DDP's own all-reduce)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    comm = canonical_dtype(comm_dtype, "comm_dtype")
+    if counter is not None:
+        return cast_hook(comm, counter)
+    if comm == "float16":
+        return default_hooks.fp16_compress_hook
+    if comm == "bfloat16":
+        return default_hooks.bf16_compress_hook
+    if all(d == torch.float32 for d in grad_dtypes):
+        return None
+    return cast_hook(comm)
+
+
+def register_comm_hook(model: Any, comm_dtype: str, counter: Optional[CommCounter] = None) -> Optional[Callable]:
+    """Register the hook of ``comm_dtype`` on a ``DistributedDataParallel`` ``model``; returns it (None: none needed).
+
+    Models that are not DDP-wrapped are left alone (with a ``counter``, the
+    FSDP2 units in them count their collectives: :func:`count_fsdp_collectives`).  A hook registered already
+    (``DDPStrategy(ddp_comm_hook=...)``) and a ``comm_dtype`` that needs one
+    are a ``MisconfigurationException``: DDP takes one hook.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        if counter is not None:
+            count_fsdp_collectives(model, counter)
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    hook = comm_hook(comm_dtype, dtypes, counter)
+    if hook is None:
+        return None
+    try:
+        try:
+            model.register_comm_hook(None, hook)
+        except TypeError:  # DDP takes torch's bf16 hook with NCCL/XCCL only (by its name): the same steps, ours
+            hook = cast_hook(comm_dtype, counter)
+            model.register_comm_hook(None, hook)
+    except RuntimeError as exc:
+        raise MisconfigurationException(
+            f"lightning_ext.MixedPrecision(comm_dtype={comm_dtype!r}) registers a DDP communication hook, but the "
+            f"model has one already (DDPStrategy(ddp_comm_hook=...)); DDP takes one. Drop one of them "
+            f"({exc})") from None
+    return hook
+
+
+# ---------------------------------------------------------------------- FSDP2
+def _counting(kind: str, inner: Any, counter: CommCounter) -> Any:
+    """``inner`` (an FSDP2 ``AllGather`` / ``ReduceScatter``) that counts each call into ``counter`` first."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    base = AllGather if kind == "all_gather" else ReduceScatter
+
+    class Counted(base):  # type: ignore[misc, valid-type]
+        counts = counter
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     *args: Any, **kwargs: Any) -> Any:
+            counter.add(output_tensor if kind == "all_gather" else input_tensor, kind)
+            return inner(output_tensor, input_tensor, group, *args, **kwargs)
+
+    Counted.__name__ = f"Counted{type(inner).__name__}"
+    return Counted()
+
+
+def count_fsdp_collectives(module: torch.nn.Module, counter: CommCounter) -> int:
+    """Count every FSDP2 unit's reduce-scatters and all-gathers in ``module`` into ``counter``; returns the units.
+
+    Each unit's comm is wrapped where it stands (calling twice does not count twice); the wrapper hands
+    FSDP2's arguments on as they came, so training is bit-for-bit what it is without it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = 0
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
+            if group is None:
+                continue
+            for kind, attr in (("all_gather", "_all_gather_comm"), ("reduce_scatter", "_reduce_scatter_comm")):
+                comm = getattr(group, attr)
+                if getattr(comm, "counts", None) is not counter:
+                    setattr(group, attr, _counting(kind, comm, counter))
+            units += 1
+    return units
+
+
+def fsdp_comm_units(module: torch.nn.Module) -> tuple[list[tuple[list[tuple[int, ...]], str, str, int]], int]:
+    """``module``'s FSDP2 units as :func:`mp_callbacks.memory.sharding.fsdp_step_bytes` takes them, and the shard count.
+
+    Per unit: its parameters' unsharded shapes, the gather dtype (the policy's ``param_dtype``, else the
+    parameters'), the reduce dtype (``reduce_dtype``, else the gather dtype) and the gathers per step
+    (2 when the unit reshards after forward, as FSDP2 decides for non-root units; 1 otherwise).
+    Read after the first step (FSDP2 settles the root's resharding at its lazy init).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from mp_callbacks.dtypes import canonical_dtype as name
+
+    units, world = [], 1
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = sub._get_fsdp_state()._fsdp_param_group
+        if group is None or not group.fsdp_params:
+            continue
+        policy = group.mp_policy
+        gather = name(policy.param_dtype or group.fsdp_params[0].sharded_param.dtype)
+        reduce = name(policy.reduce_dtype or gather)
+        gathers = 2 if group.post_forward_mesh_info is not None else 1
+        units.append(([tuple(fp._orig_size) for fp in group.fsdp_params], gather, reduce, gathers))
+        world = max(world, group.mesh_info.shard_mesh_size)
+    return units, world

@@ -1,0 +1,373 @@
+"""``TorchLossScaler``: the core's loss scaler with torch ``GradScaler``'s public API.
+
+What ``trainer.scaler`` returns for recipes that scale the loss.  The state
+(:class:`~mp_callbacks.loss_scale.scaler.ScalerState`) lives in 0-d tensors on the
+training device and moves only by :func:`mp_callbacks.loss_scale.scaler.next_state`
+evaluated with :class:`~lightning_ext.ops.TorchOps`.  The protocol is
+``GradScaler``'s::
+
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)        # optional: before clipping or reading grads
+    scaler.step(optimizer)            # skipped when the gradients are not finite
+    scaler.update()                   # one scaler transition
+
+Per optimizer, a stage guards the order (``READY`` -> ``UNSCALED`` ->
+``STEPPED``, back to ``READY`` at :meth:`update`): unscaling twice or after the
+step is an error, as in torch.  Rules:
+
+* ``unscale_``: under ``*-master`` the gradients first move onto the FP32
+  masters (:class:`~lightning_ext.masters.MasterWeights`); then, when the step
+  checks for overflows (:attr:`checks_overflow`, the core's
+  :func:`~mp_callbacks.loss_scale.scaler.checks_overflow`), torch's fused
+  ``_amp_foreach_non_finite_check_and_unscale_`` unscales by ``1/scale``
+  (computed in float64, as ``GradScaler``) and sets ``found_inf``, which is
+  all-reduced (MAX) over the process group so every rank decides alike
+  (under FSDP2 each rank checks its local gradient shards: ``ShardedGradScaler``'s semantics).
+* ``step``: one host read of ``found_inf`` when scaling is on (as
+  ``GradScaler.step``); a skipped step calls nothing, so parameters, masters,
+  compensation buffers, the rounding stream, optimizer state and the
+  optimizer's step counters stay as they were.
+* ``update``: the transition with the flags of the optimizers stepped since
+  the last update; a floor hit reacts per ``on_min_scale``
+  (:func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`).
+
+With scaling disabled (bf16 and FP32 recipes) the same object counts
+overflows for the monitor; the plugin then exposes it as ``loss_scaler`` only
+and ``plugin.scaler`` is None, as in Lightning.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from mp_callbacks.diagnostics.divergence import DivergenceRule
+from mp_callbacks.diagnostics.monitor import MonitorPort
+from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale.scaler import (
+    ScalerCounters,
+    ScalerState,
+    check_state_dict,
+    initial_state,
+    make_state_dict,
+    next_state,
+    react_to_floor_hit,
+    state_from_dict,
+)
+
+from .masters import MasterWeights
+from .ops import TorchOps
+
+__all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unwrap_optimizer"]
+
+
+def scaler_config_from(value: Any) -> Optional[ScalerConfig]:
+    """A ScalerConfig from a torch ``GradScaler`` (its settings), a config, a preset name, a dict, or None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.amp.GradScaler):
+        if not value.is_enabled():
+            return ScalerConfig.preset("torch", enabled=False)
+        return ScalerConfig.preset(
+            "torch", init_scale=float(value.get_scale()), growth_factor=float(value.get_growth_factor()),
+            backoff_factor=float(value.get_backoff_factor()), growth_interval=int(value.get_growth_interval()))
+    return ScalerConfig.coerce(value)
+
+
+class OptState(enum.Enum):
+    """Where an optimizer is in the scale -> unscale -> step -> update cycle."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+class TorchLossScaler(ScalerCounters, MonitorPort):
+    """Dynamic loss scaling driven by :func:`mp_callbacks.loss_scale.scaler.next_state`, with ``GradScaler``'s API.
+
+    Args:
+      config: the :class:`~mp_callbacks.loss_scale.config.ScalerConfig`.
+      masters: the plugin's :class:`~lightning_ext.masters.MasterWeights` (``*-master``), or None.
+      count_overflows: with scaling off and ``skip_nonfinite=False``, whether
+        steps count inf/NaN gradients (None: while a monitor is attached).
+      divergence: the :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule` applied
+        on skipped steps (None: the default rule; False: off).
+      rounding: the plugin's :class:`~lightning_ext.rounding.UpdateRounding`
+        (``bf16-kahan``, ``bf16-sr``): an applied step goes through it.
+    """
+
+    def __init__(self, config: ScalerConfig, masters: Optional[MasterWeights] = None,
+                 count_overflows: Optional[bool] = None, divergence: Any = None, rounding: Any = None) -> None:
+        self.config = config
+        self.rounding = rounding
+        self.divergence = DivergenceRule.coerce(divergence)
+        self._loss_finite: Optional[Tensor] = None
+        self.masters = masters
+        self.count_overflows = count_overflows
+        self._ops = TorchOps("cpu")
+        self._state: ScalerState = initial_state(config, self._ops)
+        self._grad_scale: Optional[Tensor] = None
+        self._stages: dict[int, tuple[OptState, Optional[Tensor]]] = {}
+        self._latest: dict[str, Tensor] = {}
+        self._last_applied: dict[int, bool] = {}  # id(optimizer) -> its latest step applied
+        self._latest_applied: Optional[bool] = None  # the latest step of any optimizer applied
+
+    # ------------------------------------------------------------ reading
+    @property
+    def scaler_config(self) -> ScalerConfig:
+        """The configuration in use (what :class:`~mp_callbacks.diagnostics.monitor.MonitorPort` reads)."""
+        return self.config
+
+    @property
+    def state(self) -> ScalerState:
+        """The current state (0-d device tensors, no sync)."""
+        return self._state
+
+    @property
+    def grad_scale(self) -> Tensor:
+        """The scale the current gradients were produced with (0-d tensor, no sync).
+
+        Differs from the current scale after an earlier optimizer's :meth:`update`
+        since the last backward (several optimizers stepping after one backward).
+        """
+        return self._grad_scale if self._grad_scale is not None else self._state.scale
+
+    def _counter(self, name: str) -> int:
+        return int(getattr(self._state, name).item())
+
+    def is_enabled(self) -> bool:
+        """True when the loss is scaled."""
+        return self.config.enabled
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (one host read; 1.0 with scaling disabled)."""
+        return float(self._state.scale.item())
+
+    def get_growth_factor(self) -> float:
+        """``growth_factor`` of the configuration."""
+        return self.config.growth_factor
+
+    def get_backoff_factor(self) -> float:
+        """``backoff_factor`` of the configuration."""
+        return self.config.backoff_factor
+
+    def get_growth_interval(self) -> int:
+        """``growth_interval`` of the configuration."""
+        return self.config.growth_interval
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Replace ``growth_factor`` (validated by :class:`ScalerConfig`)."""
+        self.config = self.config.replace(growth_factor=float(new_factor))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Replace ``backoff_factor`` (validated by :class:`ScalerConfig`)."""
+        self.config = self.config.replace(backoff_factor=float(new_factor))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Replace ``growth_interval`` (validated by :class:`ScalerConfig`)."""
+        self.config = self.config.replace(growth_interval=int(new_interval))
+
+    @property
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+        """torch ``GradScaler``'s per-optimizer record (``{id: {"stage", "found_inf_per_device"}}``), for
+        code that reads it; an optimizer not in the cycle is ``READY``."""
+        out: dict[int, dict[str, Any]] = defaultdict(lambda: {"stage": OptState.READY, "found_inf_per_device": {}})
+        for key, (stage, found) in self._stages.items():
+            out[key] = {"stage": stage, "found_inf_per_device": {} if found is None else {found.device: found}}
+        return out
+
+    def latest(self) -> dict[str, Tensor]:
+        """Device tensors of the latest transition (no sync): ``scale`` (the one its gradients were
+        produced with), ``next_scale``, ``overflow``, ``applied``, ``steps``, ``overflows_total``,
+        ``skipped_total``, ``growths_total``.  Empty before the first transition."""
+        return dict(self._latest)
+
+    def last_step_skipped(self, optimizer: Optional[Any] = None) -> bool:
+        """True when the latest step (of ``optimizer``, or of any optimizer) applied no update.
+
+        An optimizer that has not stepped yet answers for the latest step of any optimizer.
+        """
+        if optimizer is not None and id(unwrap_optimizer(optimizer)) in self._last_applied:
+            return not self._last_applied[id(unwrap_optimizer(optimizer))]
+        return self._latest_applied is False
+
+    # ---------------------------------------------------------- the cycle
+    def to(self, device: Union[torch.device, str]) -> "TorchLossScaler":
+        """Move the state to ``device`` (a no-op when it is there)."""
+        device = torch.device(device)
+        if self._state.scale.device != device:
+            self._ops = TorchOps(device)
+            self._state = ScalerState(*(t.to(device) for t in self._state))
+        return self
+
+    def scale(self, outputs: Any) -> Any:
+        """``outputs * scale`` for a tensor or a (nested) list/tuple of tensors; unchanged when disabled.
+
+        A scalar loss is also remembered as finite or not (a device flag) for the divergence rule.
+        """
+        if self.divergence.active and isinstance(outputs, Tensor) and outputs.numel() == 1:
+            self._loss_finite = torch.isfinite(outputs.detach()).reshape(())
+        if not self.config.enabled:
+            return outputs
+        if isinstance(outputs, Tensor):
+            self.to(outputs.device)
+            self._grad_scale = self._state.scale
+            return outputs * self._state.scale
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, Iterable):
+            return [self.scale(o) for o in outputs]
+        raise TypeError(f"scale() takes a tensor or an iterable of tensors, not {type(outputs).__name__}")
+
+    def unscale_(self, optimizer: Any) -> Tensor:
+        """Unscale ``optimizer``'s gradients in place (FP32 masters first) and return ``found_inf``.
+
+        Raises ``RuntimeError`` when called twice before :meth:`update` or after :meth:`step`.
+        """
+        raw = unwrap_optimizer(optimizer)
+        stage, _ = self._stages.get(id(raw), (OptState.READY, None))
+        if stage is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if stage is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        return self.unscale_once(raw)
+
+    def unscale_once(self, optimizer: Any) -> Tensor:
+        """:meth:`unscale_`, or the earlier result when this optimizer is unscaled already (the plugin's path)."""
+        raw = unwrap_optimizer(optimizer)
+        stage, found = self._stages.get(id(raw), (OptState.READY, None))
+        if stage is OptState.UNSCALED and found is not None:
+            return found
+        device = self._state.scale.device
+        with torch.no_grad():
+            if self.masters:
+                self.masters.grads_to_masters(self.masters.for_optimizer(raw))
+            if self.checks_overflow:
+                found = self._check_and_unscale(raw, device)
+            else:
+                found = torch.zeros((), dtype=torch.float32, device=device)
+        self._stages[id(raw)] = (OptState.UNSCALED, found)
+        return found
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step(*args, **kwargs)`` unless the gradients are not finite (then None)."""
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported with loss scaling: step() decides after the backward.")
+        raw = unwrap_optimizer(optimizer)
+        stage, found = self._stages.get(id(raw), (OptState.READY, None))
+        if stage is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if stage is OptState.READY or found is None:
+            found = self.unscale_once(raw)
+        skip = self.config.can_skip and bool(found.item())  # the one host read of the step
+        self._stages[id(raw)] = (OptState.STEPPED, found)
+        self._last_applied[id(raw)] = self._latest_applied = not skip
+        if self.divergence.active:
+            self._observe_divergence(skip)
+        if skip:
+            return None
+        if self.masters:
+            with self.masters.updating(raw):
+                return raw.step(*args, **kwargs)
+        if self.rounding is not None:
+            return self.rounding.step(raw, *args, **kwargs)
+        return raw.step(*args, **kwargs)
+
+    def _observe_divergence(self, skipped: bool) -> None:
+        """Feed the divergence rule; a skipped step costs one more host read (loss flag, scale, step)."""
+        if not skipped:
+            self.divergence.observe(0, False)
+            return
+        finite = self._loss_finite if self._loss_finite is not None else torch.ones((), dtype=torch.bool)
+        device = self._state.scale.device
+        read = torch.stack([finite.to(device=device, dtype=torch.float64), self.grad_scale.double(),
+                            self._state.steps.double() + 1]).tolist()
+        self.divergence.observe(int(read[2]), True, bool(read[0]), read[1])
+
+    def update(self, new_scale: Union[float, Tensor, None] = None) -> None:
+        """One scaler transition with the flags of the optimizers stepped since the last update.
+
+        ``new_scale`` sets the scale directly instead (no transition, as in torch).
+        """
+        stepped = [found for stage, found in self._stages.values() if stage is OptState.STEPPED]
+        self._stages.clear()
+        if new_scale is not None:
+            value = torch.as_tensor(new_scale, dtype=torch.float32, device=self._state.scale.device).reshape(())
+            self._state = self._state._replace(scale=value.clone())
+            return
+        if not stepped:
+            return
+        found = stepped[0] if len(stepped) == 1 else torch.stack(stepped).amax()
+        self.record_transition(found > 0)
+
+    def record_transition(self, overflow: Tensor) -> None:
+        """Advance the state by one step with device flag ``overflow``; react to a floor hit."""
+        old = self._state
+        new, applied = next_state(self.config, old, overflow, self._ops)
+        self._state = new
+        used = self._grad_scale if (self.config.enabled and self._grad_scale is not None) else old.scale
+        self._latest = {"scale": used, "next_scale": new.scale, "overflow": overflow, "applied": applied,
+                        "steps": new.steps, "overflows_total": new.overflows, "skipped_total": new.skipped,
+                        "growths_total": new.growths}
+        if self.config.enabled and self.config.on_min_scale != "clamp" and self._latest_applied is False:
+            if int(new.floor_hits.item()) > int(old.floor_hits.item()):
+                react_to_floor_hit(self.config, int(new.steps.item()), float(new.scale.item()), stacklevel=5)
+
+    def forget_step(self, optimizer: Any) -> None:
+        """An optimizer step that ran no backward (``training_step`` returned None): no transition."""
+        raw = unwrap_optimizer(optimizer)
+        self._stages.pop(id(raw), None)
+        self._last_applied[id(raw)] = self._latest_applied = False
+
+    def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        p.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                if hasattr(grad, "device_mesh"):  # a DTensor (FSDP2 shard): check the local shard; the one
+                    grad = grad.to_local()        # all-reduce below makes the flag global
+                groups[(grad.device, grad.dtype)].append(grad)
+        if self.config.enabled:
+            inv_scale = self.grad_scale.double().reciprocal().float()
+        else:
+            inv_scale = torch.ones((), dtype=torch.float32, device=device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        for (dev, _), grads in groups.items():
+            local = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(dev))
+            if local is not found_inf:
+                found_inf = found_inf + local.to(device)
+        if self.config.can_skip:  # every rank must take the same skip decision (nothing is decided otherwise)
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return found_inf
+
+    # -------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The versioned plain-data record (config, state, counters; one host read)."""
+        return make_state_dict(self.config, self._state)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; another config or a corrupt record is a ``StateDictError``."""
+        device = self._state.scale.device
+        self._state = state_from_dict(check_state_dict(self.config, state_dict), TorchOps(device))
+
+    def __repr__(self) -> str:
+        return f"TorchLossScaler(config={self.config!r})"
