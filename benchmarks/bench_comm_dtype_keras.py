@@ -64,10 +64,10 @@ def run_one(strategy, recipe: str, comm: str, args, data, worker: int) -> dict:
     import tensorflow as tf
 
     import keras_ext
-    from mp_callbacks.app.keras_runner import graph_options, mlp
     from keras_ext.distributed import CommCounter, multi_worker_fit
     from mp_callbacks import get_recipe
     from mp_callbacks.app.compare import RunSpec, batch_indices
+    from mp_callbacks.app.keras_runner import graph_options, mlp
 
     x, y = data
     spec = RunSpec(steps=args.steps, batch_size=WORKERS * args.batch_size, hidden=args.hidden, depth=args.depth)

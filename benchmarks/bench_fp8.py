@@ -36,13 +36,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from common import (  # noqa: E402
-    alternate, base_parser, fit_figures, machine_line, print_tables, thread_specs, with_controls, write_json,
+    alternate,
+    base_parser,
+    fit_figures,
+    machine_line,
+    print_tables,
+    thread_specs,
+    with_controls,
+    write_json,
 )
+
 from lightning_ext import MixedPrecision  # noqa: E402
-from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
 from mp_callbacks.app.compare import RunSpec  # noqa: E402
+from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
 
 RECIPES = ("fp8-mixed", "bf16-mixed", "bf16-master", "32-true")
 PAIRS = [("fp8-mixed", "bf16-mixed"), ("fp8-mixed", "bf16-master"), ("fp8-mixed", "32-true"),

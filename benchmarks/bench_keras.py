@@ -53,11 +53,11 @@ def worker(args: argparse.Namespace) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
     import keras
+    from common import alternate, print_table, with_controls
 
     import keras_ext
-    from common import alternate, print_table, with_controls
-    from mp_callbacks.app.keras_runner import fit_once
     from mp_callbacks.app.compare import RunSpec
+    from mp_callbacks.app.keras_runner import fit_once
 
     recipe = {"mixed_bfloat16": "bf16-mixed", "float32": "32-true"}[args.policy]
     spec = RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden, depth=args.depth,
@@ -91,9 +91,9 @@ def worker(args: argparse.Namespace) -> None:
 def masters(args: argparse.Namespace, spec) -> None:  # noqa: ANN001
     """``--master``: bf16-master (and with the FP32 gradient list) vs native ``mixed_bfloat16`` + AdamW."""
     import keras
+    from common import alternate, machine_line, print_table, with_controls
 
     import keras_ext
-    from common import alternate, machine_line, print_table, with_controls
     from mp_callbacks.app.keras_runner import _arrays, _Recorder, fit_once, graph_options, mlp
 
     def ours(fp32_list: bool):

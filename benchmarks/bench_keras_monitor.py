@@ -43,9 +43,9 @@ def _child(args: argparse.Namespace) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(args.child)
     import keras
     import numpy as np
+    from common import alternate, control_name, print_table, write_json
 
     import keras_ext
-    from common import alternate, control_name, print_table, write_json
 
     rng = np.random.default_rng(0)
     n = args.batch_size * args.steps

@@ -35,21 +35,28 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 from bench_transformer_model import GPTConfig, TinyGPT  # noqa: E402
 from common import (  # noqa: E402
-    alternate, base_parser, by_clock, machine_line, per_step, print_tables, with_controls, write_json,
+    alternate,
+    base_parser,
+    by_clock,
+    machine_line,
+    per_step,
+    print_tables,
+    with_controls,
+    write_json,
 )
-from mp_callbacks.app.lightning_runner import mlp  # noqa: E402
+from torch import nn  # noqa: E402
+
 from lightning_ext.masters import MasterWeights  # noqa: E402
+from mp_callbacks.app.lightning_runner import mlp  # noqa: E402
 
 LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 1e-2
 

@@ -26,13 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from common import (  # noqa: E402
-    alternate, base_parser, machine_line, print_table, thread_specs, with_controls, write_json,
+    alternate,
+    base_parser,
+    machine_line,
+    print_table,
+    thread_specs,
+    with_controls,
+    write_json,
 )
+
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor  # noqa: E402
-from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
 from mp_callbacks.app.compare import RunSpec  # noqa: E402
+from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
 
 
 def measure(recipe: str, spec: RunSpec, monitor: dict | None, log_every: int):

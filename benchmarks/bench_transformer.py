@@ -33,22 +33,31 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from bench_transformer_model import GPTConfig, TinyGPT, lm_loss, token_batches  # noqa: E402
+from common import (  # noqa: E402
+    alternate,
+    base_parser,
+    by_clock,
+    fit_figures,
+    machine_line,
+    per_step,
+    print_tables,
+    with_controls,
+    write_json,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench_transformer_model import GPTConfig, TinyGPT, lm_loss, token_batches  # noqa: E402
-from common import (  # noqa: E402
-    alternate, base_parser, by_clock, fit_figures, machine_line, per_step, print_tables, with_controls, write_json,
-)
 from lightning_ext import MixedPrecision  # noqa: E402
 from mp_callbacks.app.lightning_runner import state_bytes  # noqa: E402
 from mp_callbacks.recipes import get_recipe  # noqa: E402

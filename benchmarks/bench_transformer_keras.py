@@ -68,10 +68,10 @@ def worker(args: argparse.Namespace) -> None:
 
     import keras
     import numpy as np
+    from common import alternate, fit_figures, machine_line, print_tables, with_controls
     from keras import ops
 
     import keras_ext
-    from common import alternate, fit_figures, machine_line, print_tables, with_controls
     from mp_callbacks.app.keras_runner import graph_options
     from mp_callbacks.app.keras_runner import run as keras_run
     from mp_callbacks.recipes import get_recipe

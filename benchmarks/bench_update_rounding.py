@@ -34,13 +34,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from common import (  # noqa: E402
-    alternate, base_parser, fit_figures, machine_line, print_tables, thread_specs, with_controls, write_json,
+    alternate,
+    base_parser,
+    fit_figures,
+    machine_line,
+    print_tables,
+    thread_specs,
+    with_controls,
+    write_json,
 )
+
 from lightning_ext import MixedPrecision  # noqa: E402
-from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
 from mp_callbacks.app.compare import RunSpec  # noqa: E402
+from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
 from mp_callbacks.memory.estimate import estimate_memory  # noqa: E402
 
 RECIPES = ("bf16-master", "bf16-kahan", "bf16-sr")

@@ -12,7 +12,8 @@ import logging
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 
 def alternate(variants: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:

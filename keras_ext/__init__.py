@@ -42,10 +42,9 @@ in the cross-replica context; Keras 3's own optimizer checks per replica.
 """
 
 from .checkpoint import export_fp32, fp32_values, resume, save_model, save_weights
-from .ops import KERAS_OPS, KerasOps
 from .monitor import MixedPrecisionMonitor
-from .optimizer import LossScaleOptimizer
-from .masters import master_optimizer
+from .ops import KERAS_OPS, KerasOps
+from .optimizer import LossScaleOptimizer, master_optimizer
 from .policy import (
     apply_policy,
     get_global_policy,

@@ -29,15 +29,16 @@ is blamed through parameter gradients.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import keras
 from keras import ops
 
 from mp_callbacks.diagnostics.attribution import attribution_order
 
-from .policy import _own_variables, _walk
+from .layers import own_variables, walk
 from .ops import is_tf
 
 __all__ = ["LayerAttribution"]
@@ -102,7 +103,7 @@ class LayerAttribution:
     """Probes on a Keras model's layers, and the culprit of an overflow step from them."""
 
     def __init__(self) -> None:
-        self._trace: Optional[_Trace] = None
+        self._trace: _Trace | None = None
         self._generation = 0  # one per traced train function: indexes the name tables
         self._tables: dict[int, list[str]] = {}
         self._owners: dict[int, str] = {}
@@ -117,8 +118,8 @@ class LayerAttribution:
     def install(self, model: keras.Model) -> None:
         """Wrap every layer's ``call`` and the model's ``_compute_loss`` and ``train_step``."""
         self._owners = {}
-        for path, layer in _walk(model):
-            for v in _own_variables(layer):
+        for path, layer in walk(model):
+            for v in own_variables(layer):
                 self._owners[id(v)] = path  # children come later: the innermost layer owns
             if "call" not in layer.__dict__:
                 self._patch(layer, "call", self._wrap_call(layer.call, path))
@@ -151,7 +152,7 @@ class LayerAttribution:
 
         return train_step
 
-    def current(self) -> Optional[_Trace]:
+    def current(self) -> _Trace | None:
         """The records of the train step being traced (None outside one, or in another graph)."""
         trace = self._trace
         if trace is None or _current_graph() is not trace.graph:
@@ -219,7 +220,7 @@ class LayerAttribution:
         first = ops.min(ops.where(ops.greater(stacked, 0), ops.arange(n, dtype="int32"), n))
         return ops.where(ops.less(first, n), first, -1)
 
-    def name(self, index: int, generation: int) -> Optional[str]:
+    def name(self, index: int, generation: int) -> str | None:
         """The layer path of a culprit index read back from the device (None for -1 or an unknown table)."""
         if index < 0:
             return None

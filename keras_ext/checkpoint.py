@@ -29,18 +29,21 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import keras
 import numpy as np
 from keras import ops
 
+from mp_callbacks.loss_scale.record import check_state_dict
 from mp_callbacks.policy import PolicyError
 from mp_callbacks.recipes import ResumePlan, get_recipe, plan_resume
-from mp_callbacks.loss_scale.scaler import StateDictError, check_state_dict
+from mp_callbacks.settings import StateDictError
 
+from .layers import policy_layers, walk
 from .optimizer import LossScaleOptimizer
-from .policy import _RECIPE_OF_DTYPES, _layers, _walk, clone_with_policies, is_clonable, optimizer_recipe
+from .policy import _RECIPE_OF_DTYPES, clone_with_policies, is_clonable, optimizer_recipe
 
 __all__ = ["export_fp32", "fp32_values", "resume", "save_model", "save_weights"]
 
@@ -91,7 +94,7 @@ def _masters_as_weights(model: keras.Model) -> Iterator[None]:
     written: set[int] = set()
     patched = []
     try:
-        for _, layer in _walk(model):
+        for _, layer in walk(model):
             if any(id(v) in masters for v in getattr(layer, "_trainable_variables", [])):
                 own = layer.save_own_variables
                 object.__setattr__(layer, "save_own_variables",
@@ -131,7 +134,7 @@ def export_fp32(model: keras.Model, filepath: str | os.PathLike[str] | None = No
                           f"Functional models only, not a {type(model).__name__}: build an FP32 instance of it "
                           "and load keras_ext.save_weights(model, path) into it")
     fp32 = keras.DTypePolicy("float32")
-    clone = clone_with_policies(model, {id(layer): fp32 for _, layer in _layers(model)}, fp32)
+    clone = clone_with_policies(model, {id(layer): fp32 for _, layer in policy_layers(model)}, fp32)
     for variable, value in zip(clone.weights, fp32_values(model), strict=True):
         variable.assign(value)
     if filepath is not None:
@@ -144,7 +147,7 @@ def _saved_recipe(saved: keras.Model, opt: LossScaleOptimizer) -> str:
     """The recipe a saved run used: the one its optimizer was given, else the one of its layers' dtypes."""
     if opt._recipe_given is not None:
         return opt.recipe.name
-    low = [(layer.dtype_policy.variable_dtype, layer.dtype_policy.compute_dtype) for _, layer in _layers(saved)
+    low = [(layer.dtype_policy.variable_dtype, layer.dtype_policy.compute_dtype) for _, layer in policy_layers(saved)
            if layer.dtype_policy.compute_dtype != "float32"]
     base = get_recipe(_RECIPE_OF_DTYPES.get(low[0], "32-true") if low else "32-true")
     return optimizer_recipe(base, opt.scaler_config, opt.master_weights).name

@@ -11,7 +11,8 @@ position.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
@@ -88,7 +89,7 @@ class DeviceRecord:
         return ops.stack([ops.cast(values[name], self.dtype) for name in self.STATS.names])
 
     def write_step(self, found_inf: Any, grads: list[Any], tvs: list[Any], scale_used: Any, scaler: Any,
-                   measure_grads: bool, compute: str, samples: Optional[int], attribution: Any = None) -> None:
+                   measure_grads: bool, compute: str, samples: int | None, attribution: Any = None) -> None:
         """A step's writes (inside the traced step; ``scale_used``: the scale the gradients were produced
         with): ``stats`` with the gradient meters when ``request`` asks and ``measure_grads`` (FP8 states
         have no gradients), and on an overflow a row with ``scaler``'s counters after the step and the

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from mp_callbacks.dtypes import dtype_bytes
 
@@ -128,7 +129,7 @@ def _logs_as_vectors(step: Any) -> Any:
     return vector_step
 
 
-_COUNTERS: list["CommCounter"] = []
+_COUNTERS: list[CommCounter] = []
 _ORIGINALS: dict[str, Any] = {}
 _LOCAL = threading.local()  # per thread (MirroredStrategy runs each replica in a thread of its own)
 
@@ -159,7 +160,7 @@ class CommCounter:
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[tuple[str, int]]]] = []
 
-    def __enter__(self) -> "CommCounter":
+    def __enter__(self) -> CommCounter:
         if not _COUNTERS:
             _install()
         _COUNTERS.append(self)

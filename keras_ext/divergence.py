@@ -36,7 +36,8 @@ resets the streaks.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import keras
 from keras import ops
@@ -176,7 +177,7 @@ class _JaxChecked:
 
     KEYS = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
 
-    def __init__(self, fn: Callable[..., Any], rule: "KerasDivergence", model: keras.Model) -> None:
+    def __init__(self, fn: Callable[..., Any], rule: KerasDivergence, model: keras.Model) -> None:
         self.fn, self.rule, self.model = fn, rule, model
 
     def __call__(self, state: Any, data: Any) -> Any:

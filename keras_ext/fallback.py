@@ -10,24 +10,23 @@ the way and changes nothing: the model must be rebuilt with
 
 from __future__ import annotations
 
-from typing import Optional
-
 import keras
 
-from .policy import _own_variables, _walk, keep_layer_in_fp32
+from .layers import own_variables, walk
+from .policy import keep_layer_in_fp32
 
 __all__ = ["blocked_message", "move_layer_to_fp32"]
 
 
-def move_layer_to_fp32(model: keras.Model, path: str) -> Optional[list[str]]:
+def move_layer_to_fp32(model: keras.Model, path: str) -> list[str] | None:
     """Give layer ``path`` of ``model`` and its sub-layers the float32 policy (and keep it there on
     rebuilds); returns ``[]`` when moved, the paths of its low-precision variables when they block
     the move (nothing changed), None when ``model`` has no such layer."""
-    layer = next((l for p, l in _walk(model) if p == path), None)
+    layer = next((l for p, l in walk(model) if p == path), None)
     if layer is None:
         return None
-    layers = [layer] + [l for _, l in _walk(layer)]
-    low = [v.path for l in layers for v in _own_variables(l)
+    layers = [layer] + [l for _, l in walk(layer)]
+    low = [v.path for l in layers for v in own_variables(l)
            if keras.backend.standardize_dtype(v.dtype) in ("float16", "bfloat16")]
     if low:
         return low

@@ -38,15 +38,17 @@ would sum its state "gradients" (as Keras's float8 layers): not supported.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.fp8.scaling import FP8State, next_fp8_state
 from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe
+from mp_callbacks.fp8.scaling import FP8State, next_fp8_state
 
+from .layers import policy_layers
 from .ops import KERAS_OPS, is_tf
 
 __all__ = ["FP8_VARIABLE_FIELDS", "enable_fp8", "fp8_layers", "fp8_recipe_of", "fp8_state", "host_metrics", "install",
@@ -71,9 +73,7 @@ def is_fp8_variable(variable: Any) -> bool:
 
 def fp8_layers(model: Any) -> Iterator[tuple[str, Any]]:
     """``(path, layer)`` of every layer running FP8 matmuls (after :func:`install`)."""
-    from .policy import _layers
-
-    for path, layer in _layers(model):
+    for path, layer in policy_layers(model):
         if getattr(layer, _ATTR, None) is not None:
             yield path, layer
 
@@ -81,10 +81,8 @@ def fp8_layers(model: Any) -> Iterator[tuple[str, Any]]:
 def install(model: Any, recipe: FP8Recipe) -> list[str]:
     """Give every low-precision ``Dense``/``EinsumDense`` of ``model`` an FP8 call and its FP8 variables
     (now if built, else when it builds).  Returns the layer paths.  Installing twice changes nothing."""
-    from .policy import _layers
-
     paths = []
-    for path, layer in _layers(model):
+    for path, layer in policy_layers(model):
         if not _is_fp8_layer_class(layer) or keras.backend.standardize_dtype(
                 layer.dtype_policy.compute_dtype) == "float32":
             continue

@@ -33,7 +33,8 @@ latch from the state the train function returns (:mod:`keras_ext.divergence`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import keras
 from keras import ops

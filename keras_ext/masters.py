@@ -28,17 +28,15 @@ other backends) the whole FP32 gradient list exists first: 18 B/param.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import keras
 from keras import ops
 
-from mp_callbacks.recipes import Recipe, get_recipe
-from mp_callbacks.loss_scale.config import ScalerConfig
-
 from .ops import dtype_name, is_tf
 
-__all__ = ["LOW_PRECISION", "MasterWeights", "master_optimizer", "widened_in_update", "widens_in_update"]
+__all__ = ["LOW_PRECISION", "MasterWeights", "widened_in_update", "widens_in_update"]
 
 LOW_PRECISION = ("float16", "bfloat16")
 """Storage dtypes that get an FP32 master."""
@@ -183,25 +181,3 @@ def _outside_trace() -> Any:
 def _label(v: Any) -> str:
     label = getattr(v, "path", None) or getattr(v, "name", "var")
     return str(label).replace("/", "_").replace(":", "_")
-
-
-def master_optimizer(inner_optimizer: keras.optimizers.Optimizer, recipe: Recipe | str = "bf16-master", *,
-                     scaler: ScalerConfig | str | Mapping[str, Any] | None = None, state_dtype: str | None = None,
-                     **kwargs: Any) -> Any:
-    """The optimizer a recipe asks for: loss scaling per the recipe, FP32 masters for ``*-master``,
-    update rounding for ``bf16-kahan``/``bf16-sr`` (``state_dtype="bfloat16"``: bf16 slots; ``seed=``).
-
-    ``recipe`` is a :class:`mp_callbacks.Recipe` or a name; ``scaler`` overrides the recipe's
-    scaler; ``kwargs`` are :class:`LossScaleOptimizer`'s (``count_overflows``,
-    ``divergence``, ``seed``, ``name``; see :class:`keras_ext.LossScaleOptimizer`).  Build the
-    model with :func:`keras_ext.set_global_policy` / :func:`keras_ext.apply_policy`
-    for the same recipe so that its variables are stored in the recipe's
-    ``param_dtype``.
-    """
-    if isinstance(recipe, str):
-        recipe = get_recipe(recipe)
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a mp_callbacks.Recipe or a recipe name, not {type(recipe).__name__}")
-    from .optimizer import LossScaleOptimizer
-
-    return LossScaleOptimizer(inner_optimizer, scaler, recipe=recipe.with_state_dtype(state_dtype), **kwargs)

@@ -19,13 +19,14 @@ Both rules give exactly the NumPy references' answers:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import keras
 from keras import ops
 
-from mp_callbacks.dtypes import FORMATS, canonical_dtype
 from mp_callbacks.diagnostics.meters import fraction, sample_stride
+from mp_callbacks.dtypes import FORMATS, canonical_dtype
 
 __all__ = [
     "SwampMeter", "grad_norm", "sample", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "update_swamped_fraction",

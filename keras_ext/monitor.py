@@ -46,23 +46,24 @@ import json
 import logging
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import keras
 
+from mp_callbacks.diagnostics.divergence import DivergenceError
+from mp_callbacks.diagnostics.meters import METER_SAMPLES
 from mp_callbacks.diagnostics.metrics import OVERFLOW_MODULE, StepStats, json_safe, memory_metrics
-from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.diagnostics.meters import METER_SAMPLES, DivergenceError
 from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
+from mp_callbacks.dtypes import canonical_dtype
 
 from .attribution import LayerAttribution
 from .device_record import COUNTERS, DeviceRecord
 from .fallback import blocked_message, move_layer_to_fp32
 from .fp8 import host_metrics as fp8_host_metrics
 from .jax_support import is_jax, sync
+from .memory import memory_report
 from .meters import SwampMeter
 from .ops import is_tf
-from .memory import memory_report
 from .optimizer import LossScaleOptimizer
 from .policy import policy_report
 from .swamping import swamp_counts, swamp_targets
@@ -126,12 +127,12 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     SCHEMA = MONITOR_SCHEMA
     STATE_WORD = "state"
 
-    def __init__(self, log_every_n_steps: int = 50, divergence_patience: Optional[int] = None,
-                 auto_fallback_after: Optional[int] = None, attribute_overflows: Optional[bool] = None,
+    def __init__(self, log_every_n_steps: int = 50, divergence_patience: int | None = None,
+                 auto_fallback_after: int | None = None, attribute_overflows: bool | None = None,
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
-                 compute_dtype: Optional[str] = None, state_path: Optional[str | os.PathLike[str]] = None,
+                 compute_dtype: str | None = None, state_path: str | os.PathLike[str] | None = None,
                  overflow_buffer: int = 256, history_maxlen: int = 100_000,
-                 meter_samples: Optional[int] = METER_SAMPLES, report_policy: bool = False) -> None:
+                 meter_samples: int | None = METER_SAMPLES, report_policy: bool = False) -> None:
         super().__init__()
         self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,
                     measure_grads, measure_swamping, log_memory, history_maxlen, meter_samples, report_policy)
@@ -142,8 +143,8 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         self.overflow_buffer = overflow_buffer
         self.attribution = LayerAttribution()
         self._last_seen = 0
-        self._dev: Optional[DeviceRecord] = None
-        self._opt: Optional[LossScaleOptimizer] = None
+        self._dev: DeviceRecord | None = None
+        self._opt: LossScaleOptimizer | None = None
         self._compute = "float32"
         self._logging_now = False
         self._begin_step = 0
@@ -163,7 +164,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         return opt
 
     # ------------------------------------------------------------- lifecycle
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Remove what a failed run left, load state, read the step counter, attach (retrace), log memory."""
         self.uninstall()
         opt = self._opt = self._optimizer()
@@ -201,7 +202,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         if self.report_policy:
             print(self.core.record_policy(policy_report(self.model), self._step))
 
-    def on_train_end(self, logs: Optional[dict] = None) -> None:
+    def on_train_end(self, logs: dict | None = None) -> None:
         """Record what is left, log memory, detach and uninstall, save the state file."""
         try:
             self._drain()
@@ -212,7 +213,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         if self.state_path:
             self.save_state(self.state_path)
 
-    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """On a logging step: ask for the gradient meters, snapshot the weights to update."""
         self._begin_step = batch
         spe = getattr(self._model, "steps_per_execution", 1)  # not self.model: on JAX its getter syncs the state
@@ -226,7 +227,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         if self.measure_swamping:
             self._swamp.snapshot(swamp_targets(self.model, self._opt))
 
-    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Count the steps; on a logging step read the device values once and write ``logs``."""
         self._step += max(1, int(batch) - int(self._begin_step) + 1)
         if not self._logging_now:
@@ -236,7 +237,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         if stats is not None and logs is not None:
             logs.update({k: v for k, v in stats.metrics().items() if k != OVERFLOW_MODULE})
 
-    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Record pending overflow rows; the epoch ``logs`` get the last step's scaler values and
         each meter's last logged value."""
         snapshot = self._drain()
@@ -278,7 +279,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
                        self.meter_samples, attribution)
 
     # -------------------------------------------------------------- reading
-    def _drain(self, logging: bool = False) -> Optional[StepStats]:
+    def _drain(self, logging: bool = False) -> StepStats | None:
         """One read: record the overflow rows since the last read, then (``logging``) this step's record.
 
         Returns the record of the current step (None before the first step).
@@ -294,7 +295,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         got = dev.read([opt.loss_scaler.variable(c) for c in COUNTERS], opt.loss_scaler.variable("scale"), swamp)
         if got["dropped"]:
             self.history.add_event("dropped", step=self._step, rows=got["dropped"])
-        current_module: Optional[str] = None
+        current_module: str | None = None
         for row in got["rows"]:  # one per overflow step
             step = int(row["step"])
             if not self.core.should_record(step, overflow=True):
@@ -347,7 +348,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
             self._move_to_fp32(path, announce=True, step=stats.step)
 
     # ------------------------------------------------------------ fallback
-    def _move_to_fp32(self, path: str, announce: bool = True, step: Optional[int] = None) -> bool:
+    def _move_to_fp32(self, path: str, announce: bool = True, step: int | None = None) -> bool:
         """Give layer ``path`` and its sub-layers the float32 policy (:func:`keras_ext.fallback.move_layer_to_fp32`)."""
         low = move_layer_to_fp32(self.model, path)
         if low is None:
@@ -369,7 +370,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         """What the model and optimizer hold next to the core's estimate: :func:`keras_ext.memory.memory_report`."""
         return memory_report(self.model, self._opt or self._optimizer())
 
-    def _log_memory(self, when: str, logs: Optional[dict]) -> None:
+    def _log_memory(self, when: str, logs: dict | None) -> None:
         report = self.memory_report()
         report["when"] = when
         self.memory_reports.append(report)

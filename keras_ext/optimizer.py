@@ -29,26 +29,28 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import keras
 from keras import ops
 
-from mp_callbacks.diagnostics.metrics import OVERFLOW, StepStats
 from mp_callbacks.diagnostics.divergence import DivergenceRule
+from mp_callbacks.diagnostics.metrics import OVERFLOW, StepStats
 from mp_callbacks.diagnostics.monitor import MonitorPort
-from mp_callbacks.recipes import Recipe
 from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.scaler import ScalerCounters, ScalerState
+from mp_callbacks.loss_scale.scaler import ScalerCounters
+from mp_callbacks.loss_scale.transition import ScalerState
+from mp_callbacks.recipes import Recipe, get_recipe
 
 from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
 from .jax_support import StepStateOwner, run_if, stateless_apply
+from .masters import MasterWeights, widened_in_update
 from .ops import is_tf
-from .masters import MasterWeights, master_optimizer, widened_in_update  # master_optimizer: re-exported
 from .policy import coerce_recipe, optimizer_recipe
-from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
 from .rounding import UpdateRounding, weight_store
+from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
 
 __all__ = ["LossScaleOptimizer", "master_optimizer"]
 
@@ -399,7 +401,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
         return config
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], custom_objects: Any = None) -> "LossScaleOptimizer":
+    def from_config(cls, config: Mapping[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
         """Inverse of :meth:`get_config` (also of Keras' own ``LossScaleOptimizer.get_config``)."""
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
@@ -408,3 +410,23 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
     def __repr__(self) -> str:
         return (f"keras_ext.LossScaleOptimizer(inner={type(self.inner_optimizer).__name__}, "
                 f"scale={self.current_scale:g}, master_weights={self.master_weights}, recipe={self.recipe.name!r})")
+
+
+def master_optimizer(inner_optimizer: keras.optimizers.Optimizer, recipe: Recipe | str = "bf16-master", *,
+                     scaler: ScalerConfig | str | Mapping[str, Any] | None = None, state_dtype: str | None = None,
+                     **kwargs: Any) -> Any:
+    """The optimizer a recipe asks for: loss scaling per the recipe, FP32 masters for ``*-master``,
+    update rounding for ``bf16-kahan``/``bf16-sr`` (``state_dtype="bfloat16"``: bf16 slots; ``seed=``).
+
+    ``recipe`` is a :class:`mp_callbacks.Recipe` or a name; ``scaler`` overrides the recipe's
+    scaler; ``kwargs`` are :class:`LossScaleOptimizer`'s (``count_overflows``,
+    ``divergence``, ``seed``, ``name``; see :class:`keras_ext.LossScaleOptimizer`).  Build the
+    model with :func:`keras_ext.set_global_policy` / :func:`keras_ext.apply_policy`
+    for the same recipe so that its variables are stored in the recipe's
+    ``param_dtype``.
+    """
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a mp_callbacks.Recipe or a recipe name, not {type(recipe).__name__}")
+    return LossScaleOptimizer(inner_optimizer, scaler, recipe=recipe.with_state_dtype(state_dtype), **kwargs)

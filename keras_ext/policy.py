@@ -30,14 +30,17 @@ policy was set since.  This module keeps no state of its own.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import keras
 from keras import ops
 
+from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.policy import PolicyError, PrecisionPolicy, class_names
 from mp_callbacks.recipes import Recipe, get_recipe
-from mp_callbacks.loss_scale.config import ScalerConfig
+
+from .layers import own_variables, policy_layers
 
 __all__ = [
     "POLICY_ATTR",
@@ -218,18 +221,6 @@ def _decide(policy: PrecisionPolicy, layer: Any, path: str, outputs: set[int]) -
     return policy.explain(_op_subject(layer), path)
 
 
-def _layers(model: Any) -> Iterator[tuple[str, Any]]:
-    """``(path, layer)`` of every layer a dtype policy applies to (no nested models, no inputs)."""
-    return ((p, l) for p, l in _walk(model) if not _is_container(l) and not isinstance(l, keras.layers.InputLayer))
-
-
-def _walk(layer: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for child in layer._flatten_layers(include_self=False, recursive=False):
-        path = f"{prefix}.{child.name}" if prefix else child.name
-        yield path, child
-        yield from _walk(child, path)
-
-
 def _output_layers(model: Any) -> set[int]:
     if isinstance(model, keras.Sequential):
         layers = [l for l in model.layers]
@@ -240,10 +231,6 @@ def _output_layers(model: Any) -> set[int]:
         if history is not None:
             out.add(id(history[0]))
     return out
-
-
-def _is_container(layer: Any) -> bool:
-    return isinstance(layer, keras.Model)
 
 
 def layer_dtype_policies(model: keras.Model, policy: Any = None) -> dict[str, keras.DTypePolicy]:
@@ -259,7 +246,7 @@ def _plan(model: keras.Model, policy: Any) -> list[tuple[str, Any, keras.DTypePo
     policy = _core_policy(policy)
     outputs = _output_layers(model)
     plan = []
-    for path, layer in _layers(model):
+    for path, layer in policy_layers(model):
         compute = _decide(policy, layer, path, outputs)[0]
         params = "float32" if compute == "float32" else policy.params
         if params != compute and params != "float32":
@@ -282,21 +269,17 @@ def policy_report(model: keras.Model, policy: Any = None) -> list[dict[str, str]
     policy = _core_policy(policy)
     outputs = _output_layers(model)
     rows = []
-    for path, layer in _layers(model):
+    for path, layer in policy_layers(model):
         compute, why = _decide(policy, layer, path, outputs)
         if policy.compute == "float32":
             compute, why = "float32", "the recipe computes in float32"
-        own = [keras.backend.standardize_dtype(v.dtype) for v in _own_variables(layer) if _is_float(v)]
+        own = [keras.backend.standardize_dtype(v.dtype) for v in own_variables(layer) if _is_float(v)]
         actual = keras.backend.standardize_dtype(layer.dtype_policy.compute_dtype)
         if actual != compute:
             why += f"; the layer computes in {actual} (keras_ext.apply_policy was not applied to it)"
         rows.append({"path": path, "class": type(layer).__name__, "compute": compute,
                      "storage": own[0] if own else "-", "why": why})
     return rows
-
-
-def _own_variables(layer: Any) -> list[Any]:
-    return list(getattr(layer, "_trainable_variables", [])) + list(getattr(layer, "_non_trainable_variables", []))
 
 
 def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
@@ -325,7 +308,7 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
         path
         for path, layer, kp in plan
         if layer.built and any(keras.backend.standardize_dtype(v.dtype) != kp.variable_dtype
-                               for v in _own_variables(layer) if _is_float(v))
+                               for v in own_variables(layer) if _is_float(v))
     ]
     if not rebuild:
         for _, layer, kp in plan:

@@ -44,22 +44,22 @@ strategy with several replicas is refused at build).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 from keras import ops
 
-from mp_callbacks.memory.estimate import MasterPlan
+from mp_callbacks.masters import MasterPlan
 from mp_callbacks.recipes import Recipe
 from mp_callbacks.rounding.random_source import MASK32, sr_key, sr_thresholds
 from mp_callbacks.rounding.rules import compensated_value, initial_compensation, kahan_apply, round_with_thresholds
 
+from .masters import LOW_PRECISION, MasterWeights, _label
 from .meters import sample
 from .ops import dtype_name, is_tf
-from .masters import LOW_PRECISION, MasterWeights, _label
 from .rounding_ops import (  # re-exported: tests import them from here
     KERAS_ROUNDING_OPS,
-    KERNEL_NAMES,
     KerasRoundingOps,
     canonical_perm,
     element_index,
@@ -93,14 +93,14 @@ class WorkingVariable:
         self.value: Any = None
         self.start: Any = None  # the swamping meter's sample of the step's value before the update
 
-    def assign(self, value: Any) -> "WorkingVariable":
+    def assign(self, value: Any) -> WorkingVariable:
         self.value = ops.cast(value, "float32")
         return self
 
-    def assign_add(self, value: Any) -> "WorkingVariable":
+    def assign_add(self, value: Any) -> WorkingVariable:
         return self.assign(ops.add(self.value, ops.cast(value, "float32")))
 
-    def assign_sub(self, value: Any) -> "WorkingVariable":
+    def assign_sub(self, value: Any) -> WorkingVariable:
         return self.assign(ops.subtract(self.value, ops.cast(value, "float32")))
 
     def numpy(self) -> Any:
@@ -168,13 +168,13 @@ class UpdateRounding:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"stochastic rounding seed={seed!r} must be an integer >= 0")
         self.plan, self.mode, self.seed = plan, plan.update_rounding, seed
-        self._working: list[Optional[WorkingVariable]] = []
+        self._working: list[WorkingVariable | None] = []
         self._comp: list[Any] = []
         self._counter: Any = None
         self._seed: Any = None
         self._position: dict[int, int] = {}
-        self._tracked: Optional[dict[int, tuple[Any, Any]]] = None  # index -> (FP32 before, FP32 update) samples
-        self._samples: Optional[int] = None
+        self._tracked: dict[int, tuple[Any, Any]] | None = None  # index -> (FP32 before, FP32 update) samples
+        self._samples: int | None = None
 
     @property
     def kahan(self) -> bool:
@@ -192,7 +192,7 @@ class UpdateRounding:
         return list(self._comp)
 
     @property
-    def working_variables(self) -> list[Optional[WorkingVariable]]:
+    def working_variables(self) -> list[WorkingVariable | None]:
         """What the inner optimizer updates in place of each variable (None: the variable itself)."""
         return list(self._working)
 
@@ -249,7 +249,7 @@ class UpdateRounding:
         if comp is not None:
             comp.assign(initial_compensation(x, variable.value, KERAS_ROUNDING_OPS))
 
-    def track_updates(self, on: bool, samples: Optional[int] = None) -> None:
+    def track_updates(self, on: bool, samples: int | None = None) -> None:
         """Keep (``on``), at every applied step, each rounded variable's FP32 value before the step and the FP32
         update on the elements :func:`~keras_ext.meters.sample` reads (``samples``): the swamping meter's
         input (:meth:`tracked_updates`).  Retrace the step after switching."""
@@ -327,7 +327,7 @@ class UpdateRounding:
         self._counter.assign_add(ops.convert_to_tensor(1, dtype="int64"))
 
 
-def weight_store(recipe: Optional[Recipe], master_weights: bool, seed: int = 0) -> Any:
+def weight_store(recipe: Recipe | None, master_weights: bool, seed: int = 0) -> Any:
     """What keeps the optimizer's weights right: :class:`UpdateRounding` for a ``bf16-kahan``/``bf16-sr``
     recipe without ``master_weights``, else :class:`~keras_ext.masters.MasterWeights`."""
     if recipe is not None and recipe.master.rounds_updates and not master_weights:

@@ -10,7 +10,8 @@ same number for corresponding elements.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from keras import ops
 
@@ -81,7 +82,7 @@ class KerasRoundingOps:
 KERAS_ROUNDING_OPS = KerasRoundingOps()
 
 
-def element_index(shape: Sequence[int], to_canonical: Optional[tuple[int, ...]] = None) -> Any:
+def element_index(shape: Sequence[int], to_canonical: tuple[int, ...] | None = None) -> Any:
     """int32 (u32 bits) canonical flat indices of a stored array of ``shape`` (broadcast ``arange``s with
     :func:`~mp_callbacks.rounding.random_source.index_strides`; equals :func:`~mp_callbacks.rounding.random_source.layout_index`)."""
     shape = tuple(int(n) for n in shape)
@@ -92,7 +93,7 @@ def element_index(shape: Sequence[int], to_canonical: Optional[tuple[int, ...]] 
     return index
 
 
-def canonical_perm(variable: Any) -> Optional[tuple[int, ...]]:
+def canonical_perm(variable: Any) -> tuple[int, ...] | None:
     """The permutation to the canonical layout: a Keras kernel's (:data:`KERNEL_NAMES`, 2+ dims), else None."""
     name = str(getattr(variable, "name", "")).split("/")[-1].split(":")[0]
     ndim = len(variable.shape)

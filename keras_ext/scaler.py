@@ -25,22 +25,18 @@ step).  Rules:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.recipes import Recipe
-from mp_callbacks.loss_scale.scaler import STATE_FIELDS, ScaleFloorWarning, ScalerCounters, ScalerState
 from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.scaler import (
-    check_state_dict,
-    initial_state,
-    make_state_dict,
-    next_state,
-    react_to_floor_hit,
-)
+from mp_callbacks.loss_scale.record import check_state_dict, make_state_dict
+from mp_callbacks.loss_scale.scaler import ScaleFloorWarning, ScalerCounters, react_to_floor_hit
+from mp_callbacks.loss_scale.transition import STATE_FIELDS, ScalerState, initial_state, next_state
+from mp_callbacks.recipes import Recipe
 
 from .jax_support import tracing
 from .ops import KERAS_OPS, dtype_name, is_tf

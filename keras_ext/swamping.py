@@ -17,13 +17,13 @@ from typing import Any
 import keras
 from keras import ops
 
+from mp_callbacks.diagnostics.meters import swamp_storage_dtype
 from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.diagnostics.attribution import swamp_storage_dtype
 
 from .fp8 import is_fp8_variable
+from .layers import own_variables, walk
 from .meters import SwampMeter, swamped_counts
 from .optimizer import LossScaleOptimizer
-from .policy import _own_variables, _walk
 
 __all__ = ["swamp_counts", "swamp_targets"]
 
@@ -31,9 +31,9 @@ __all__ = ["swamp_counts", "swamp_targets"]
 def swamp_targets(model: keras.Model, opt: LossScaleOptimizer) -> list[tuple[Any, str]]:
     """``(the variable the optimizer updates, the storage dtype its update is measured against)``."""
     kept: dict[int, bool] = {}
-    for _, layer in _walk(model):
+    for _, layer in walk(model):
         fp32 = canonical_dtype(layer.dtype_policy.compute_dtype) == "float32"
-        for v in _own_variables(layer):
+        for v in own_variables(layer):
             kept[id(v)] = fp32
     out = []
     rounding = opt.update_rounding

@@ -20,14 +20,14 @@ from .distributed import CommCounter
 from .fsdp import fully_shard_model
 from .fsdp1 import FSDPMixedPrecision
 from .masters import MasterWeights
-from .policy import apply_module_policy, cast_module_storage
 from .monitor import MixedPrecisionMonitor
-from .plugin import MixedPrecision
-from .support import check_strategy
 from .ops import TorchOps
-from .scaler import OptState, TorchLossScaler
-from .rounding_ops import TorchRoundingOps
+from .plugin import MixedPrecision
+from .policy import apply_module_policy, cast_module_storage
 from .rounding import UpdateRounding
+from .rounding_ops import TorchRoundingOps
+from .scaler import OptState, TorchLossScaler
+from .support import check_strategy
 
 __all__ = ["CommCounter", "FSDPMixedPrecision", "MasterWeights", "MixedPrecision", "MixedPrecisionMonitor", "OptState", "OverflowTracer",
            "TorchLossScaler", "TorchOps", "TorchRoundingOps", "UpdateRounding", "apply_module_policy",

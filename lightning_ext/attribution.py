@@ -11,7 +11,8 @@ agree on one answer.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Optional
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -79,7 +80,7 @@ class OverflowTracer:
         self._inputs.clear()
 
     @staticmethod
-    def _bad(tensors: Iterator[Tensor]) -> Optional[Tensor]:
+    def _bad(tensors: Iterator[Tensor]) -> Tensor | None:
         flag = None
         with torch.no_grad():
             for t in tensors:
@@ -135,7 +136,7 @@ class OverflowTracer:
             if flag is not None:
                 self.records.append(("loss", LOSS_SOURCE, flag))
 
-    def take(self, count: Optional[int] = None) -> list[tuple[str, str, Tensor]]:
+    def take(self, count: int | None = None) -> list[tuple[str, str, Tensor]]:
         """Remove and return the first ``count`` records (all when None)."""
         count = len(self.records) if count is None else count
         taken, self.records = self.records[:count], self.records[count:]
@@ -144,7 +145,7 @@ class OverflowTracer:
         return taken
 
     @staticmethod
-    def first_bad(records: list[tuple[str, str, Tensor]]) -> Optional[str]:
+    def first_bad(records: list[tuple[str, str, Tensor]]) -> str | None:
         """The core's :func:`~mp_callbacks.diagnostics.attribution.first_culprit` of ``records``
         (reads the flags: one sync), None if all are finite."""
         if not records:
@@ -156,7 +157,7 @@ class OverflowTracer:
                              [p for k, p in bad if k == "backward"])
 
 
-def blame(records: list[tuple[str, str, Tensor]]) -> Optional[str]:
+def blame(records: list[tuple[str, str, Tensor]]) -> str | None:
     """The first non-finite record; under DDP every rank takes the same answer.
 
     Each rank finds its local culprit (its own forward outputs and local
@@ -170,6 +171,6 @@ def blame(records: list[tuple[str, str, Tensor]]) -> Optional[str]:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return local
-    gathered: list[Optional[str]] = [None] * dist.get_world_size()
+    gathered: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     return next((g for g in gathered if g), None)

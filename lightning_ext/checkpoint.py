@@ -15,11 +15,13 @@ A ``*-master`` checkpoint's model weights are the FP32 masters
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
+from mp_callbacks.loss_scale.record import check_state_dict
 from mp_callbacks.policy import added_fp32_rules
 from mp_callbacks.recipes import plan_resume
-from mp_callbacks.loss_scale.scaler import StateDictError, check_state_dict
+from mp_callbacks.settings import StateDictError
 
 from .rounding import rounding_record
 
@@ -34,7 +36,7 @@ PLUGIN_SCHEMA_VERSION = 1
 """The version of the plugin's checkpoint record."""
 
 
-def plugin_record(plugin: "MixedPrecision") -> dict[str, Any]:
+def plugin_record(plugin: MixedPrecision) -> dict[str, Any]:
     """The plugin's state as plain data (see the module docstring)."""
     return {"schema": PLUGIN_SCHEMA, "schema_version": PLUGIN_SCHEMA_VERSION, "recipe": plugin.recipe.name,
             "scaler": plugin.loss_scaler.state_dict(), "masters": plugin.master_state_dict(),
@@ -56,7 +58,7 @@ def _check_schema(state_dict: Any, here: str) -> None:
                              f"this trainer uses {here}")
 
 
-def load_plugin_record(plugin: "MixedPrecision", state_dict: Mapping[str, Any]) -> None:
+def load_plugin_record(plugin: MixedPrecision, state_dict: Mapping[str, Any]) -> None:
     """Restore :func:`plugin_record`'s data into ``plugin``; another schema, recipe (unless the plugin
     allows recipe changes) or scaler config is a :class:`~mp_callbacks.loss_scale.scaler.StateDictError` naming both."""
     _check_schema(state_dict, f"lightning_ext.MixedPrecision({plugin.recipe.name!r}) schema v{PLUGIN_SCHEMA_VERSION}")
@@ -77,7 +79,7 @@ def load_plugin_record(plugin: "MixedPrecision", state_dict: Mapping[str, Any]) 
         warnings.warn(f"lightning_ext.MixedPrecision: {plan.warning()}", stacklevel=3)
 
 
-def restore_policy(plugin: "MixedPrecision", saved: Any) -> None:
+def restore_policy(plugin: MixedPrecision, saved: Any) -> None:
     """Re-apply the FP32 module rules a checkpointed policy added (:func:`~mp_callbacks.policy.added_fp32_rules`):
     a module path moves to FP32 now (once the masters exist), a class name or glob becomes a policy rule."""
     if saved is None:
@@ -96,7 +98,7 @@ def restore_policy(plugin: "MixedPrecision", saved: Any) -> None:
             plugin.keep_in_fp32(pattern, module)
 
 
-def masters_as_weights(plugin: "MixedPrecision", checkpoint: dict[str, Any]) -> None:
+def masters_as_weights(plugin: MixedPrecision, checkpoint: dict[str, Any]) -> None:
     """Under ``*-master``, replace the checkpoint's low-precision model weights with the FP32 masters."""
     weights = checkpoint.get("state_dict")
     if plugin.masters is not None and isinstance(weights, dict):

@@ -37,7 +37,8 @@ estimate (:func:`mp_callbacks.memory.sharding.fsdp_step_bytes`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -82,7 +83,7 @@ class CommCounter:
                 f"by_op={self.by_op})")
 
 
-def cast_hook(comm_dtype: str, counter: Optional[CommCounter] = None) -> Callable[[Any, Any], Any]:
+def cast_hook(comm_dtype: str, counter: CommCounter | None = None) -> Callable[[Any, Any], Any]:
     """A DDP hook that all-reduces each bucket in ``comm_dtype`` (mean over ranks), counting into ``counter``.
 
     The same steps as torch's ``_compress_hook``: cast the bucket (a no-op when
@@ -113,7 +114,7 @@ def cast_hook(comm_dtype: str, counter: Optional[CommCounter] = None) -> Callabl
     return hook
 
 
-def comm_hook(comm_dtype: str, grad_dtypes: set, counter: Optional[CommCounter] = None) -> Optional[Callable]:
+def comm_hook(comm_dtype: str, grad_dtypes: set, counter: CommCounter | None = None) -> Callable | None:
     """The hook that reduces gradients of ``grad_dtypes`` in ``comm_dtype`` (None: DDP's own all-reduce)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -129,7 +130,7 @@ def comm_hook(comm_dtype: str, grad_dtypes: set, counter: Optional[CommCounter] 
     return cast_hook(comm)
 
 
-def register_comm_hook(model: Any, comm_dtype: str, counter: Optional[CommCounter] = None) -> Optional[Callable]:
+def register_comm_hook(model: Any, comm_dtype: str, counter: CommCounter | None = None) -> Callable | None:
     """Register the hook of ``comm_dtype`` on a ``DistributedDataParallel`` ``model``; returns it (None: none needed).
 
     Models that are not DDP-wrapped are left alone (with a ``counter``, the

@@ -16,7 +16,8 @@ test double) is used as it is, as Lightning's own ``MixedPrecision`` uses it:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,7 +52,7 @@ class ExternalScaler:
     """
 
     external = True
-    count_overflows: Optional[bool] = None
+    count_overflows: bool | None = None
     checks_overflow = True
 
     def __init__(self, scaler: Any, config: ScalerConfig) -> None:
@@ -59,7 +60,7 @@ class ExternalScaler:
         self.config = config
         self._unscaled: set[int] = set()
 
-    def to(self, device: Any) -> "ExternalScaler":
+    def to(self, device: Any) -> ExternalScaler:
         """No-op: the object places its own state."""
         return self
 
@@ -67,7 +68,7 @@ class ExternalScaler:
         """``scaler.scale(outputs)``."""
         return self.scaler.scale(outputs)
 
-    def unscale_once(self, optimizer: Any) -> Optional[Tensor]:
+    def unscale_once(self, optimizer: Any) -> Tensor | None:
         """``scaler.unscale_(optimizer)`` once per step; None (the object keeps its own ``found_inf``)."""
         raw = unwrap_optimizer(optimizer)
         if id(raw) not in self._unscaled:
@@ -89,7 +90,7 @@ class ExternalScaler:
         """A closure without backward: nothing was unscaled."""
         self._unscaled.discard(id(unwrap_optimizer(optimizer)))
 
-    def last_step_skipped(self, optimizer: Optional[Any] = None) -> bool:
+    def last_step_skipped(self, optimizer: Any | None = None) -> bool:
         """Unknown for an external object: False (LR schedulers step as under Lightning's plugin)."""
         return False
 

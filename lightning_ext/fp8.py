@@ -36,21 +36,22 @@ device in CI); everywhere else the emulation above runs.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator, Mapping, Optional
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from mp_callbacks.diagnostics.metrics import fp8_metrics
-from mp_callbacks.fp8.scaling import FP8State, fp8_state_from_dict, fp8_state_to_dict, next_fp8_state
 from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe
+from mp_callbacks.fp8.scaling import FP8State, fp8_state_from_dict, fp8_state_to_dict, next_fp8_state
 from mp_callbacks.policy import PrecisionPolicy
-from mp_callbacks.loss_scale.scaler import StateDictError
+from mp_callbacks.settings import StateDictError
 
 from .fp8_attention import mha_forward, mha_matmuls
 from .fp8_matmul import fp8_linear
-from .policy import fp32_compute_modules
 from .ops import TorchOps
+from .policy import fp32_compute_modules
 
 __all__ = ["TorchFP8", "fp8_linear", "fp8_modules"]
 
@@ -89,19 +90,19 @@ class TorchFP8:
         self.configs = recipe.configs
         self.names: list[str] = []
         self._index: dict[str, int] = {}
-        self.states: Optional[dict[str, FP8State]] = None
-        self._ops: Optional[TorchOps] = None
-        self._amax: dict[str, list[Optional[Tensor]]] = {r: [] for r in FP8_ROLES}
-        self._counts: dict[str, list[Optional[Tensor]]] = {r: [] for r in FP8_ROLES}
+        self.states: dict[str, FP8State] | None = None
+        self._ops: TorchOps | None = None
+        self._amax: dict[str, list[Tensor | None]] = {r: [] for r in FP8_ROLES}
+        self._counts: dict[str, list[Tensor | None]] = {r: [] for r in FP8_ROLES}
         self._wrapped: list[tuple[nn.Module, Any, str]] = []
-        self._step: Optional[tuple[dict[str, Tensor], dict[str, Tensor]]] = None
+        self._step: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._fp8_dtypes = {r: getattr(torch, c.format) for r, c in self.configs.items()}
         self._max = {r: c.fmt.max for r, c in self.configs.items()}
         self.measure = False
         self.latest: dict[str, Any] = {}
 
     @classmethod
-    def for_recipe(cls, recipe: Any) -> Optional["TorchFP8"]:
+    def for_recipe(cls, recipe: Any) -> TorchFP8 | None:
         """A :class:`TorchFP8` for a recipe with FP8 settings (``fp8-mixed``), else None."""
         return cls(recipe.fp8) if getattr(recipe, "fp8", None) is not None else None
 
@@ -145,11 +146,11 @@ class TorchFP8:
         return fp8_linear(input, module.weight, module.bias, self, index)
 
     def _matmul_by_name(self, indices: Mapping[str, int]) -> Callable[..., Tensor]:
-        def matmul(part: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        def matmul(part: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
             return fp8_linear(x, weight, bias, self, indices[part])
         return matmul
 
-    def remove(self, path: Optional[str] = None) -> None:
+    def remove(self, path: str | None = None) -> None:
         """Restore the own ``forward`` of every wrapped module (or of those at/under ``path``);
         their states stay (unused)."""
         keep = []
@@ -228,7 +229,7 @@ class TorchFP8:
         """True when this step recorded an amax (a training forward ran)."""
         return any(a is not None for r in FP8_ROLES for a in self._amax[r])
 
-    def before_step(self, found_inf: Optional[Tensor]) -> Optional[Tensor]:
+    def before_step(self, found_inf: Tensor | None) -> Tensor | None:
         """Gather this step's amaxes (all-reduced MAX over DDP ranks; NaN counts as inf) and OR
         "not all finite" into ``found_inf`` in place (before the plugin reads it).  Returns the flag."""
         if not self.recorded() or self.states is None:
@@ -284,7 +285,7 @@ class TorchFP8:
         self.measure = False  # the monitor asks again for its next logging step
         self.discard_step()
 
-    def host_metrics(self) -> Optional[dict[str, float]]:
+    def host_metrics(self) -> dict[str, float] | None:
         """The latest step's ``mp/fp8_*`` metrics (:func:`mp_callbacks.diagnostics.metrics.fp8_metrics`): one host
         read (the monitor's logging steps); None before the first step."""
         latest = self.latest

@@ -22,7 +22,8 @@ torch's own forward (no FP8), as the FP8 path does not reproduce them.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ def mha_matmuls(module: nn.MultiheadAttention) -> list[str]:
     return inputs + ["out_proj"]
 
 
-def _float_mask(mask: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
+def _float_mask(mask: Tensor | None, like: Tensor) -> Tensor | None:
     """A boolean mask (True: not allowed) as an additive float mask; a float mask as is."""
     if mask is None:
         return None
@@ -49,8 +50,8 @@ def _float_mask(mask: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
     return mask.to(like.dtype)
 
 
-def _merged_mask(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], n: int, heads: int,
-                 length: int, source: int, like: Tensor) -> Optional[Tensor]:
+def _merged_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, n: int, heads: int,
+                 length: int, source: int, like: Tensor) -> Tensor | None:
     """``attn_mask`` ((L, S) or (N*H, L, S)) and ``key_padding_mask`` ((N, S)) as one additive
     (N or 1, H or 1, L, S) mask."""
     out = None
@@ -64,11 +65,11 @@ def _merged_mask(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor]
     return out
 
 
-def mha_forward(module: nn.MultiheadAttention, matmul: Callable[[str, Tensor, Tensor, Optional[Tensor]], Tensor],
+def mha_forward(module: nn.MultiheadAttention, matmul: Callable[[str, Tensor, Tensor, Tensor | None], Tensor],
                 own_forward: Callable[..., Any], query: Tensor, key: Tensor, value: Tensor,
-                key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
-                attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                key_padding_mask: Tensor | None = None, need_weights: bool = True,
+                attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
     """``module(query, key, value, ...)`` with the projections computed by ``matmul(name, x, W, b)``.
 
     Arguments and results are those of ``nn.MultiheadAttention.forward``

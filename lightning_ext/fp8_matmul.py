@@ -11,16 +11,21 @@ FP8 tensor cores the forward matmul is ``torch._scaled_mm`` (gated by
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .fp8 import TorchFP8
+__all__ = ["Quantizer", "fp8_linear"]
 
-__all__ = ["fp8_linear"]
+
+class Quantizer(Protocol):
+    """What the matmul needs of the FP8 state (:class:`lightning_ext.fp8.TorchFP8` is one)."""
+
+    def quantize(self, role: str, index: int, x: Tensor, record: bool) -> tuple[Tensor, Tensor]:
+        """``(x cast to FP8 with role's scale, scale_inv)`` for matmul ``index``; ``record``: keep its amax."""
+        ...
 
 
 def _scaled_mm_ok(x: Tensor, weight: Tensor) -> bool:
@@ -39,7 +44,7 @@ class _FP8Matmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], fp8: "TorchFP8", index: int,
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, fp8: Quantizer, index: int,
                 out_dtype: torch.dtype, record: bool) -> Tensor:
         with torch.autocast(x.device.type, enabled=False):
             xq, x_inv = fp8.quantize("inputs", index, x, record)
@@ -57,7 +62,7 @@ class _FP8Matmul(torch.autograd.Function):
         return out.to(out_dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         xq, x_inv, wq, w_inv = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         with torch.autocast(grad.device.type, enabled=False):
@@ -76,7 +81,7 @@ class _FP8Matmul(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], fp8: "TorchFP8", index: int) -> Tensor:
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, fp8: Quantizer, index: int) -> Tensor:
     """The FP8 matmul of entry ``index`` of ``fp8``; under autocast the input is first cast to the
     autocast dtype and the output is in it (else in ``x``'s dtype).
 

@@ -26,8 +26,9 @@ decision (:class:`~lightning_ext.scaler.TorchLossScaler`): torch's
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -35,8 +36,8 @@ from torch import Tensor, nn
 
 from mp_callbacks.dtypes import canonical_dtype
 from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state, memory_report
-from mp_callbacks.policy import class_names
 from mp_callbacks.memory.sharding import ShardedDtypes, sharded_dtypes
+from mp_callbacks.policy import class_names
 
 from .policy import torch_dtype
 
@@ -51,12 +52,12 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
 
 
-def _keeps_fp32(recipe: Any, module: Optional[nn.Module], path: str) -> bool:
+def _keeps_fp32(recipe: Any, module: nn.Module | None, path: str) -> bool:
     """Whether ``module``'s own parameters stay FP32 (the storage rule of ``cast_module_storage``)."""
     return module is not None and recipe.low_precision and recipe.policy.keeps_fp32(module, path)
 
 
-def _unit_keeps_fp32(recipe: Any, module: Optional[nn.Module], path: str) -> bool:
+def _unit_keeps_fp32(recipe: Any, module: nn.Module | None, path: str) -> bool:
     """A sharding unit gathers FP32 when every module in it that owns parameters stays FP32 (a norm);
     a container of linears and norms gathers low (shard its norms as their own units)."""
     if module is None or not recipe.low_precision:
@@ -66,7 +67,7 @@ def _unit_keeps_fp32(recipe: Any, module: Optional[nn.Module], path: str) -> boo
     return bool(owners) and all(_keeps_fp32(recipe, m, q) for q, m in owners)
 
 
-def _dtypes(recipe: Any, module: Optional[nn.Module], path: str, root: bool, owner: bool = False) -> ShardedDtypes:
+def _dtypes(recipe: Any, module: nn.Module | None, path: str, root: bool, owner: bool = False) -> ShardedDtypes:
     keeps = _keeps_fp32(recipe, module, path) if owner else _unit_keeps_fp32(recipe, module, path)
     try:
         return sharded_dtypes(recipe, keeps, root)
@@ -74,7 +75,7 @@ def _dtypes(recipe: Any, module: Optional[nn.Module], path: str, root: bool, own
         raise MisconfigurationException(f"lightning_ext.MixedPrecision under FSDP2: {exc}") from None
 
 
-def fsdp_policy(recipe: Any, module: Optional[nn.Module] = None, path: str = "", root: Optional[bool] = None) -> Any:
+def fsdp_policy(recipe: Any, module: nn.Module | None = None, path: str = "", root: bool | None = None) -> Any:
     """torch's ``MixedPrecisionPolicy`` for ``recipe`` (for ``module`` at ``path``, when given).
 
     ``root``: whether the module is the outermost sharded one (its outputs get
@@ -122,8 +123,8 @@ class ShardedLayout:
         A parameter gathered in low precision is its own FP32 master (counted in
         ``masters``, as the estimate does); grads and optimizer states are the local shards.
         """
-        from .scaler import unwrap_optimizer
         from .attribution import tensors_in
+        from .scaler import unwrap_optimizer
 
         params = list({id(p): p for p in module.parameters()}.values())
         weights = masters = grads = state = 0

@@ -23,18 +23,19 @@ cover construction, the type check and the config mapping only.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from torch.nn import Module
 
-from mp_callbacks.recipes import Recipe, get_recipe
 from mp_callbacks.memory.sharding import sharded_dtypes
+from mp_callbacks.recipes import Recipe, get_recipe
 
 from .policy import torch_dtype
-from .support import recipe_name
 from .scaler import TorchLossScaler, scaler_config_from
+from .support import recipe_name
 
 __all__ = ["FSDPMixedPrecision"]
 
@@ -50,7 +51,7 @@ class FSDPMixedPrecision(FSDPPrecision):
     """
 
     def __init__(self, precision: str = "bf16-mixed", device: str = "cuda", scaler: Any = None,
-                 policy: Any = None, comm_dtype: Optional[str] = None, divergence: Any = None) -> None:
+                 policy: Any = None, comm_dtype: str | None = None, divergence: Any = None) -> None:
         self.recipe: Recipe = get_recipe(recipe_name(precision), scaler=scaler_config_from(scaler), policy=policy,
                                          comm_dtype=comm_dtype)
         self.dtypes = sharded_dtypes(self.recipe)  # a recipe without a sharded form fails here

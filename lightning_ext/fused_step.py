@@ -45,7 +45,8 @@ benchmarks/README.md for the figures and why the plugin keeps the three passes.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.optim import Optimizer

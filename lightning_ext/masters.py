@@ -24,13 +24,14 @@ their own master.  :class:`MasterWeights` is that rule in torch:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mp_callbacks.loss_scale.scaler import StateDictError
+from mp_callbacks.settings import StateDictError
 
 from .fused_step import fused_implementation
 
@@ -61,7 +62,7 @@ class MasterWeights:
         self._entries: dict[int, MasterEntry] = {}  # id(low-precision param) -> entry
         self._by_optimizer: dict[int, tuple[Any, list[MasterEntry]]] = {}
         self._originals: dict[str, Tensor] = {}
-        self._pending: Optional[dict[str, Tensor]] = None
+        self._pending: dict[str, Tensor] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -73,7 +74,7 @@ class MasterWeights:
         """Every entry, in installation order."""
         return list(self._entries.values())
 
-    def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
+    def master_of(self, param: Tensor) -> nn.Parameter | None:
         """The FP32 master of low-precision ``param`` (None: it has none)."""
         entry = self._entries.get(id(param))
         return entry.master if entry is not None and entry.low is param else None

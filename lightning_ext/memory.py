@@ -9,15 +9,16 @@ and reads :func:`storage_dtypes` for its swamping meter.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from torch import Tensor, nn
 
+from mp_callbacks.diagnostics.meters import swamp_storage_dtype
 from mp_callbacks.dtypes import canonical_dtype
 from mp_callbacks.fp8.recipe import fp8_state_bytes
 from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state
 from mp_callbacks.memory.estimate import memory_report as core_memory_report
-from mp_callbacks.diagnostics.attribution import swamp_storage_dtype
 
 from .attribution import tensors_in
 from .plugin import MixedPrecision

@@ -16,13 +16,13 @@ references':
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from mp_callbacks.dtypes import FORMATS, canonical_dtype
 from mp_callbacks.diagnostics.meters import fraction, sample_stride
+from mp_callbacks.dtypes import FORMATS, canonical_dtype
 
 __all__ = [
     "grad_norm", "sample", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "underflow_limit",
@@ -36,7 +36,7 @@ def _dense(t: Tensor) -> Tensor:
     return t.coalesce()._values() if t.is_sparse else t
 
 
-def sample(t: Tensor, samples: Optional[int] = None) -> Tensor:
+def sample(t: Tensor, samples: int | None = None) -> Tensor:
     """The elements a meter reads from ``t``: a strided view of the flattened tensor
     (:func:`mp_callbacks.diagnostics.meters.sample_stride`; ``samples=None``: every element)."""
     flat = _dense(t).detach().reshape(-1)
@@ -53,7 +53,7 @@ def grad_norm(grads: Sequence[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-def underflow_limit(compute: str, scale: Union[Tensor, float], device: Union[torch.device, str, None] = None) -> Tensor:
+def underflow_limit(compute: str, scale: Tensor | float, device: torch.device | str | None = None) -> Tensor:
     """The float32 threshold ``L`` with ``|g| < L`` exactly the reference's underflow rule (0-d tensor)."""
     half_sub = FORMATS[canonical_dtype(compute)].smallest_subnormal / 2.0
     if isinstance(scale, Tensor):
@@ -65,8 +65,8 @@ def underflow_limit(compute: str, scale: Union[Tensor, float], device: Union[tor
     return torch.where(limit32.to(torch.float64) < limit64, up, limit32)
 
 
-def underflow_counts(grads: Iterable[Tensor], compute: str, scale: Union[Tensor, float],
-                     samples: Optional[int] = None) -> tuple[Tensor, Tensor]:
+def underflow_counts(grads: Iterable[Tensor], compute: str, scale: Tensor | float,
+                     samples: int | None = None) -> tuple[Tensor, Tensor]:
     """``(lost, nonzero)`` element counts of the underflow rule over FP32 (unscaled) ``grads`` (no sync);
     ``samples``: elements read per tensor (:func:`sample`)."""
     def counts() -> Iterator[tuple[Tensor, Tensor]]:
@@ -93,8 +93,8 @@ def _sum_counts(counts: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor
     return lost, total
 
 
-def grad_underflow_fraction(grads: Sequence[Tensor], compute: str, scale: Union[Tensor, float],
-                            samples: Optional[int] = None) -> float:
+def grad_underflow_fraction(grads: Sequence[Tensor], compute: str, scale: Tensor | float,
+                            samples: int | None = None) -> float:
     """:func:`underflow_counts` as a fraction (reads the counts: one sync)."""
     lost, total = underflow_counts(grads, compute, scale, samples)
     lost_n, total_n = (int(v) for v in torch.stack([lost, total.to(lost.device)]).tolist())
@@ -102,7 +102,7 @@ def grad_underflow_fraction(grads: Sequence[Tensor], compute: str, scale: Union[
 
 
 def swamped_counts(weights: Iterable[Tensor], updates: Iterable[Tensor],
-                   storages: Union[str, Iterable[str]], samples: Optional[int] = None) -> tuple[Tensor, Tensor]:
+                   storages: str | Iterable[str], samples: int | None = None) -> tuple[Tensor, Tensor]:
     """``(lost, nonzero)`` counts of the swamping rule (no sync).
 
     Args:
@@ -132,7 +132,7 @@ def swamped_counts(weights: Iterable[Tensor], updates: Iterable[Tensor],
 
 
 def update_swamped_fraction(weights: Sequence[Tensor], updates: Sequence[Tensor],
-                            storages: Union[str, Sequence[str]], samples: Optional[int] = None) -> float:
+                            storages: str | Sequence[str], samples: int | None = None) -> float:
     """:func:`swamped_counts` as a fraction (reads the counts: one sync)."""
     lost, total = swamped_counts(weights, updates, storages, samples)
     lost_n, total_n = (int(v) for v in torch.stack([lost, total.to(lost.device)]).tolist())

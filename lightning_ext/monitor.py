@@ -43,8 +43,9 @@ Host syncs (the point of the design):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -53,15 +54,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from mp_callbacks.diagnostics.metrics import OVERFLOW_MODULE, StepStats, memory_metrics
 from mp_callbacks.diagnostics.meters import METER_SAMPLES
+from mp_callbacks.diagnostics.metrics import OVERFLOW_MODULE, StepStats, memory_metrics
 from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade, PackedLayout  # version: re-exported
 
 from .attribution import OverflowTracer, blame
 from .memory import memory_report, optimizer_params, storage_dtypes
-from .policy import policy_report
-from .plugin import MixedPrecision
 from .meters import grad_norm, sample, swamped_counts, underflow_counts
+from .plugin import MixedPrecision
+from .policy import policy_report
 
 __all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
 
@@ -77,8 +78,8 @@ class _Pending:
     state: Any
     cut: int
     logging: bool
-    grad_norm: Optional[Tensor] = None
-    underflow: Optional[tuple[Tensor, Tensor]] = None
+    grad_norm: Tensor | None = None
+    underflow: tuple[Tensor, Tensor] | None = None
     before: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
@@ -137,21 +138,21 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
     SCHEMA = MONITOR_SCHEMA
     STATE_WORD = "checkpoint"
 
-    def __init__(self, log_every_n_steps: int = 50, divergence_patience: Optional[int] = None,
-                 auto_fallback_after: Optional[int] = None, attribute_overflows: Optional[bool] = None,
+    def __init__(self, log_every_n_steps: int = 50, divergence_patience: int | None = None,
+                 auto_fallback_after: int | None = None, attribute_overflows: bool | None = None,
                  measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
-                 history_maxlen: int = 100_000, meter_samples: Optional[int] = METER_SAMPLES,
+                 history_maxlen: int = 100_000, meter_samples: int | None = METER_SAMPLES,
                  report_policy: bool = False) -> None:
         self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,
                     measure_grads, measure_swamping, log_memory, history_maxlen, meter_samples, report_policy)
         self.tracer = OverflowTracer()
-        self._pending: Optional[_Pending] = None
-        self._attached: Optional[MixedPrecision] = None
+        self._pending: _Pending | None = None
+        self._attached: MixedPrecision | None = None
 
     # ------------------------------------------------------------------ API
     # history, log_every_n_steps, step, state_dict, load_state_dict, repr: MonitorFacade
     @staticmethod
-    def _plugin(trainer: "pl.Trainer") -> MixedPrecision:
+    def _plugin(trainer: pl.Trainer) -> MixedPrecision:
         plugin = trainer.precision_plugin
         if not isinstance(plugin, MixedPrecision):
             raise MisconfigurationException(
@@ -161,23 +162,23 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
             )
         return plugin
 
-    def _storage_dtypes(self, trainer: "pl.Trainer") -> dict[int, tuple[str, str]]:
+    def _storage_dtypes(self, trainer: pl.Trainer) -> dict[int, tuple[str, str]]:
         """``id(optimizer param) -> (stored dtype, swamping dtype)``: :func:`lightning_ext.memory.storage_dtypes`."""
         return storage_dtypes(self._plugin(trainer), trainer.lightning_module, trainer.optimizers)
 
-    def memory_report(self, trainer: "pl.Trainer") -> dict[str, Any]:
+    def memory_report(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Model state actually held, next to the core's estimate: :func:`lightning_ext.memory.memory_report`."""
         return memory_report(self._plugin(trainer), trainer.lightning_module, trainer.optimizers)
 
     # ------------------------------------------------------------- lifecycle
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Check that the trainer uses :class:`lightning_ext.MixedPrecision` (clear error otherwise)."""
         if stage == "fit":
             plugin = self._plugin(trainer)
             plugin.loss_scaler.attach_monitor(self)  # with scaling off, steps now check for (and count) overflows
             self._attached = plugin
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Read the step counter (one sync), re-apply restored fallbacks, install hooks, log memory."""
         plugin = self._plugin(trainer)
         self._step = plugin.loss_scaler.steps
@@ -192,18 +193,18 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         if self.report_policy:
             rank_zero_info(self.core.record_policy(policy_report(pl_module, plugin.policy), self._step))
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Finish the last step, log memory, remove the hooks."""
         self._finalize(trainer)
         if self.log_memory:
             self._log_memory(trainer, "train_end")
         self.tracer.remove()
 
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Training failed: remove the hooks, stop recording, forget the unfinished step."""
         self.uninstall()
 
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove the hooks."""
         self.uninstall()
 
@@ -217,7 +218,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
             plugin.loss_scaler.detach_monitor(self)
 
     # ------------------------------------------------------------ per step
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         """Start recording attribution flags for this batch's forward/backward."""
         self.tracer.active = self.attribute_overflows
@@ -225,11 +226,11 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         if fp8 is not None:  # fp8-mixed: count saturated / flushed elements on logging steps only
             fp8.measure = self.core.should_log(self._step + 1)
 
-    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Record whether the loss itself is non-finite (a device flag)."""
         self.tracer.on_loss(loss)
 
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
         """Grads are unscaled FP32 here: queue the meters and snapshot parameters on logging steps."""
         self._finalize(trainer)  # an earlier optimizer step of the same batch (manual optimization)
@@ -252,7 +253,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
                     plugin.rounding.request_update_samples(self.meter_samples)
         self._pending = pending
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         """Finish the step the plugin just decided (no-op between accumulation boundaries)."""
         self.tracer.active = False
@@ -260,7 +261,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         self._finalize(trainer, loss if isinstance(loss, Tensor) else None)
 
     # ------------------------------------------------------------- the step
-    def _finalize(self, trainer: "pl.Trainer", loss: Optional[Tensor] = None) -> None:
+    def _finalize(self, trainer: pl.Trainer, loss: Tensor | None = None) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -278,7 +279,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         latest = plugin.latest_stats()
         layout, values = PackedLayout(), []
 
-        def add(name: str, value: Optional[Tensor]) -> None:
+        def add(name: str, value: Tensor | None) -> None:
             if value is not None:
                 layout.add(name)
                 values.append(value)
@@ -308,7 +309,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
                                          for v in values]).tolist())
         overflow = bool(got["overflow"])
 
-        def counts(prefix: str) -> Optional[tuple[float, float]]:
+        def counts(prefix: str) -> tuple[float, float] | None:
             return (got[f"{prefix}_lost"], got[f"{prefix}_total"]) if f"{prefix}_total" in got else None
 
         records = self.tracer.take(pending.cut)
@@ -328,7 +329,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
             rank_zero_info(message)
             self._log_text(trainer, "mp/fallback", message, step)
 
-    def _move_to_fp32(self, plugin: MixedPrecision, pl_module: "pl.LightningModule", path: str) -> None:
+    def _move_to_fp32(self, plugin: MixedPrecision, pl_module: pl.LightningModule, path: str) -> None:
         try:
             module = pl_module.get_submodule(path)
         except AttributeError:
@@ -338,14 +339,14 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
 
     # ------------------------------------------------------------- logging
     @staticmethod
-    def _log_text(trainer: "pl.Trainer", tag: str, text: str, step: int) -> None:
+    def _log_text(trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
         for lg in trainer.loggers:
             experiment = getattr(lg, "experiment", None)
             add_text = getattr(experiment, "add_text", None)
             if callable(add_text):
                 add_text(tag, text, global_step=step)
 
-    def _log(self, trainer: "pl.Trainer", stats: StepStats) -> None:
+    def _log(self, trainer: pl.Trainer, stats: StepStats) -> None:
         metrics = stats.metrics()
         text = metrics.pop(OVERFLOW_MODULE, None)
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -354,7 +355,7 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         if text is not None:
             self._log_text(trainer, OVERFLOW_MODULE, str(text), stats.step)
 
-    def _log_memory(self, trainer: "pl.Trainer", when: str) -> None:
+    def _log_memory(self, trainer: pl.Trainer, when: str) -> None:
         report = self.memory_report(trainer)
         report["when"] = when
         self.memory_reports.append(report)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Generator, Mapping, Optional, Union
+from collections.abc import Callable, Generator, Mapping
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -29,21 +30,21 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
+from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
-from mp_callbacks.loss_scale.config import ScalerConfig
 
-from .external_scaler import ExternalScaler, is_external_scaler, optimizer_unscales_in_step
 from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, load_plugin_record, masters_as_weights, plugin_record
 from .distributed import CommCounter, register_comm_hook
-from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
+from .external_scaler import ExternalScaler, is_external_scaler, optimizer_unscales_in_step
 from .fp8 import TorchFP8
+from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
 from .masters import MasterWeights
 from .policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
+from .rounding import UpdateRounding
+from .scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
 from .scheduler_hold import SchedulerHold
 from .support import check_optimizer, check_strategy, is_sharded, recipe_name
-from .scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
-from .rounding import UpdateRounding
 
 __all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
 
@@ -88,14 +89,14 @@ class MixedPrecision(Precision):
     def __init__(
         self,
         precision: str = "bf16-mixed",
-        device: Union[str, torch.device] = "cpu",
-        scaler: Union[torch.amp.GradScaler, ScalerConfig, str, Mapping[str, Any], None] = None,
-        policy: Union[PrecisionPolicy, str, Mapping[str, Any], None] = None,
-        count_overflows: Optional[bool] = None,
+        device: str | torch.device = "cpu",
+        scaler: torch.amp.GradScaler | ScalerConfig | str | Mapping[str, Any] | None = None,
+        policy: PrecisionPolicy | str | Mapping[str, Any] | None = None,
+        count_overflows: bool | None = None,
         free_weights_during_step: bool = True,
         allow_recipe_change: bool = False,
         divergence: Any = None,
-        state_dtype: Optional[str] = None, seed: int = 0, comm_dtype: Optional[str] = None,
+        state_dtype: str | None = None, seed: int = 0, comm_dtype: str | None = None,
         fp8: Any = None,
     ) -> None:
         external = scaler if is_external_scaler(scaler) else None
@@ -107,10 +108,10 @@ class MixedPrecision(Precision):
         self.device = str(device)
         self.allow_recipe_change = bool(allow_recipe_change)
         self._device_type = torch.device(device).type
-        self.masters: Optional[MasterWeights] = (
+        self.masters: MasterWeights | None = (
             MasterWeights(free_weights_during_step) if self.recipe.master.master_weights else None)
-        self.rounding: Optional[UpdateRounding] = UpdateRounding.for_recipe(self.recipe, seed)
-        self.fp8: Optional[TorchFP8] = TorchFP8.for_recipe(self.recipe)  # fp8-mixed: FP8 matmuls, their scales
+        self.rounding: UpdateRounding | None = UpdateRounding.for_recipe(self.recipe, seed)
+        self.fp8: TorchFP8 | None = TorchFP8.for_recipe(self.recipe)  # fp8-mixed: FP8 matmuls, their scales
         self.loss_scaler: Any = TorchLossScaler(self.recipe.scaler, self.masters, count_overflows, divergence,
                                                 self.rounding)
         if external is not None:
@@ -119,12 +120,12 @@ class MixedPrecision(Precision):
                                  f"only, not {self.recipe.name!r}: pass its settings as a torch GradScaler instead.")
             self.loss_scaler = ExternalScaler(external, self.recipe.scaler)
         self._hold = SchedulerHold(self.loss_scaler.last_step_skipped)
-        self._policy_handle: Optional[ModulePolicyHandle] = None
-        self._hooked_module: Optional[nn.Module] = None
+        self._policy_handle: ModulePolicyHandle | None = None
+        self._hooked_module: nn.Module | None = None
         self._lightning_module: Any = None
         self.pending_fp32_paths: list[str] = []
-        self.sharded: Optional[ShardedLayout] = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
-        self.comm_counter: Optional[CommCounter] = None  # set one to count DDP all-reduce / FSDP2 collective bytes (lightning_ext.distributed)
+        self.sharded: ShardedLayout | None = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
+        self.comm_counter: CommCounter | None = None  # set one to count DDP all-reduce / FSDP2 collective bytes (lightning_ext.distributed)
 
     @property
     def scaler(self) -> Any:
@@ -160,7 +161,7 @@ class MixedPrecision(Precision):
         return self.masters.free_weights_during_step if self.masters is not None else False
 
     @property
-    def count_overflows(self) -> Optional[bool]:
+    def count_overflows(self) -> bool | None:
         """The ``count_overflows`` setting (see the class docstring)."""
         return self.loss_scaler.count_overflows
 
@@ -172,7 +173,7 @@ class MixedPrecision(Precision):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, device={self.device!r})"
 
-    def fsdp_policy(self, module: Optional[nn.Module] = None, path: str = "") -> Any:
+    def fsdp_policy(self, module: nn.Module | None = None, path: str = "") -> Any:
         """torch FSDP2's ``MixedPrecisionPolicy`` for this recipe (for ``module``: FP32 for one the
         policy keeps in FP32), for ``fully_shard(..., mp_policy=...)`` in ``configure_model``."""
         return fsdp_policy(self.recipe, module, path)
@@ -261,7 +262,7 @@ class MixedPrecision(Precision):
         return self.loss_scaler.unscale_once(optimizer)
 
     def clip_gradients(
-        self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0,
+        self, optimizer: Optimizer, clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         """Clip the unscaled FP32 (master) gradients; unscales first when not done yet (manual optimization)."""
@@ -274,7 +275,7 @@ class MixedPrecision(Precision):
             self.loss_scaler.unscale_once(optimizer)
         super().clip_gradients(unwrap_optimizer(optimizer), clip_val, gradient_clip_algorithm)
 
-    def last_step_skipped(self, optimizer: Optional[Any] = None) -> bool:
+    def last_step_skipped(self, optimizer: Any | None = None) -> bool:
         """True when the latest step (of ``optimizer``, or of any) applied no update: under manual
         optimization, step your LR schedulers only when this is False."""
         return self.loss_scaler.last_step_skipped(optimizer)
@@ -296,7 +297,7 @@ class MixedPrecision(Precision):
             yield
 
     # ------------------------------------------------------ runtime FP32 moves
-    def keep_in_fp32(self, path: str, module: Optional[nn.Module] = None) -> PrecisionPolicy:
+    def keep_in_fp32(self, path: str, module: nn.Module | None = None) -> PrecisionPolicy:
         """Move the module at dotted ``path`` to FP32 now; training continues.  Returns the new policy.
 
         The policy gains ``with_fp32_modules(path)`` (kept by ``convert_module``
@@ -321,7 +322,7 @@ class MixedPrecision(Precision):
         return self.policy
 
     @property
-    def root_module(self) -> Optional[nn.Module]:
+    def root_module(self) -> nn.Module | None:
         """The model the recipe was applied to (None outside a fit)."""
         return self._hooked_module if self._hooked_module is not None else self._lightning_module
 

@@ -26,8 +26,9 @@ stay FP32 under ``*-master``: declare such modules with a module rule
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn

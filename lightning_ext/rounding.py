@@ -36,14 +36,15 @@ the optimizer state stay bit-for-bit as they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mp_callbacks.memory.estimate import MasterPlan
+from mp_callbacks.masters import MasterPlan
 from mp_callbacks.recipes import Recipe
 from mp_callbacks.rounding.rules import (
     RoundingStream,
@@ -54,11 +55,11 @@ from mp_callbacks.rounding.rules import (
     read_rounding_state,
     stochastic_round,
 )
-from mp_callbacks.loss_scale.scaler import StateDictError
+from mp_callbacks.settings import StateDictError
 
+from .meters import sample
 from .policy import torch_dtype
 from .rounding_ops import TORCH_ROUNDING_OPS, TorchRoundingOps  # TorchRoundingOps: re-exported
-from .meters import sample
 
 __all__ = ["RoundingEntry", "TorchRoundingOps", "UpdateRounding", "rounding_record"]
 
@@ -69,7 +70,7 @@ class RoundingEntry(NamedTuple):
     name: str
     param: nn.Parameter
     index: int
-    comp: Optional[Tensor]
+    comp: Tensor | None
 
 
 CHUNK = 1 << 18
@@ -106,11 +107,11 @@ class UpdateRounding:
         self._originals: dict[str, Tensor] = {}  # FP32 values before the cast, until the first update
         self._hooked: dict[int, Any] = {}  # id(optimizer) -> (optimizer, hook handles)
         self._loading: dict[int, Mapping[str, Any]] = {}
-        self._sample: Optional[tuple[Optional[int]]] = None  # (meter samples,) when requested
+        self._sample: tuple[int | None] | None = None  # (meter samples,) when requested
         self.update_samples: dict[int, Tensor] = {}
 
     @classmethod
-    def for_recipe(cls, recipe: Recipe, seed: int = 0) -> Optional["UpdateRounding"]:
+    def for_recipe(cls, recipe: Recipe, seed: int = 0) -> UpdateRounding | None:
         """An instance for ``bf16-kahan``/``bf16-sr`` recipes, None for the others."""
         return cls(recipe.master, seed) if recipe.master.rounds_updates else None
 
@@ -209,7 +210,7 @@ class UpdateRounding:
                 for k, v in state.items()}
 
     # ----------------------------------------------------------------- step
-    def request_update_samples(self, samples: Optional[int]) -> None:
+    def request_update_samples(self, samples: int | None) -> None:
         """Keep, for the next applied step, each rounded parameter's FP32 update (``t_new - t``) on the
         elements :func:`~lightning_ext.meters.sample` reads: the swamping meter's input."""
         self._sample = (samples,)
@@ -248,7 +249,7 @@ class UpdateRounding:
         self.stream = self.stream.advance()
 
     def _update_one(self, opt: Optimizer, inner: Callable[..., Any], group: dict, entry: RoundingEntry,
-                    sample_request: Optional[tuple[Optional[int]]]) -> None:
+                    sample_request: tuple[int | None] | None) -> None:
         ops, p, state = TORCH_ROUNDING_OPS, entry.param, opt.state
         with torch.no_grad():
             t = compensated_value(p, entry.comp, ops) if self.kahan else p.detach().to(torch.float32)
@@ -350,6 +351,6 @@ class UpdateRounding:
         self.stream = stream
 
 
-def rounding_record(rounding: Optional[UpdateRounding]) -> dict[str, Any]:
+def rounding_record(rounding: UpdateRounding | None) -> dict[str, Any]:
     """The plugin checkpoint's ``{"rounding": UpdateRounding.state_dict()}`` entry (empty without rounding)."""
     return {} if rounding is None else {"rounding": rounding.state_dict()}

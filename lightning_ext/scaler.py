@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
-from typing import Any, Iterable, Mapping, Optional, Union
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,16 +50,9 @@ from torch.optim import Optimizer
 from mp_callbacks.diagnostics.divergence import DivergenceRule
 from mp_callbacks.diagnostics.monitor import MonitorPort
 from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.scaler import (
-    ScalerCounters,
-    ScalerState,
-    check_state_dict,
-    initial_state,
-    make_state_dict,
-    next_state,
-    react_to_floor_hit,
-    state_from_dict,
-)
+from mp_callbacks.loss_scale.record import check_state_dict, make_state_dict, state_from_dict
+from mp_callbacks.loss_scale.scaler import ScalerCounters, react_to_floor_hit
+from mp_callbacks.loss_scale.transition import ScalerState, initial_state, next_state
 
 from .masters import MasterWeights
 from .ops import TorchOps
@@ -66,7 +60,7 @@ from .ops import TorchOps
 __all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unwrap_optimizer"]
 
 
-def scaler_config_from(value: Any) -> Optional[ScalerConfig]:
+def scaler_config_from(value: Any) -> ScalerConfig | None:
     """A ScalerConfig from a torch ``GradScaler`` (its settings), a config, a preset name, a dict, or None."""
     if value is None:
         return None
@@ -106,21 +100,21 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         (``bf16-kahan``, ``bf16-sr``): an applied step goes through it.
     """
 
-    def __init__(self, config: ScalerConfig, masters: Optional[MasterWeights] = None,
-                 count_overflows: Optional[bool] = None, divergence: Any = None, rounding: Any = None) -> None:
+    def __init__(self, config: ScalerConfig, masters: MasterWeights | None = None,
+                 count_overflows: bool | None = None, divergence: Any = None, rounding: Any = None) -> None:
         self.config = config
         self.rounding = rounding
         self.divergence = DivergenceRule.coerce(divergence)
-        self._loss_finite: Optional[Tensor] = None
+        self._loss_finite: Tensor | None = None
         self.masters = masters
         self.count_overflows = count_overflows
         self._ops = TorchOps("cpu")
         self._state: ScalerState = initial_state(config, self._ops)
-        self._grad_scale: Optional[Tensor] = None
-        self._stages: dict[int, tuple[OptState, Optional[Tensor]]] = {}
+        self._grad_scale: Tensor | None = None
+        self._stages: dict[int, tuple[OptState, Tensor | None]] = {}
         self._latest: dict[str, Tensor] = {}
         self._last_applied: dict[int, bool] = {}  # id(optimizer) -> its latest step applied
-        self._latest_applied: Optional[bool] = None  # the latest step of any optimizer applied
+        self._latest_applied: bool | None = None  # the latest step of any optimizer applied
 
     # ------------------------------------------------------------ reading
     @property
@@ -192,7 +186,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         ``skipped_total``, ``growths_total``.  Empty before the first transition."""
         return dict(self._latest)
 
-    def last_step_skipped(self, optimizer: Optional[Any] = None) -> bool:
+    def last_step_skipped(self, optimizer: Any | None = None) -> bool:
         """True when the latest step (of ``optimizer``, or of any optimizer) applied no update.
 
         An optimizer that has not stepped yet answers for the latest step of any optimizer.
@@ -202,7 +196,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         return self._latest_applied is False
 
     # ---------------------------------------------------------- the cycle
-    def to(self, device: Union[torch.device, str]) -> "TorchLossScaler":
+    def to(self, device: torch.device | str) -> TorchLossScaler:
         """Move the state to ``device`` (a no-op when it is there)."""
         device = torch.device(device)
         if self._state.scale.device != device:
@@ -294,7 +288,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
                             self._state.steps.double() + 1]).tolist()
         self.divergence.observe(int(read[2]), True, bool(read[0]), read[1])
 
-    def update(self, new_scale: Union[float, Tensor, None] = None) -> None:
+    def update(self, new_scale: float | Tensor | None = None) -> None:
         """One scaler transition with the flags of the optimizers stepped since the last update.
 
         ``new_scale`` sets the scale directly instead (no transition, as in torch).

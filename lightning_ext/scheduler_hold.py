@@ -13,7 +13,8 @@ says whether to).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["SchedulerHold"]
 
@@ -28,7 +29,7 @@ class SchedulerHold:
         of that optimizer (None: of any optimizer) applied no update.
     """
 
-    def __init__(self, skipped: Callable[[Optional[Any]], bool]) -> None:
+    def __init__(self, skipped: Callable[[Any | None], bool]) -> None:
         self._skipped = skipped
         self._module: Any = None
 

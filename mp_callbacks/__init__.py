@@ -5,24 +5,17 @@ over a small array-ops protocol (:mod:`mp_callbacks.ops`), evaluated here with
 NumPy float32 and by the adapters with torch tensors or ``keras.ops``.
 """
 
+from .diagnostics.divergence import DivergenceError, DivergenceRule
 from .diagnostics.metrics import METRICS, History, StepStats
-from .diagnostics.meters import DivergenceError
-from .diagnostics.divergence import DivergenceRule
-from .memory.estimate import MasterPlan, MemoryEstimate, bytes_per_param, estimate_memory
+from .loss_scale.config import PRESETS, ScalerConfig
+from .loss_scale.scaler import DynamicLossScaler, ScaleFloorError, ScaleFloorWarning
+from .loss_scale.transition import ScalerState, checks_overflow, initial_state, next_state
+from .masters import MasterPlan
+from .memory.estimate import MemoryEstimate, bytes_per_param, estimate_memory
 from .ops import NUMPY_OPS, ArrayOps, NumpyOps
 from .policy import PolicyError, PrecisionPolicy
 from .recipes import RECIPE_NAMES, Recipe, RecipeError, canonical_recipe_name, get_recipe
-from .loss_scale.config import PRESETS, ConfigError, ScalerConfig
-from .loss_scale.scaler import (
-    DynamicLossScaler,
-    ScaleFloorError,
-    ScaleFloorWarning,
-    ScalerState,
-    StateDictError,
-    checks_overflow,
-    initial_state,
-    next_state,
-)
+from .settings import ConfigError, StateDictError
 
 __version__ = "0.1.0"
 

@@ -19,8 +19,9 @@ unknown -> float32.  Unknown or custom ops run in FP32 unless declared.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .dtypes import canonical_dtype
 
@@ -139,7 +140,7 @@ class PrecisionPolicy:
 
     # -- strings --------------------------------------------------------------
     @classmethod
-    def parse(cls, text: str, **kwargs: Any) -> "PrecisionPolicy":
+    def parse(cls, text: str, **kwargs: Any) -> PrecisionPolicy:
         """From ``"params=float32,compute=bfloat16,output=float32"`` (omitted fields: float32)."""
         if not isinstance(text, str) or not text.strip():
             raise PolicyError(f"a policy string must be non-empty text like {cls().format()!r}, got {text!r}")
@@ -161,7 +162,7 @@ class PrecisionPolicy:
         return ",".join(f"{name}={getattr(self, name)}" for name in _FIELDS)
 
     # -- rules ----------------------------------------------------------------
-    def with_fp32_modules(self, *patterns: str) -> "PrecisionPolicy":
+    def with_fp32_modules(self, *patterns: str) -> PrecisionPolicy:
         """A copy that keeps modules matching ``patterns`` in float32 (added first)."""
         new = tuple((p, "float32") for p in patterns if (p, "float32") not in self.module_rules)
         return replace(self, module_rules=new + self.module_rules)
@@ -225,7 +226,7 @@ class PrecisionPolicy:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PrecisionPolicy":
+    def from_dict(cls, data: Mapping[str, Any]) -> PrecisionPolicy:
         """Inverse of :meth:`to_dict`; unknown keys are an error."""
         valid = set(cls().to_dict())
         unknown = sorted(set(data) - valid)
@@ -244,7 +245,7 @@ def added_fp32_rules(saved: Any, current: PrecisionPolicy) -> list[str]:
     ``with_fp32_modules``) and a resume must re-apply.  A saved policy that is
     invalid or has other dtypes is a :class:`~mp_callbacks.loss_scale.scaler.StateDictError` naming both.
     """
-    from .loss_scale.scaler import StateDictError
+    from .settings import StateDictError
 
     try:
         policy = PrecisionPolicy.from_dict(saved)

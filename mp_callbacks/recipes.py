@@ -32,15 +32,16 @@ an :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 from .dtypes import canonical_dtype
 from .fp8.recipe import FP8Recipe
-from .memory.estimate import MasterPlan
-from .policy import PrecisionPolicy
 from .loss_scale.config import ScalerConfig
-from .loss_scale.scaler import StateDictError
+from .masters import MasterPlan
+from .policy import PrecisionPolicy
+from .settings import StateDictError
 
 RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master", "bf16-kahan", "bf16-sr",
                 "fp8-mixed")
@@ -111,13 +112,13 @@ class Recipe:
         """True for ``*-mixed``: FP32 params, low-precision compute by autocast."""
         return self.low_precision and self.master.param_dtype == "float32"
 
-    def with_scaler(self, scaler: ScalerConfig | str | Mapping[str, Any] | None) -> "Recipe":
+    def with_scaler(self, scaler: ScalerConfig | str | Mapping[str, Any] | None) -> Recipe:
         """A copy using ``scaler`` (a config, preset name or dict); None keeps the recipe's."""
         if scaler is None:
             return self
         return replace(self, scaler=ScalerConfig.coerce(scaler))
 
-    def with_state_dtype(self, state_dtype: str | None) -> "Recipe":
+    def with_state_dtype(self, state_dtype: str | None) -> Recipe:
         """A copy whose optimizer states use ``state_dtype`` (``bf16-kahan``/``bf16-sr`` only); None keeps it."""
         if state_dtype is None:
             return self
@@ -126,7 +127,7 @@ class Recipe:
         except ValueError as exc:
             raise RecipeError(f"recipe {self.name!r}: {exc}") from None
 
-    def with_fp8(self, fp8: FP8Recipe | str | Mapping[str, Any] | None) -> "Recipe":
+    def with_fp8(self, fp8: FP8Recipe | str | Mapping[str, Any] | None) -> Recipe:
         """A copy with other FP8 settings (``fp8-mixed`` only; a preset name or a dict of
         :class:`~mp_callbacks.fp8.recipe.FP8Recipe` settings); None keeps them."""
         if fp8 is None:
@@ -135,11 +136,11 @@ class Recipe:
             raise RecipeError(f"recipe {self.name!r} has no FP8 matmuls; fp8 settings need recipe 'fp8-mixed'")
         return replace(self, fp8=FP8Recipe.coerce(fp8))
 
-    def with_comm_dtype(self, comm_dtype: str | None) -> "Recipe":
+    def with_comm_dtype(self, comm_dtype: str | None) -> Recipe:
         """A copy reducing gradients across ranks in ``comm_dtype`` (:data:`COMM_DTYPES`); None keeps it."""
         return self if comm_dtype is None else replace(self, comm_dtype=comm_dtype)
 
-    def with_policy(self, policy: PrecisionPolicy | str | Mapping[str, Any] | None) -> "Recipe":
+    def with_policy(self, policy: PrecisionPolicy | str | Mapping[str, Any] | None) -> Recipe:
         """A copy using ``policy`` (an object, a policy string or a dict); None keeps it.
 
         The policy's params and compute dtypes must be the recipe's (the recipe
@@ -170,7 +171,7 @@ class Recipe:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Recipe":
+    def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
         """Inverse of :meth:`to_dict`."""
         return cls(name=canonical_recipe_name(data["name"]),
                    policy=PrecisionPolicy.from_dict(data["policy"]),

@@ -17,14 +17,15 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from ..memory.estimate import bytes_per_param
-from ..recipes import RECIPE_NAMES, get_recipe
 from ..loss_scale.config import PRESETS, ScalerConfig
 from ..loss_scale.scaler import DynamicLossScaler
+from ..memory.estimate import bytes_per_param
+from ..recipes import RECIPE_NAMES, get_recipe
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -113,11 +114,11 @@ def _load_runner(framework: str):
 def compare(args: argparse.Namespace, slowdown: dict[str, float] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..recipes import canonical_recipe_name
     from .compare import RunSpec, control_ratios, format_table, write_report
-    from .measurement import can_isolate, run_isolated
     from .fp8_report import fp8_table
     from .machine import cpu_model, features, recipe_notes
-    from ..recipes import canonical_recipe_name
+    from .measurement import can_isolate, run_isolated
 
     try:
         recipes = list(dict.fromkeys(canonical_recipe_name(r) for r in args.recipes))
@@ -290,8 +291,8 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .compare import FRAMEWORKS
     from ..recipes import RECIPE_NAMES
+    from .compare import FRAMEWORKS
 
     parser = argparse.ArgumentParser(prog="mpx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -19,16 +19,17 @@ import dataclasses
 import importlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..diagnostics.metrics import History, plot
-from .fp8_report import report_lines as fp8_report_lines
-from .measurement import WARMUP_FRACTION, WINDOWS, PeakRSS, StepTiming, can_isolate, run_isolated, step_timing
-from ..recipes import get_recipe
 from ..loss_scale.config import ScalerConfig
+from ..recipes import get_recipe
+from .fp8_report import report_lines as fp8_report_lines
+from .measurement import WARMUP_FRACTION, WINDOWS, step_timing
 
 FRAMEWORKS = {"lightning": "mp_callbacks.app.lightning_runner", "keras": "mp_callbacks.app.keras_runner"}
 

@@ -41,25 +41,25 @@ import contextlib
 import gc
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import keras
 import numpy as np
 from keras import ops
 
-from .measurement import PeakRSS
-from .compare import RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields
-from ..diagnostics.metrics import History, StepStats
-from .fp8_report import FP8_SAMPLE_EVERY
-from ..memory.estimate import estimate_memory, is_optimizer_state
-from ..recipes import get_recipe
-
 from keras_ext import policy as _policy
 from keras_ext.fp8 import host_metrics as fp8_host_metrics
 from keras_ext.fp8 import is_fp8_variable
 from keras_ext.memory import nbytes
-from keras_ext.optimizer import LossScaleOptimizer
-from keras_ext.masters import master_optimizer
+from keras_ext.optimizer import LossScaleOptimizer, master_optimizer
+
+from ..diagnostics.metrics import History, StepStats
+from ..memory.estimate import estimate_memory, is_optimizer_state
+from ..recipes import get_recipe
+from .compare import RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields
+from .fp8_report import FP8_SAMPLE_EVERY
+from .measurement import PeakRSS
 
 __all__ = ["fit_once", "mlp", "run", "set_threads", "state_bytes"]
 

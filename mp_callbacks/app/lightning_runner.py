@@ -10,7 +10,8 @@ injected ``inf`` weight overflows the step exactly as in the Keras runner.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -19,14 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .measurement import PeakRSS
-from .compare import RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields
+from lightning_ext.plugin import MixedPrecision
+
 from ..diagnostics.metrics import History, StepStats
-from .fp8_report import FP8_SAMPLE_EVERY
 from ..memory.estimate import estimate_memory
 from ..recipes import get_recipe
-
-from lightning_ext.plugin import MixedPrecision
+from .compare import RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields
+from .fp8_report import FP8_SAMPLE_EVERY
+from .measurement import PeakRSS
 
 __all__ = ["fit_once", "mlp", "run", "state_bytes"]
 

@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 WARMUP_FRACTION = 0.1
 """Share of a run's first steps left out of the timing (tracing, allocator warm-up); at least one step."""
@@ -86,7 +87,7 @@ class PeakRSS:
             self.peak = max(self.peak, _rss_bytes())
             time.sleep(self.interval)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self._thread.start()
         return self
 

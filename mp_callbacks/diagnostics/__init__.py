@@ -1,1 +1,120 @@
-""""""
+"""Diagnostics both frameworks share: metric names, history, meters, the monitor's decisions,
+overflow attribution and divergence.
+
+* :mod:`.metrics`: :data:`METRICS`, :class:`StepStats`, :class:`History` (JSON lines), :func:`plot`;
+* :mod:`.meters`: the underflow and swamping rules with NumPy references, and their sampling;
+* :mod:`.monitor`: :class:`MonitorCore` (cadence, history, guard, fallback, checkpoint envelope);
+* :mod:`.attribution`: the one blame order of overflow attribution, the auto-fallback count;
+* :mod:`.divergence`: :class:`DivergenceRule`, :class:`DivergenceGuard` and the one error,
+  :class:`DivergenceError`, with the advice of :func:`mp_callbacks.advice.checklist`.
+"""
+
+from .attribution import (
+    LOSS_SOURCE,
+    FallbackTracker,
+    attribution_order,
+    first_culprit,
+)
+from .divergence import (
+    DivergenceError,
+    DivergenceGuard,
+    DivergenceRule,
+    DivergenceState,
+    next_divergence_state,
+)
+from .meters import (
+    METER_SAMPLES,
+    check_samples,
+    fraction,
+    grad_underflow_fraction,
+    half_ulp,
+    sample_stride,
+    sampled,
+    swamp_storage_dtype,
+    underflow_threshold,
+    update_swamped_fraction,
+)
+from .metrics import (
+    FP8_AMAX,
+    FP8_METRICS,
+    FP8_SATURATED_FRAC,
+    FP8_SCALE,
+    FP8_UNDERFLOW_FRAC,
+    GRAD_NORM,
+    GRAD_UNDERFLOW_FRAC,
+    GROWTHS_TOTAL,
+    HISTORY_SCHEMA_VERSION,
+    MEMORY_BYTES_PER_PARAM,
+    MEMORY_ESTIMATE_BYTES_PER_PARAM,
+    METRICS,
+    OVERFLOW,
+    OVERFLOW_MODULE,
+    OVERFLOWS_TOTAL,
+    SCALE,
+    SKIPPED_TOTAL,
+    UPDATE_SWAMPED_FRAC,
+    History,
+    StepStats,
+    fp8_metrics,
+    json_safe,
+    memory_metrics,
+    plot,
+)
+from .monitor import (
+    MONITOR_SCHEMA_VERSION,
+    MonitorCore,
+    MonitorFacade,
+    MonitorPort,
+    PackedLayout,
+)
+
+__all__ = [
+    "DivergenceError",
+    "DivergenceGuard",
+    "DivergenceRule",
+    "DivergenceState",
+    "FP8_AMAX",
+    "FP8_METRICS",
+    "FP8_SATURATED_FRAC",
+    "FP8_SCALE",
+    "FP8_UNDERFLOW_FRAC",
+    "FallbackTracker",
+    "GRAD_NORM",
+    "GRAD_UNDERFLOW_FRAC",
+    "GROWTHS_TOTAL",
+    "HISTORY_SCHEMA_VERSION",
+    "History",
+    "LOSS_SOURCE",
+    "MEMORY_BYTES_PER_PARAM",
+    "MEMORY_ESTIMATE_BYTES_PER_PARAM",
+    "METER_SAMPLES",
+    "METRICS",
+    "MONITOR_SCHEMA_VERSION",
+    "MonitorCore",
+    "MonitorFacade",
+    "MonitorPort",
+    "OVERFLOW",
+    "OVERFLOWS_TOTAL",
+    "OVERFLOW_MODULE",
+    "PackedLayout",
+    "SCALE",
+    "SKIPPED_TOTAL",
+    "StepStats",
+    "UPDATE_SWAMPED_FRAC",
+    "attribution_order",
+    "check_samples",
+    "first_culprit",
+    "fp8_metrics",
+    "fraction",
+    "grad_underflow_fraction",
+    "half_ulp",
+    "json_safe",
+    "memory_metrics",
+    "next_divergence_state",
+    "plot",
+    "sample_stride",
+    "sampled",
+    "swamp_storage_dtype",
+    "underflow_threshold",
+    "update_swamped_fraction",
+]

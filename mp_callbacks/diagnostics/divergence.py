@@ -11,8 +11,10 @@ overflow at a finite loss is what loss scaling handles, by backing off.  So:
 
 Any applied step resets both streaks.  Every counted step was skipped, so
 nothing non-finite reached the weights before the stop.  ``None`` turns a
-rule off.  The scale-floor guard of the monitors
-(:class:`~mp_callbacks.diagnostics.meters.DivergenceGuard`) is a separate, later net.
+rule off.  The scale-floor guard of the monitors (:class:`DivergenceGuard`: overflows
+with the scale at its floor) is a separate, later net.  All three stop with one error,
+:class:`DivergenceError`, whose advice comes from the one checklist
+(:func:`mp_callbacks.advice.checklist`).
 
 The rule is one pure transition, :func:`next_divergence_state`, written over
 the array-ops protocol like the scaler's: :meth:`DivergenceRule.observe`
@@ -23,26 +25,24 @@ raise :meth:`DivergenceRule.error`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from .meters import DivergenceError
+from ..advice import checklist
 from ..ops import NUMPY_OPS, Array, ArrayOps
 
-__all__ = ["DivergenceError", "DivergenceRule", "DivergenceState", "LOSS_CHECKLIST", "OVERFLOW_CHECKLIST",
-           "next_divergence_state"]
+__all__ = ["DivergenceError", "DivergenceGuard", "DivergenceRule", "DivergenceState", "next_divergence_state"]
 
-LOSS_CHECKLIST = (
-    "check the inputs and labels for inf/NaN, lower the learning rate, keep more ops in FP32 "
-    "(norms, softmax, losses, custom ops), switch float16 to bfloat16 (wider range), and turn on overflow "
-    "attribution (MixedPrecisionMonitor(attribute_overflows=True)) to name the first non-finite module"
-)
-OVERFLOW_CHECKLIST = (
-    "lower the learning rate, clip gradients, keep more ops in FP32 (norms, softmax, losses, custom ops) or "
-    "switch float16 to bfloat16 (wider range)"
-)
+
+class DivergenceError(RuntimeError):
+    """Training cannot recover: non-finite losses, overflows below scale 1, or overflows at the scale floor.
+
+    The message says what was seen (the streak, the step, the scale, the first non-finite
+    module when known) and what to try (:func:`mp_callbacks.advice.checklist`).
+    """
 
 
 class DivergenceState(NamedTuple):
@@ -55,11 +55,13 @@ class DivergenceState(NamedTuple):
 @dataclass
 class DivergenceRule:
     """Stops a run after ``nonfinite_losses`` non-finite losses, or ``overflows_below`` overflows below
-    scale ``scale_below``, in a row (None: that rule is off)."""
+    scale ``scale_below``, in a row (None: that rule is off).  ``compute``: the run's compute dtype, when
+    known, so that the advice does not suggest a switch to bfloat16 to a bfloat16 run."""
 
     nonfinite_losses: int | None = 5
     overflows_below: int | None = 10
     scale_below: float = 1.0
+    compute: str | None = None
     loss_streak: int = 0
     overflow_streak: int = 0
 
@@ -70,7 +72,7 @@ class DivergenceRule:
                 raise ValueError(f"DivergenceRule.{name}={value!r} must be None or an integer >= 1")
 
     @classmethod
-    def coerce(cls, value: "DivergenceRule | Mapping[str, Any] | bool | None") -> "DivergenceRule":
+    def coerce(cls, value: DivergenceRule | Mapping[str, Any] | bool | None) -> DivergenceRule:
         """None or True: the default rule; False: both rules off; a dict: its fields; a rule: itself."""
         if value is None or value is True:
             return cls()
@@ -98,8 +100,8 @@ class DivergenceRule:
             raise self.error(step, scale, module)
 
     def error(self, step: int, scale: float = 1.0, module: str | None = None,
-              state: "DivergenceState | None" = None) -> DivergenceError:
-        """The :class:`~mp_callbacks.diagnostics.meters.DivergenceError` of a stop at ``step`` (``scale``: the scale the
+              state: DivergenceState | None = None) -> DivergenceError:
+        """The :class:`DivergenceError` of a stop at ``step`` (``scale``: the scale the
         step ran with), for the streaks of ``state`` (default: this rule's)."""
         loss_streak = int(state.loss_streak) if state is not None else self.loss_streak
         overflow_streak = int(state.overflow_streak) if state is not None else self.overflow_streak
@@ -108,11 +110,11 @@ class DivergenceRule:
             return DivergenceError(
                 f"training diverged: the loss was not finite on {loss_streak} consecutive steps up to "
                 f"step {step}{where}; none of them was applied. A non-finite loss comes from the forward "
-                f"pass, and no loss scale fixes it. Try: {LOSS_CHECKLIST}.")
+                f"pass, and no loss scale fixes it. Try: {checklist('loss', self.compute)}.")
         return DivergenceError(
             f"training diverged: the gradients overflowed on {overflow_streak} consecutive steps with "
             f"a finite loss and the loss scale already below {self.scale_below:g} (scale={scale:g}) up to "
-            f"step {step}{where}; none of them was applied. Try: {OVERFLOW_CHECKLIST}.")
+            f"step {step}{where}; none of them was applied. Try: {checklist('overflow', self.compute)}.")
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: the limits and the current streaks."""
@@ -123,6 +125,40 @@ class DivergenceRule:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the streaks of a :meth:`state_dict` (the limits stay this rule's)."""
         self.loss_streak, self.overflow_streak = int(state["loss_streak"]), int(state["overflow_streak"])
+
+
+class DivergenceGuard:
+    """Stops a run whose scale sits at its floor for ``patience`` consecutive overflows."""
+
+    def __init__(self, patience: int = 20, compute: str | None = None) -> None:
+        if not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"DivergenceGuard patience={patience!r} must be an integer >= 1")
+        self.patience = patience
+        self.compute = compute
+        self.streak = 0
+
+    def observe(self, step: int, scale: float, min_scale: float, overflow: bool,
+                module: str | None = None) -> None:
+        """Feed one step; raises :class:`DivergenceError` when the streak reaches ``patience``."""
+        if overflow and scale <= min_scale:
+            self.streak += 1
+        elif not overflow:
+            self.streak = 0
+        if self.streak >= self.patience:
+            where = f", first non-finite module {module!r}" if module else ""
+            raise DivergenceError(
+                f"training diverged: {self.streak} consecutive overflows with the loss scale at its "
+                f"floor (scale={scale:g}, min_scale={min_scale:g}) up to step {step}{where}. "
+                f"Try: {checklist('floor', self.compute)}."
+            )
+
+    def state_dict(self) -> dict[str, int]:
+        """Plain data: ``{"patience", "streak"}`` (the current run of overflows at the floor)."""
+        return {"patience": self.patience, "streak": self.streak}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a :meth:`state_dict` (patience and streak)."""
+        self.patience, self.streak = int(state["patience"]), int(state["streak"])
 
 
 def next_divergence_state(rule: DivergenceRule, state: DivergenceState, overflow: Array, loss_finite: Array,

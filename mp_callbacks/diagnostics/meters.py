@@ -35,18 +35,14 @@ Auto-fallback
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..dtypes import FORMATS, canonical_dtype
 
-CHECKLIST = (
-    "lower the learning rate (or warm it up), switch to bf16 (fp32's range), keep more ops in FP32 "
-    "(norms, softmax, losses, custom ops: PrecisionPolicy.with_fp32_modules), check the data for "
-    "extreme values, and look at mp/overflow_module for the first non-finite module"
-)
-
+if TYPE_CHECKING:
+    from ..recipes import Recipe
 
 METER_SAMPLES = 4096
 """Default elements per tensor that the underflow and swamping meters read (``None``: all)."""
@@ -130,68 +126,20 @@ def update_swamped_fraction(weights: list[Any], updates: list[Any], storage: str
     return fraction(lost, total)
 
 
-class DivergenceError(RuntimeError):
-    """Training keeps overflowing with the loss scale at its floor."""
+def swamp_storage_dtype(recipe: Recipe, stored_dtype: str, kept_fp32: bool) -> str:
+    """The dtype a parameter's updates are measured against by ``mp/update_swamped_frac``.
 
+    The meter answers "which updates would be lost if the weight were stored in
+    low precision with no FP32 master":
 
-class DivergenceGuard:
-    """Stops a run whose scale sits at its floor for ``patience`` consecutive overflows."""
-
-    def __init__(self, patience: int = 20) -> None:
-        if not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"DivergenceGuard patience={patience!r} must be an integer >= 1")
-        self.patience = patience
-        self.streak = 0
-
-    def observe(self, step: int, scale: float, min_scale: float, overflow: bool,
-                module: str | None = None) -> None:
-        """Feed one step; raises :class:`DivergenceError` when the streak reaches ``patience``."""
-        if overflow and scale <= min_scale:
-            self.streak += 1
-        elif not overflow:
-            self.streak = 0
-        if self.streak >= self.patience:
-            where = f", first non-finite module {module!r}" if module else ""
-            raise DivergenceError(
-                f"training diverged: {self.streak} consecutive overflows with the loss scale at its "
-                f"floor (scale={scale:g}, min_scale={min_scale:g}) up to step {step}{where}. Try: {CHECKLIST}."
-            )
-
-    def state_dict(self) -> dict[str, int]:
-        """Plain data: ``{"patience", "streak"}`` (the current run of overflows at the floor)."""
-        return {"patience": self.patience, "streak": self.streak}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore a :meth:`state_dict` (patience and streak)."""
-        self.patience, self.streak = int(state["patience"]), int(state["streak"])
-
-
-class FallbackTracker:
-    """Counts overflows blamed on each module; names a module once it reaches ``threshold``."""
-
-    def __init__(self, threshold: int = 3) -> None:
-        if not isinstance(threshold, int) or threshold < 1:
-            raise ValueError(f"FallbackTracker threshold={threshold!r} must be an integer >= 1")
-        self.threshold = threshold
-        self.blame: dict[str, int] = {}
-        self.moved: list[str] = []
-
-    def blame_module(self, module: str) -> bool:
-        """Record one overflow on ``module``; True exactly when it must move to FP32 now."""
-        if module in self.moved:
-            return False
-        self.blame[module] = self.blame.get(module, 0) + 1
-        if self.blame[module] >= self.threshold:
-            self.moved.append(module)
-            return True
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"threshold", "blame": {module: overflows}, "moved": [modules in FP32, in order]}``."""
-        return {"threshold": self.threshold, "blame": dict(self.blame), "moved": list(self.moved)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (threshold, blame counts, moved modules)."""
-        self.threshold = int(state["threshold"])
-        self.blame = {str(k): int(v) for k, v in state["blame"].items()}
-        self.moved = [str(m) for m in state["moved"]]
+    * ``*-master``: the parameter's actual storage dtype (``stored_dtype``:
+      fp16/bf16, or float32 for parameters the policy keeps in FP32, which are
+      their own masters);
+    * ``*-mixed`` and ``32-true``: the dtype the matching ``*-master`` recipe
+      would store it in: the policy's compute dtype, or float32 for modules
+      the policy keeps in FP32 (``kept_fp32``).  Under ``32-true`` this is
+      float32 everywhere.
+    """
+    if recipe.master.master_weights:
+        return stored_dtype
+    return "float32" if kept_fp32 else recipe.policy.compute

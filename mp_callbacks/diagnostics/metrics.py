@@ -13,7 +13,8 @@ import json
 import math
 import os
 from collections import deque
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from .meters import fraction
 
@@ -136,7 +137,7 @@ class StepStats:
         return {k: json_safe(v) for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "StepStats":
+    def from_dict(cls, data: Mapping[str, Any]) -> StepStats:
         """Inverse of :meth:`to_dict`; an unknown field is a ``ValueError`` naming the valid ones."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
@@ -149,7 +150,7 @@ class StepStats:
     def from_counts(cls, step: int, scale: float, overflow: bool, overflows_total: float, skipped_total: float,
                     growths_total: float, loss: float | None = None, grad_norm: float | None = None,
                     underflow: tuple[float, float] | None = None, swamped: tuple[float, float] | None = None,
-                    overflow_module: str | None = None, fp8: Mapping[str, float] | None = None) -> "StepStats":
+                    overflow_module: str | None = None, fp8: Mapping[str, float] | None = None) -> StepStats:
         """A record from the numbers an adapter read back (host floats).
 
         ``underflow`` / ``swamped`` are the meters' ``(lost, total)`` counts
@@ -244,7 +245,7 @@ class History:
                 fh.write(json.dumps({"event": e}) + "\n")
 
     @classmethod
-    def from_jsonl(cls, path: str | os.PathLike[str], maxlen: int = 100_000) -> "History":
+    def from_jsonl(cls, path: str | os.PathLike[str], maxlen: int = 100_000) -> History:
         """Read a file written by :meth:`to_jsonl`; a line that is not JSON is a ``ValueError`` naming it."""
         history = cls(maxlen=maxlen)
         with open(path, encoding="utf-8") as fh:
@@ -262,7 +263,7 @@ class History:
         return history
 
     @classmethod
-    def from_steps(cls, steps: Iterable[StepStats], maxlen: int = 100_000) -> "History":
+    def from_steps(cls, steps: Iterable[StepStats], maxlen: int = 100_000) -> History:
         """A history holding ``steps`` (in order, no events)."""
         history = cls(maxlen=maxlen)
         for s in steps:

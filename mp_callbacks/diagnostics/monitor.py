@@ -23,15 +23,17 @@ overflow steps (which the scaler already knows about on the host).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from .metrics import History, StepStats
-from .meters import METER_SAMPLES, DivergenceGuard, FallbackTracker, check_samples
-from .attribution import LOSS_SOURCE
 from ..loss_scale.config import ScalerConfig
-from ..loss_scale.scaler import check_count_overflows, checks_overflow
+from ..loss_scale.transition import check_count_overflows, checks_overflow
+from .attribution import LOSS_SOURCE, FallbackTracker
+from .divergence import DivergenceGuard
+from .meters import METER_SAMPLES, check_samples
+from .metrics import History, StepStats
 
 MONITOR_SCHEMA_VERSION = 1
 """Version of :meth:`MonitorCore.state_dict` and of the adapters' envelope around it."""

@@ -1,1 +1,105 @@
-""""""
+"""FP8 training: formats, the per-tensor scaling rule, settings and presets, what the recipe adds.
+
+* :mod:`.formats`: ``float8_e4m3fn`` / ``float8_e5m2`` and the NumPy reference cast
+  (:func:`fp8_round`, :func:`quantize_dequantize`, saturated / flushed fractions);
+* :mod:`.config`: :class:`FP8ScalingConfig` (one tensor's settings) and :data:`FP8_PRESETS`
+  (Transformer Engine, Keras, torchao);
+* :mod:`.scaling`: the scaling transition (:func:`next_fp8_state`, delayed or current), its
+  state and the :class:`FP8ArrayOps` extension of the array-ops protocol;
+* :mod:`.recipe`: :class:`FP8Recipe`, what ``fp8-mixed`` adds to a recipe (which matmuls, the
+  three tensors' configs, state bytes).
+"""
+
+from .config import (
+    AMAX_ALGOS,
+    FP8_PRESETS,
+    MODES,
+    STORED,
+    UPDATE_ORDERS,
+    FP8ScalingConfig,
+    preset_configs,
+)
+from .formats import (
+    E4M3,
+    E5M2,
+    FLOAT32_MAX,
+    FORMAT_ALIASES,
+    FP8_FORMATS,
+    HYBRID,
+    TENSOR_ROLES,
+    FP8ConfigError,
+    FP8Format,
+    flushed_fraction,
+    fp8_format,
+    fp8_round,
+    quantize_dequantize,
+    saturated_fraction,
+)
+from .recipe import (
+    FP8_LAYERS,
+    FP8_ROLES,
+    FP8Recipe,
+    fp8_amax,
+    fp8_linear_reference,
+    fp8_qdq,
+    fp8_state_bytes,
+    fp8_transient_bytes,
+)
+from .scaling import (
+    FP8_OP_NAMES,
+    FP8_STATE_FIELDS,
+    NUMPY_FP8_OPS,
+    FP8ArrayOps,
+    FP8State,
+    NumpyFP8Ops,
+    fp8_ops,
+    fp8_state_from_dict,
+    fp8_state_to_dict,
+    initial_fp8_state,
+    next_fp8_state,
+    select_fp8_state,
+)
+
+__all__ = [
+    "AMAX_ALGOS",
+    "E4M3",
+    "E5M2",
+    "FLOAT32_MAX",
+    "FORMAT_ALIASES",
+    "FP8ArrayOps",
+    "FP8ConfigError",
+    "FP8Format",
+    "FP8Recipe",
+    "FP8ScalingConfig",
+    "FP8State",
+    "FP8_FORMATS",
+    "FP8_LAYERS",
+    "FP8_OP_NAMES",
+    "FP8_PRESETS",
+    "FP8_ROLES",
+    "FP8_STATE_FIELDS",
+    "HYBRID",
+    "MODES",
+    "NUMPY_FP8_OPS",
+    "NumpyFP8Ops",
+    "STORED",
+    "TENSOR_ROLES",
+    "UPDATE_ORDERS",
+    "flushed_fraction",
+    "fp8_amax",
+    "fp8_format",
+    "fp8_linear_reference",
+    "fp8_ops",
+    "fp8_qdq",
+    "fp8_round",
+    "fp8_state_bytes",
+    "fp8_state_from_dict",
+    "fp8_state_to_dict",
+    "fp8_transient_bytes",
+    "initial_fp8_state",
+    "next_fp8_state",
+    "preset_configs",
+    "quantize_dequantize",
+    "saturated_fraction",
+    "select_fp8_state",
+]

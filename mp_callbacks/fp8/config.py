@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, ClassVar
 
-import numpy as np
-
+from ..settings import Settings, is_int, is_number
 from .formats import E4M3, FLOAT32_MAX, FP8_FORMATS, HYBRID, TENSOR_ROLES, FP8ConfigError, FP8Format, fp8_format
-
-
 
 MODES = ("delayed", "current")
 AMAX_ALGOS = ("max", "most_recent")
@@ -25,16 +22,8 @@ UPDATE_ORDERS = ("record_first", "scale_first")
 STORED = ("scale", "scale_inv")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 @dataclasses.dataclass(frozen=True)
-class FP8ScalingConfig:
+class FP8ScalingConfig(Settings):
     """Settings of one tensor's FP8 scaling (the rule is in :mod:`mp_callbacks.fp8`).
 
     Attributes:
@@ -70,6 +59,9 @@ class FP8ScalingConfig:
     clamp_inf_scale: bool = True
     amax_epsilon: float = 0.0
 
+    error: ClassVar[type[Exception]] = FP8ConfigError
+    what: ClassVar[str] = "an FP8 scaling config"
+
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "format", fp8_format(self.format).name)
@@ -85,13 +77,13 @@ class FP8ScalingConfig:
                               ("stored", STORED)):
             if getattr(self, name) not in choices:
                 self._fail(name, "one of " + ", ".join(repr(c) for c in choices))
-        if not _is_int(self.history_len) or self.history_len < 1:
+        if not is_int(self.history_len) or self.history_len < 1:
             self._fail("history_len", "an integer >= 1")
-        if not _is_int(self.margin) or not 0 <= self.margin <= 64:
+        if not is_int(self.margin) or not 0 <= self.margin <= 64:
             self._fail("margin", "an integer in [0, 64]")
         if not isinstance(self.clamp_inf_scale, bool):
             self._fail("clamp_inf_scale", "True or False")
-        if not _is_number(self.amax_epsilon) or not math.isfinite(self.amax_epsilon) or self.amax_epsilon < 0:
+        if not is_number(self.amax_epsilon) or not math.isfinite(self.amax_epsilon) or self.amax_epsilon < 0:
             self._fail("amax_epsilon", "a finite number >= 0")
         if self.amax_epsilon and not self.scaled_max / self.amax_epsilon < FLOAT32_MAX:
             self._fail("amax_epsilon", f"> {self.scaled_max / FLOAT32_MAX:g} (fp8 max * 2**-margin / "
@@ -113,7 +105,7 @@ class FP8ScalingConfig:
 
     # -- construction helpers -----------------------------------------------------
     @classmethod
-    def preset(cls, name: str, role: str = "forward", **overrides: Any) -> "FP8ScalingConfig":
+    def preset(cls, name: str, role: str = "forward", **overrides: Any) -> FP8ScalingConfig:
         """The configuration that reproduces the named anchor for a tensor of ``role``.
 
         ``role``: ``"forward"`` / ``"backward"`` or a tensor name of
@@ -131,37 +123,9 @@ class FP8ScalingConfig:
         return dataclasses.replace(FP8_PRESETS[name], **fields)
 
     @classmethod
-    def coerce(cls, value: "FP8ScalingConfig | str | Mapping[str, Any] | None", role: str = "forward",
-               default: str = "transformer-engine") -> "FP8ScalingConfig":
-        """Accept a config, a preset name (for ``role``), a dict of fields, or ``None`` (the default preset)."""
-        if value is None:
-            return cls.preset(default, role)
-        if isinstance(value, FP8ScalingConfig):
-            return value
-        if isinstance(value, str):
-            return cls.preset(value, role)
-        if isinstance(value, Mapping):
-            return cls.from_dict(value)
-        raise FP8ConfigError(
-            f"an FP8 scaling config must be an FP8ScalingConfig, a preset name or a dict, not {type(value).__name__}"
-        )
-
-    def replace(self, **changes: Any) -> "FP8ScalingConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data: every field by name."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "FP8ScalingConfig":
-        """Inverse of :meth:`to_dict`; unknown keys are an error that lists the valid ones."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise FP8ConfigError(f"unknown FP8ScalingConfig field(s) {unknown}; valid fields: {sorted(names)}")
-        return cls(**dict(data))
+    def from_name(cls, name: str | None, role: str = "forward", default: str = "transformer-engine") -> FP8ScalingConfig:
+        """The preset ``name`` (``None``: ``default``) for ``role``."""
+        return cls.preset(default if name is None else name, role)
 
 
 FP8_PRESETS: dict[str, FP8ScalingConfig] = {  # name -> the anchor's defaults (format set per role by preset())

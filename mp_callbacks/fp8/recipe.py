@@ -41,12 +41,14 @@ matmul's operands while it runs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
-from .formats import TENSOR_ROLES, FP8ConfigError, fp8_round, quantize_dequantize
+from ..settings import Settings
 from .config import FP8_PRESETS, FP8ScalingConfig
+from .formats import TENSOR_ROLES, FP8ConfigError, fp8_round, quantize_dequantize
 
 FP8_LAYERS: dict[str, tuple[str, ...]] = {
     "lightning": ("Linear", "MultiheadAttention"),
@@ -66,7 +68,7 @@ _OVERRIDABLE = ("mode", "history_len", "amax_algo", "margin", "clamp_inf_scale",
 
 
 @dataclasses.dataclass(frozen=True)
-class FP8Recipe:
+class FP8Recipe(Settings):
     """The FP8 settings of a recipe: a preset of :data:`mp_callbacks.fp8.config.FP8_PRESETS` plus overrides.
 
     Attributes:
@@ -83,6 +85,9 @@ class FP8Recipe:
 
     preset: str = "transformer-engine"
     overrides: tuple[tuple[str, Any], ...] = ()
+
+    error: ClassVar[type[Exception]] = FP8ConfigError
+    what: ClassVar[str] = "fp8 settings"
 
     def __post_init__(self) -> None:
         if self.preset not in FP8_PRESETS:
@@ -118,23 +123,15 @@ class FP8Recipe:
         return {"preset": self.preset, **dict(self.overrides)}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "FP8Recipe":
+    def from_dict(cls, data: Mapping[str, Any]) -> FP8Recipe:
         """Inverse of :meth:`to_dict`."""
         data = dict(data)
         return cls(preset=data.pop("preset", "transformer-engine"), overrides=tuple(data.items()))
 
     @classmethod
-    def coerce(cls, value: "FP8Recipe | str | Mapping[str, Any] | None") -> "FP8Recipe":
-        """From an :class:`FP8Recipe`, a preset name, a dict of settings (``preset`` + overrides) or None."""
-        if value is None:
-            return cls()
-        if isinstance(value, FP8Recipe):
-            return value
-        if isinstance(value, str):
-            return cls(preset=value)
-        if isinstance(value, Mapping):
-            return cls.from_dict(value)
-        raise FP8ConfigError(f"fp8 settings must be an FP8Recipe, a preset name or a dict, not {type(value).__name__}")
+    def from_name(cls, name: str | None) -> FP8Recipe:
+        """The recipe of a preset (``None``: the default, ``"transformer-engine"``)."""
+        return cls() if name is None else cls(preset=name)
 
     def state_bytes(self, matmuls: int) -> int:
         """Bytes of FP8 scaling state for ``matmuls`` FP8 matmuls (see :func:`fp8_state_bytes`)."""

@@ -105,29 +105,17 @@ float8 updates of every tensor on a skipped step (what Keras does under its
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from .formats import (
-    E4M3,
-    E5M2,
-    FLOAT32_MAX,
-    FORMAT_ALIASES,
-    FP8_FORMATS,
-    HYBRID,
-    TENSOR_ROLES,
-    FP8ConfigError,
-    FP8Format,
-    flushed_fraction,
-    fp8_format,
-    fp8_round,
-    quantize_dequantize,
-    saturated_fraction,
-)
-from .config import AMAX_ALGOS, FP8_PRESETS, MODES, STORED, UPDATE_ORDERS, FP8ScalingConfig, preset_configs
-from .config import _is_int, _is_number
 from ..ops import Array, ArrayOps, NumpyOps
+from ..settings import is_int, is_number
+from .config import FP8ScalingConfig
+from .formats import (
+    FLOAT32_MAX,
+)
 
 # -- the protocol extension ------------------------------------------------------------
 
@@ -348,10 +336,10 @@ def fp8_state_from_dict(config: FP8ScalingConfig, data: Mapping[str, Any]) -> FP
         raise ValueError(f"FP8 state: amax_history must be {config.history_len} finite numbers >= 0 "
                          f"(history_len), got shape {history.shape}")
     for name in ("scale", "scale_inv"):
-        if not _is_number(data[name]) or not data[name] >= 0:
+        if not is_number(data[name]) or not data[name] >= 0:
             raise ValueError(f"FP8 state: {name}={data[name]!r} must be a number >= 0")
     for name in ("steps", "skipped"):
-        if not _is_int(data[name]) or data[name] < 0:
+        if not is_int(data[name]) or data[name] < 0:
             raise ValueError(f"FP8 state: {name}={data[name]!r} must be a non-negative integer")
     return FP8State(amax_history=history, scale=np.asarray(data["scale"], dtype=np.float32),
                     scale_inv=np.asarray(data["scale_inv"], dtype=np.float32),

@@ -4,17 +4,18 @@ A config is plain, frozen, validated data (every out-of-range value is a
 :class:`ConfigError` naming the field and what it allows); :data:`PRESETS`
 holds the documented defaults of each anchor (torch, Keras, tf-keras,
 Megatron, DeepSpeed, apex, jmp) as settings of the one rule in
-:mod:`mp_callbacks.loss_scale.scaler`, which re-exports everything here.
+:mod:`mp_callbacks.loss_scale.transition`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
+from ..settings import ConfigError, Settings, is_int, is_number
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_TINY = 2.0**-126
@@ -26,18 +27,8 @@ subnormals turn the scale itself into 0."""
 ON_MIN_SCALE_CHOICES = ("clamp", "warn", "raise")
 """Valid values of :attr:`ScalerConfig.on_min_scale`."""
 
-class ConfigError(ValueError):
-    """A configuration value is out of its allowed range."""
-
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-
 @dataclasses.dataclass(frozen=True)
-class ScalerConfig:
+class ScalerConfig(Settings):
     """Settings of the dynamic loss scaler.
 
     Attributes:
@@ -74,6 +65,8 @@ class ScalerConfig:
     dynamic: bool = True
     skip_nonfinite: bool = True
 
+    what: ClassVar[str] = "a scaler"
+
     @property
     def can_skip(self) -> bool:
         """True when a step with non-finite gradients is skipped (scaling on, or ``skip_nonfinite``)."""
@@ -89,11 +82,11 @@ class ScalerConfig:
     def _validate(self) -> None:
         for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value):
+            if not is_number(value) or not math.isfinite(value):
                 self._fail(name, "a finite number")
         for name in ("growth_interval", "hysteresis"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 self._fail(name, "an integer >= 1")
         for name in ("consecutive_hysteresis", "enabled", "dynamic", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
@@ -117,7 +110,7 @@ class ScalerConfig:
     # -- construction helpers -------------------------------------------------
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "ScalerConfig":
+    def preset(cls, name: str, **overrides: Any) -> ScalerConfig:
         """The configuration that reproduces the named anchor (see :data:`PRESETS`)."""
         if not isinstance(name, str) or name not in PRESETS:
             raise ConfigError(
@@ -126,36 +119,9 @@ class ScalerConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
     @classmethod
-    def coerce(cls, value: "ScalerConfig | str | Mapping[str, Any] | None", default: str = "torch") -> "ScalerConfig":
-        """Accept a config, a preset name, a dict of fields, or ``None`` (the default preset)."""
-        if value is None:
-            return cls.preset(default)
-        if isinstance(value, ScalerConfig):
-            return value
-        if isinstance(value, str):
-            return cls.preset(value)
-        if isinstance(value, Mapping):
-            return cls.from_dict(value)
-        raise ConfigError(
-            f"a scaler must be a ScalerConfig, a preset name or a dict, not {type(value).__name__}"
-        )
-
-    def replace(self, **changes: Any) -> "ScalerConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data: every field by name."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ScalerConfig":
-        """Inverse of :meth:`to_dict`; unknown keys are an error that lists the valid ones."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"unknown ScalerConfig field(s) {unknown}; valid fields: {sorted(names)}")
-        return cls(**dict(data))
+    def from_name(cls, name: str | None, default: str = "torch") -> ScalerConfig:
+        """A preset by name; ``None``: the ``default`` preset."""
+        return cls.preset(default if name is None else name)
 
 
 PRESETS: dict[str, ScalerConfig] = {  # name -> the anchor's documented defaults

@@ -1,1 +1,43 @@
-""""""
+"""Memory accounting: what each recipe's training state costs, on one device and sharded.
+
+* :mod:`.estimate`: bytes per parameter (:func:`estimate_memory`, :func:`bytes_per_param`,
+  :func:`memory_report`) from a recipe's :class:`~mp_callbacks.masters.MasterPlan`;
+* :mod:`.sharding`: a recipe across ranks (FSDP dtypes, all-reduce and FSDP payloads, the
+  overflow consensus).
+"""
+
+from .estimate import (
+    OPTIMIZER_SLOTS,
+    MemoryEstimate,
+    bytes_per_param,
+    estimate_memory,
+    is_optimizer_state,
+    memory_report,
+    optimizer_kind,
+    optimizer_slots,
+)
+from .sharding import (
+    ShardedDtypes,
+    allreduce_bytes,
+    consensus_cost,
+    fsdp_step_bytes,
+    padded_numel,
+    sharded_dtypes,
+)
+
+__all__ = [
+    "MemoryEstimate",
+    "OPTIMIZER_SLOTS",
+    "ShardedDtypes",
+    "allreduce_bytes",
+    "bytes_per_param",
+    "consensus_cost",
+    "estimate_memory",
+    "fsdp_step_bytes",
+    "is_optimizer_state",
+    "memory_report",
+    "optimizer_kind",
+    "optimizer_slots",
+    "padded_numel",
+    "sharded_dtypes",
+]

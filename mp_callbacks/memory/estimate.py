@@ -1,10 +1,7 @@
-"""Master weights: which parameters get FP32 copies, and what training state costs.
+"""What training state costs: the bytes per parameter of a recipe's weights, gradients, masters and states.
 
-The rule of the ``*-master`` recipes: a parameter stored in fp16/bf16 gets an
-FP32 master copy inside the optimizer; the optimizer's update and its states
-(momentum, Adam's m and v) live in FP32 on the master; after every *applied*
-step the master is rounded back into the low-precision parameter.  Parameters
-the policy keeps in FP32 need no copy: they are their own master.
+The plan it counts is :class:`~mp_callbacks.masters.MasterPlan` (which parameters get FP32
+masters, the optimizer state dtype, update rounding).
 
 Memory per parameter (model state only, no activations)::
 
@@ -45,11 +42,12 @@ bytes per matmul).  The FP8 copies of weights and inputs are transient
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from ..dtypes import canonical_dtype, dtype_bytes
-from ..rounding.rules import check_mode
+from ..dtypes import dtype_bytes
+from ..masters import MasterPlan
 
 OPTIMIZER_SLOTS: dict[str, int] = {
     "sgd": 0, "sgd-momentum": 1, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2,
@@ -83,72 +81,6 @@ def optimizer_slots(optimizer: str) -> int:
 
 
 @dataclass(frozen=True)
-class MasterPlan:
-    """How a recipe stores weights and optimizer state.
-
-    Attributes:
-      param_dtype: storage dtype of module parameters (those not kept in FP32).
-      master_weights: True when the optimizer holds FP32 master copies of
-        low-precision parameters.
-      state_dtype: dtype of the optimizer states of low-precision parameters
-        (FP32-kept parameters keep FP32 states); ``bfloat16`` only with
-        ``update_rounding`` ``kahan`` or ``stochastic``.
-      update_rounding: how an update is written into a low-precision weight
-        without a master (:data:`mp_callbacks.rounding.rules.ROUNDING_MODES`):
-        ``nearest`` (the dtype's rounding; with masters: the master),
-        ``kahan`` (a compensation buffer in ``param_dtype``) or
-        ``stochastic`` (bf16 only).
-    """
-
-    param_dtype: str = "float32"
-    master_weights: bool = False
-    state_dtype: str = "float32"
-    update_rounding: str = "nearest"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype, "param_dtype"))
-        object.__setattr__(self, "state_dtype", canonical_dtype(self.state_dtype, "state_dtype"))
-        check_mode(self.update_rounding)
-        if self.master_weights and self.param_dtype == "float32":
-            raise ValueError("master_weights=True needs a low-precision param_dtype (float16 or bfloat16)")
-        if self.rounds_updates and (self.master_weights or self.param_dtype == "float32"):
-            raise ValueError(f"update_rounding={self.update_rounding!r} needs low-precision weights without "
-                             f"master copies (param_dtype float16/bfloat16, master_weights=False)")
-        if self.update_rounding == "stochastic" and self.param_dtype != "bfloat16":
-            raise ValueError("update_rounding='stochastic' rounds FP32 to bfloat16: param_dtype must be bfloat16")
-        if self.state_dtype != "float32" and not self.rounds_updates:
-            raise ValueError(f"state_dtype={self.state_dtype!r} is only offered with update_rounding 'kahan' or "
-                             f"'stochastic' (bf16-kahan, bf16-sr); other recipes keep FP32 optimizer states")
-
-    @property
-    def rounds_updates(self) -> bool:
-        """True for ``kahan`` and ``stochastic`` update rounding."""
-        return self.update_rounding != "nearest"
-
-    def needs_master(self, storage_dtype: str) -> bool:
-        """True when a parameter stored in ``storage_dtype`` gets an FP32 master copy."""
-        return self.master_weights and canonical_dtype(storage_dtype) != "float32"
-
-    def needs_compensation(self, storage_dtype: str) -> bool:
-        """True when a parameter stored in ``storage_dtype`` gets a Kahan compensation buffer."""
-        return self.update_rounding == "kahan" and canonical_dtype(storage_dtype) != "float32"
-
-    def state_bytes(self, storage_dtype: str) -> int:
-        """Bytes per element of one optimizer state of a parameter stored in ``storage_dtype``."""
-        return 4 if canonical_dtype(storage_dtype) == "float32" else dtype_bytes(self.state_dtype)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"param_dtype", "master_weights", "state_dtype", "update_rounding"}``."""
-        return {"param_dtype": self.param_dtype, "master_weights": self.master_weights,
-                "state_dtype": self.state_dtype, "update_rounding": self.update_rounding}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MasterPlan":
-        """Inverse of :meth:`to_dict` (validated like the constructor)."""
-        return cls(**dict(data))
-
-
-@dataclass(frozen=True)
 class MemoryEstimate:
     """Model-state bytes, split by what holds them."""
 
@@ -171,7 +103,7 @@ class MemoryEstimate:
         """:attr:`total` per parameter (0.0 for no parameters)."""
         return self.total / self.params if self.params else 0.0
 
-    def __add__(self, other: "MemoryEstimate") -> "MemoryEstimate":
+    def __add__(self, other: MemoryEstimate) -> MemoryEstimate:
         """Field-wise sum (the model state of two optimizers' parameters together)."""
         return MemoryEstimate(self.params + other.params, self.weights + other.weights, self.grads + other.grads,
                               self.masters + other.masters, self.optimizer_state + other.optimizer_state,

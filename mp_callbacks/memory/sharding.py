@@ -23,8 +23,9 @@ Three rules the adapters translate:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from ..dtypes import canonical_dtype, dtype_bytes
 

@@ -41,7 +41,7 @@ The element layout (so that both adapters draw the same number for corresponding
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -121,7 +121,7 @@ def keras_kernel_to_canonical(ndim: int) -> tuple[int, ...]:
     return (ndim - 1, ndim - 2, *range(ndim - 2))
 
 
-def index_strides(shape: Any, to_canonical: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+def index_strides(shape: Any, to_canonical: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """Per axis of a stored array of ``shape``, the step of the canonical row-major flat index along it.
 
     The canonical array is ``transpose(stored, to_canonical)`` (None: the stored layout is canonical); the
@@ -140,7 +140,7 @@ def index_strides(shape: Any, to_canonical: Optional[tuple[int, ...]] = None) ->
     return tuple(strides)
 
 
-def layout_index(shape: Any, to_canonical: Optional[tuple[int, ...]] = None) -> np.ndarray:
+def layout_index(shape: Any, to_canonical: tuple[int, ...] | None = None) -> np.ndarray:
     """NumPy reference: the u32 canonical flat indices of a stored array of ``shape`` (:func:`index_strides`)."""
     shape = tuple(int(n) for n in shape)
     index = np.zeros(shape, dtype=np.uint64)

@@ -43,27 +43,19 @@ on Python integers (the keys).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..dtypes import canonical_dtype
+from ..settings import StateDictError
 from .random_source import (
     MASK32,
-    MIX_MUL1,
-    MIX_MUL2,
-    PY_INT_OPS,
-    PyIntOps,
-    index_strides,
-    keras_kernel_to_canonical,
-    layout_index,
-    mix32,
-    s32,
     sr_key,
     sr_thresholds,
 )
-from ..loss_scale.scaler import StateDictError
 
 ROUNDING_MODES = ("nearest", "kahan", "stochastic")
 """How an update is written into a weight: ``nearest`` (the storage dtype's
@@ -296,7 +288,7 @@ class RoundingStream:
         """The key of tensor ``tensor_index`` at this update."""
         return sr_key(self.seed, tensor_index, self.counter)
 
-    def advance(self) -> "RoundingStream":
+    def advance(self) -> RoundingStream:
         """The stream after one applied update."""
         return RoundingStream(self.seed, self.counter + 1)
 
@@ -307,7 +299,7 @@ def make_rounding_state(mode: str, stream: RoundingStream, storage: str) -> dict
             "seed": stream.seed, "counter": stream.counter}
 
 
-def read_rounding_state(mode: str, state: Optional[Mapping[str, Any]]) -> RoundingStream:
+def read_rounding_state(mode: str, state: Mapping[str, Any] | None) -> RoundingStream:
     """Check a :func:`make_rounding_state` record against ``mode``; returns its stream.
 
     A missing record, another schema version or another mode is a

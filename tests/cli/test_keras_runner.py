@@ -34,7 +34,7 @@ def _float32_global_policy():
     keras.config.set_dtype_policy("float32")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(recipe: str):
     keras.config.set_dtype_policy("float32")
     return kc.run(recipe, SPEC)

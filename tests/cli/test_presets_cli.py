@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from mp_callbacks import ScalerConfig
-from mp_callbacks.recipes import RECIPE_NAMES
 from mp_callbacks.loss_scale.config import PRESETS
+from mp_callbacks.recipes import RECIPE_NAMES
 
 STEPS, INTERVAL = 400, 20
 

@@ -71,8 +71,8 @@ def keras_starts():
     keras = pytest.importorskip("keras")
     from keras import ops
 
-    from mp_callbacks.app.keras_runner import fit_once
     from keras_ext.fp8 import is_fp8_variable
+    from mp_callbacks.app.keras_runner import fit_once
 
     out = {}
     for recipe in KERAS_RECIPES:

@@ -2,8 +2,7 @@
 
 import pytest
 
-from mp_callbacks.diagnostics.divergence import DivergenceRule
-from mp_callbacks.diagnostics.meters import DivergenceError
+from mp_callbacks.diagnostics.divergence import DivergenceError, DivergenceRule
 
 
 def test_nonfinite_losses_stop_after_the_limit_and_say_why():

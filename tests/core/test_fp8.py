@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mp_callbacks import NUMPY_OPS
+from mp_callbacks.fp8.config import FP8_PRESETS, FP8ScalingConfig, preset_configs
 from mp_callbacks.fp8.formats import (
     E4M3,
     E5M2,
@@ -39,9 +40,9 @@ from mp_callbacks.fp8.formats import (
 )
 from mp_callbacks.fp8.scaling import (
     FP8_OP_NAMES,
+    NUMPY_FP8_OPS,
     FP8ArrayOps,
     FP8State,
-    NUMPY_FP8_OPS,
     fp8_ops,
     fp8_state_from_dict,
     fp8_state_to_dict,
@@ -49,7 +50,6 @@ from mp_callbacks.fp8.scaling import (
     next_fp8_state,
     select_fp8_state,
 )
-from mp_callbacks.fp8.config import FP8_PRESETS, FP8ScalingConfig, preset_configs
 
 from .fp8_models import KerasFloat8Model, TEDelayedScalingModel, TorchaoModel
 

@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 
+from mp_callbacks.diagnostics.attribution import FallbackTracker
+from mp_callbacks.diagnostics.divergence import DivergenceError, DivergenceGuard
 from mp_callbacks.diagnostics.meters import (
-    DivergenceError,
-    DivergenceGuard,
-    FallbackTracker,
     grad_underflow_fraction,
     half_ulp,
     underflow_threshold,

@@ -2,11 +2,12 @@
 
 import pytest
 
-from mp_callbacks.diagnostics.metrics import StepStats, json_safe
-from mp_callbacks.memory.estimate import optimizer_kind
-from mp_callbacks.diagnostics.meters import DivergenceError, fraction
-from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorCore
 from mp_callbacks.diagnostics.attribution import LOSS_SOURCE, attribution_order, first_culprit
+from mp_callbacks.diagnostics.divergence import DivergenceError
+from mp_callbacks.diagnostics.meters import fraction
+from mp_callbacks.diagnostics.metrics import StepStats, json_safe
+from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorCore
+from mp_callbacks.memory.estimate import optimizer_kind
 
 
 def stats(step, overflow=False, module=None, scale=8.0):

@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 
 from mp_callbacks import get_recipe
-from mp_callbacks.memory.estimate import MasterPlan, bytes_per_param, estimate_memory
 from mp_callbacks.diagnostics.meters import half_ulp
+from mp_callbacks.masters import MasterPlan
+from mp_callbacks.memory.estimate import bytes_per_param, estimate_memory
 from mp_callbacks.recipes import RECIPE_NAMES, RecipeError, canonical_recipe_name
+from mp_callbacks.rounding.random_source import PY_INT_OPS, mix32, sr_key, sr_thresholds
 from mp_callbacks.rounding.rules import (
     NUMPY_ROUNDING_OPS as OPS,
+)
+from mp_callbacks.rounding.rules import (
     RoundingStream,
     bf16_bits,
     bf16_to_f32,
@@ -26,8 +30,7 @@ from mp_callbacks.rounding.rules import (
     round_with_thresholds,
     stochastic_round,
 )
-from mp_callbacks.rounding.random_source import PY_INT_OPS, mix32, sr_key, sr_thresholds
-from mp_callbacks.loss_scale.scaler import StateDictError
+from mp_callbacks.settings import StateDictError
 
 M = 2**32
 

@@ -10,7 +10,6 @@ import pytest
 
 from mp_callbacks import estimate_memory, get_recipe
 from mp_callbacks.memory.estimate import bytes_per_param
-from mp_callbacks.recipes import COMM_DTYPES, Recipe, RecipeError
 from mp_callbacks.memory.sharding import (
     ShardedDtypes,
     allreduce_bytes,
@@ -19,6 +18,7 @@ from mp_callbacks.memory.sharding import (
     padded_numel,
     sharded_dtypes,
 )
+from mp_callbacks.recipes import COMM_DTYPES, Recipe, RecipeError
 
 
 @pytest.mark.parametrize("comm", COMM_DTYPES)

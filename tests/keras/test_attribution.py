@@ -3,10 +3,9 @@
 
 import json
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 
 from keras_ext import MixedPrecisionMonitor
 from keras_ext.attribution import LayerAttribution

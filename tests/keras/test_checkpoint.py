@@ -4,15 +4,16 @@ under the same recipe (bit for bit) or, opted in, under another one (every order
 import itertools
 import warnings
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 from keras import ops
 
 import keras_ext
+from mp_callbacks.loss_scale.record import state_to_dict
+from mp_callbacks.loss_scale.transition import initial_state
 from mp_callbacks.policy import PolicyError
-from mp_callbacks.loss_scale.scaler import StateDictError, initial_state, state_to_dict
+from mp_callbacks.settings import StateDictError
 
 RECIPES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")
 MASTER_RECIPES = ("16-master", "bf16-master")

@@ -7,15 +7,13 @@ steps per execution, torch backend via test_torch_backend.py) and from a custom 
 can be turned off and travels in the config.
 """
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 from keras import ops
 
 import keras_ext
-from mp_callbacks.diagnostics.divergence import DivergenceRule, DivergenceState
-from mp_callbacks.diagnostics.meters import DivergenceError
+from mp_callbacks.diagnostics.divergence import DivergenceError, DivergenceRule, DivergenceState
 from tests.keras.helpers.util import requires_tf_backend
 
 RECIPES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")

@@ -7,9 +7,9 @@ from tests.keras.helpers.util import ROOT
 
 def test_keras_digits_example_runs():
     pytest.importorskip("sklearn")
+    import os
     import subprocess
     import sys
-    import os
 
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
     proc = subprocess.run(

@@ -21,8 +21,8 @@ from keras import ops  # noqa: E402
 
 import keras_ext  # noqa: E402
 from keras_ext.fp8 import enable_fp8, fp8_layers, fp8_state, is_fp8_variable  # noqa: E402
-from mp_callbacks.fp8.scaling import next_fp8_state  # noqa: E402
 from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe, fp8_amax  # noqa: E402
+from mp_callbacks.fp8.scaling import next_fp8_state  # noqa: E402
 
 f32 = np.float32
 TF = keras.backend.backend() == "tensorflow"

@@ -28,7 +28,6 @@ from mp_callbacks.fp8.scaling import FP8ArrayOps, next_fp8_state  # noqa: E402
 from tests.core.fp8_cases import op_cases, same, step_batched  # noqa: E402
 from tests.core.test_fp8 import amax_sequences  # noqa: E402
 
-
 TF = keras.backend.backend() == "tensorflow"
 TINY = np.float32(2.0**-126)
 

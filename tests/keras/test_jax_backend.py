@@ -29,13 +29,12 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 
-import keras
-
 from mp_callbacks.diagnostics.metrics import METRICS, OVERFLOW_MODULE
-from mp_callbacks.diagnostics.attribution import SCALER_SERIES
+from tests.helpers.series import SCALER_SERIES
 from tests.keras.helpers import cross_backend, stock_parity
 from tests.keras.helpers.util import ROOT, run_pytest
 from tests.keras.test_optimizer import _assert_same

@@ -30,7 +30,8 @@ from keras import ops  # noqa: E402
 from keras_ext import KERAS_OPS, KerasOps  # noqa: E402
 from mp_callbacks import NUMPY_OPS, DynamicLossScaler, ScalerConfig, initial_state, next_state
 from mp_callbacks.loss_scale.config import FLOAT32_MAX
-from mp_callbacks.loss_scale.scaler import STATE_FIELDS, ScalerState, state_to_dict
+from mp_callbacks.loss_scale.record import state_to_dict
+from mp_callbacks.loss_scale.transition import STATE_FIELDS, ScalerState
 
 requires_tf_backend = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
                                          reason="tf.function / XLA: TensorFlow backend")
@@ -73,7 +74,7 @@ def _patterns(name: str) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Per-step states of the NumPy reference: ``{field: (PATTERNS, STEPS)}`` and ``applied`` (same shape)."""
     config, _ = CONFIGS[name]

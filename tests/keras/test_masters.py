@@ -1,9 +1,8 @@
 """keras_ext/masters.py: FP32 master copies and FP32 slots around low-precision variables (*-master recipes)."""
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 from keras import ops
 
 import keras_ext

@@ -1,10 +1,9 @@
 """keras_ext/meters.py: the core's meter rules with keras.ops equal the NumPy references
 (exactly, on the same sampled elements), and the swamping meter around a step (SwampMeter)."""
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 from keras import ops
 
 from keras_ext.meters import SwampMeter, grad_underflow_fraction, update_swamped_fraction

@@ -10,15 +10,14 @@ of the divergence rule too).
 
 import json
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 from keras import ops
 
 import keras_ext
 from mp_callbacks import ConfigError, ScalerConfig
-from mp_callbacks.loss_scale.scaler import checks_overflow
+from mp_callbacks.loss_scale.transition import checks_overflow
 from tests.keras.helpers import stock_parity
 from tests.keras.helpers.util import requires_tf_backend, run_script
 

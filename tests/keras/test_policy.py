@@ -5,10 +5,9 @@ report (also printed by the monitor)."""
 import importlib
 import pkgutil
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 from keras import ops
 
 import keras_ext

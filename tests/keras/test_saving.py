@@ -1,10 +1,9 @@
 """model.save / keras.models.load_model(safe_mode=True) mid-training, then continue (optimizer,
 scaler state and master weights together)."""
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 from keras import ops
 
 import keras_ext

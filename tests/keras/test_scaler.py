@@ -7,16 +7,16 @@ argument rules of ``scaler_config``.
 
 import warnings
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 from keras import ops
 
 import keras_ext
 from keras_ext.scaler import KerasLossScaler, found_inf, scaler_config, unscale
 from mp_callbacks import DynamicLossScaler, ScaleFloorError, ScaleFloorWarning, ScalerConfig, get_recipe
-from mp_callbacks.loss_scale.scaler import STATE_FIELDS, StateDictError
+from mp_callbacks.loss_scale.transition import STATE_FIELDS
+from mp_callbacks.settings import StateDictError
 
 
 def _built(config):

@@ -4,21 +4,20 @@ for bit, the variables held at the step are the estimator's bytes, and both beat
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 from keras import ops
 
 import keras_ext
+from keras_ext.rounding import WorkingVariable
 from keras_ext.rounding_ops import KERAS_ROUNDING_OPS as K
-from keras_ext.rounding import UpdateRounding, WorkingVariable
 from keras_ext.rounding_ops import canonical_perm, element_index
 from mp_callbacks import get_recipe
 from mp_callbacks.memory.estimate import estimate_memory
+from mp_callbacks.rounding.random_source import keras_kernel_to_canonical, layout_index, sr_key, sr_thresholds
 from mp_callbacks.rounding.rules import NUMPY_ROUNDING_OPS as N
 from mp_callbacks.rounding.rules import bf16_bits, bf16_to_f32, initial_compensation, kahan_apply, stochastic_round
-from mp_callbacks.rounding.random_source import keras_kernel_to_canonical, layout_index, sr_key, sr_thresholds
 
 RECIPES = ["bf16-kahan", "bf16-sr"]
 TF = keras.backend.backend() == "tensorflow"

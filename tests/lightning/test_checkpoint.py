@@ -6,11 +6,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
-from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 from lightning_ext import MixedPrecision
 from mp_callbacks import StateDictError
 from mp_callbacks.recipes import RECIPE_NAMES, get_recipe
+from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 SCALER = {"init_scale": 2.0**8, "growth_interval": 4}
 INF = {3, 12, 21}

@@ -3,9 +3,9 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.lightning.helpers.models import SaveRankState, TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
+from tests.lightning.helpers.models import SaveRankState, TinyRegressor, loader, trainer_kwargs
 
 GRAD_INF_STEPS = {2, 5}  # injected into rank 0's gradients *after* DDP's all-reduce
 

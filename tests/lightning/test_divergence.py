@@ -3,11 +3,11 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
-from mp_callbacks.diagnostics.meters import DivergenceError
+from mp_callbacks.diagnostics.divergence import DivergenceError
 from mp_callbacks.recipes import RECIPE_NAMES
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 
 class Recorder(pl.Callback):

@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
-from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 RECIPES = ["32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master"]
 COMPUTE = {"32-true": torch.float32, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,

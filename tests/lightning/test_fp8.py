@@ -24,10 +24,10 @@ from torch import nn
 
 from lightning_ext import MixedPrecision
 from lightning_ext.fp8 import TorchFP8, fp8_modules
-from lightning_ext.fp8_matmul import fp8_linear
 from lightning_ext.fp8_attention import mha_forward
-from mp_callbacks.fp8.scaling import FP8State, next_fp8_state, select_fp8_state
+from lightning_ext.fp8_matmul import fp8_linear
 from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe, fp8_amax, fp8_linear_reference, fp8_qdq
+from mp_callbacks.fp8.scaling import FP8State, next_fp8_state, select_fp8_state
 from mp_callbacks.recipes import get_recipe
 from tests.lightning.helpers.models import loader, trainer_kwargs
 

@@ -3,10 +3,10 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
 from lightning_ext.fused_step import fusable_groups, fused_implementation
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 
 @pytest.fixture

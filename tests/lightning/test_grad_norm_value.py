@@ -23,9 +23,9 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 DIM, HIDDEN, BATCH, STEPS = 8, 16, 8, 8
 INF_STEP = 3  # 0-based global step whose loss is inf: an overflow, skipped by every recipe

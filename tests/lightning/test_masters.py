@@ -4,11 +4,11 @@ and a later fit starts from the weights the user set."""
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ext import MixedPrecision
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 N, DIM, STEPS, LR = 256, 16, 300, 3e-3
 

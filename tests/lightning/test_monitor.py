@@ -10,6 +10,16 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor
+from lightning_ext.meters import grad_underflow_fraction, underflow_limit, update_swamped_fraction
+from mp_callbacks import History
+from mp_callbacks.diagnostics import meters as ref
+from mp_callbacks.diagnostics.attribution import LOSS_SOURCE
+from mp_callbacks.diagnostics.divergence import DivergenceError
+from mp_callbacks.diagnostics.metrics import METRICS, OVERFLOW_MODULE, plot
+from mp_callbacks.policy import PrecisionPolicy
+from tests.helpers.series import SCALER_SERIES, expected_series, read_csv_series
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 from tests.lightning.helpers.monitor_models import (
     AMPLIFY_FP16,
@@ -19,15 +29,6 @@ from tests.lightning.helpers.monitor_models import (
     ones_loader,
     spread_loader,
 )
-
-from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext.meters import grad_underflow_fraction, underflow_limit, update_swamped_fraction
-from mp_callbacks import History
-from mp_callbacks.diagnostics import meters as ref
-from mp_callbacks.diagnostics.metrics import METRICS, OVERFLOW_MODULE, plot
-from mp_callbacks.diagnostics.meters import DivergenceError
-from mp_callbacks.policy import PrecisionPolicy
-from mp_callbacks.diagnostics.attribution import LOSS_SOURCE, SCALER_SERIES, expected_series, read_csv_series
 
 NUMERIC = [m for m in METRICS if m != OVERFLOW_MODULE]
 

@@ -4,17 +4,17 @@ and bit-identity with Lightning's native AMP plugin under ``16-mixed``."""
 import random
 
 import lightning.pytorch as pl
-from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 from lightning_ext import MixedPrecision, TorchOps, check_strategy
 from mp_callbacks import RecipeError, ScaleFloorError, ScalerConfig, initial_state, next_state
 from mp_callbacks.loss_scale.config import FLOAT32_TINY
-from mp_callbacks.loss_scale.scaler import state_to_dict
+from mp_callbacks.loss_scale.record import state_to_dict
+from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 
 def test_bad_recipe_names_list_the_valid_ones():

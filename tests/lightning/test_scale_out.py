@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from tests.lightning.helpers.torchrun import run_two_ranks
 from tests.lightning.helpers.scale_out_worker import BOOST_STEP, INF_STEP, STEPS
+from tests.lightning.helpers.torchrun import run_two_ranks
 
 pytestmark = pytest.mark.multiprocess
 

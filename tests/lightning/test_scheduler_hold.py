@@ -13,9 +13,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
-from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 LR, STEP_GAMMA, EPOCH_GAMMA = 0.01, 0.9, 0.5
 SCALER = {"init_scale": 2.0**8}  # 2**16 overflows this model's fp16 gradients now and then

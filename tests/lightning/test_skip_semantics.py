@@ -3,9 +3,9 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 from lightning_ext import MixedPrecision
+from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 SKIP = {3, 4, 7}
 

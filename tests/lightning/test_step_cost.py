@@ -4,11 +4,11 @@ and ``*-master`` weights released while the optimizer updates the masters."""
 import lightning.pytorch as pl
 import pytest
 import torch
-from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 from mp_callbacks.app.lightning_runner import state_bytes
 from mp_callbacks.memory.estimate import bytes_per_param
+from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 
 @pytest.fixture
@@ -171,8 +171,8 @@ def test_weights_come_back_when_the_optimizer_step_fails():
 
 
 def test_runner_takes_an_optimizer_factory():
-    from mp_callbacks.app.lightning_runner import fit_once
     from mp_callbacks.app.compare import RunSpec
+    from mp_callbacks.app.lightning_runner import fit_once
 
     made = []
 

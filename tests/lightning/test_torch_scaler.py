@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_ext import MasterWeights, MixedPrecision, OptState, TorchLossScaler
 from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.scaler import StateDictError
+from mp_callbacks.settings import StateDictError
 
 INF_STEPS = {2, 3, 9}
 

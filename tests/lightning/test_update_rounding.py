@@ -13,19 +13,18 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision  # noqa: F401
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from mp_callbacks.app.lightning_runner import state_bytes
-from lightning_ext import update_rounding
-from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor, update_rounding
 from lightning_ext.rounding import UpdateRounding
+from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
 from mp_callbacks import RecipeError, get_recipe
-from mp_callbacks.memory.estimate import estimate_memory
+from mp_callbacks.app.lightning_runner import state_bytes
 from mp_callbacks.diagnostics.meters import update_swamped_fraction
+from mp_callbacks.memory.estimate import estimate_memory
+from mp_callbacks.rounding.random_source import sr_key, sr_thresholds
 from mp_callbacks.rounding.rules import NUMPY_ROUNDING_OPS as N
 from mp_callbacks.rounding.rules import bf16_bits, bf16_to_f32, initial_compensation, kahan_apply, stochastic_round
-from mp_callbacks.rounding.random_source import sr_key, sr_thresholds
 from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 RECIPES = ["bf16-kahan", "bf16-sr"]

@@ -40,11 +40,12 @@ only after checking that both frameworks have the same number of them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from mp_callbacks.loss_scale.scaler import initial_state, next_state
+from mp_callbacks.loss_scale.transition import initial_state, next_state
 
 from . import harness
 from .runs import SGD, Case, Trajectory

@@ -20,7 +20,6 @@ def _quiet_single_thread():
     import keras
     import torch
 
-    from keras_ext import policy as kp
 
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

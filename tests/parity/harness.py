@@ -203,7 +203,7 @@ def keras_attention_classes():
 def keras_model(kind: str, hidden: int = 32):
     """The Keras version of ``kind`` (weights to be copied from torch)."""
     import keras
-    from keras import layers, ops
+    from keras import layers
 
     BlowUp = keras_blowup_class()
     inputs = keras.Input((64,))

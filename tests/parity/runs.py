@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
+from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import RECIPE_NAMES, Recipe, get_recipe
-from mp_callbacks.loss_scale.config import ScalerConfig
 
 from . import harness
 
@@ -96,14 +96,14 @@ class Case:
     recipe: str
     optimizer: str = "sgd"  # "sgd" | "adamw"
     kind: str = "mlp"  # "mlp" | "transformer"
-    scaler: Optional[ScalerConfig] = SMALL_SCALER  # None: the recipe's default
+    scaler: ScalerConfig | None = SMALL_SCALER  # None: the recipe's default
     steps: int = STEPS
     batch: int = BATCH
     hidden: int = 32
     inf_steps: tuple[int, ...] = INF_STEPS
     blowup_steps: tuple[int, ...] = BLOWUP_STEPS
     snapshot_every: int = SNAPSHOT_EVERY
-    count_overflows: Optional[bool] = True  # both sides; None: the adapters' default (only when monitored)
+    count_overflows: bool | None = True  # both sides; None: the adapters' default (only when monitored)
     seed: int = 0  # bf16-sr's stochastic-rounding seed, both sides
 
     @property
@@ -142,7 +142,7 @@ class Trajectory:
     applied: list[bool] = field(default_factory=list)
     counters: list[tuple[int, int, int, int]] = field(default_factory=list)  # steps, overflows, skipped, growths
     opt_steps: list[int] = field(default_factory=list)  # the optimizer's own step count after each step
-    init_state: Optional[np.ndarray] = None  # FP32 state before the first step, flattened
+    init_state: np.ndarray | None = None  # FP32 state before the first step, flattened
     states: list[np.ndarray] = field(default_factory=list)  # FP32 state after each step, flattened
     low_snapshots: list[np.ndarray] = field(default_factory=list)  # model parameters as stored, every snapshot_every
     fp32: list[np.ndarray] = field(default_factory=list)  # final FP32 state (masters, or FP32 params)
@@ -330,7 +330,7 @@ def _keras_slots(inner: Any, target: Any, optimizer: str) -> list[Any]:
 
 
 def run_keras(case: Case, init_module: Any = None, use_fit: bool = False,
-              swap_batches: Optional[tuple[int, int]] = None, lr_scale: float = 1.0) -> Trajectory:
+              swap_batches: tuple[int, int] | None = None, lr_scale: float = 1.0) -> Trajectory:
     """Train ``case`` with Keras' ``train_on_batch`` (or ``model.fit``) and ``keras_ext.LossScaleOptimizer``.
 
     Deliberate defects, for the negative controls that show the bounds catch them:

@@ -20,7 +20,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 pl = pytest.importorskip("lightning.pytorch")
 keras = pytest.importorskip("keras")
 
-from mp_callbacks.diagnostics.attribution import LOSS_SOURCE, SCALER_SERIES, expected_series, series_from_rows  # noqa: E402
+from mp_callbacks.diagnostics.attribution import LOSS_SOURCE  # noqa: E402
+from tests.helpers.series import SCALER_SERIES, expected_series, series_from_rows  # noqa: E402
 
 INF_STEPS = {2, 3, 7, 8, 12}
 STEPS = 16
@@ -32,9 +33,9 @@ def _lightning_run():
 
     import torch
     from lightning.pytorch.loggers import CSVLogger  # noqa: F401  (same import path as the Lightning tests)
-    from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
     from lightning_ext import MixedPrecision, MixedPrecisionMonitor
+    from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -46,9 +47,8 @@ def _lightning_run():
 
 
 def _keras_run(config):
-    from tests.keras.helpers.models import RecordLogs, compile_scaled, fit, tiny_regressor
-
     from keras_ext import MixedPrecisionMonitor
+    from tests.keras.helpers.models import RecordLogs, compile_scaled, fit, tiny_regressor
 
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -83,11 +83,11 @@ def _lightning_blame(steps):
     from collections import OrderedDict
 
     import torch
-    from tests.lightning.helpers.models import loader, trainer_kwargs
-    from tests.lightning.helpers.monitor_models import AMPLIFY_FP16, Amplify, AmplifiedRegressor
     from torch import nn
 
     from lightning_ext import MixedPrecision, MixedPrecisionMonitor
+    from tests.lightning.helpers.models import loader, trainer_kwargs
+    from tests.lightning.helpers.monitor_models import AMPLIFY_FP16, AmplifiedRegressor, Amplify
 
     torch.set_num_threads(1)
     model = AmplifiedRegressor()
@@ -101,9 +101,8 @@ def _lightning_blame(steps):
 
 
 def _keras_blame(steps):
-    from tests.keras.helpers.models import Amplify, compile_scaled, fit
-
     from keras_ext import MixedPrecisionMonitor
+    from tests.keras.helpers.models import Amplify, compile_scaled, fit
 
     keras.config.set_dtype_policy("mixed_float16")
     try:

@@ -4,9 +4,8 @@ gradient and flag reductions go through it): per call, the dtype and element cou
 Calls are recorded when traced: one ``tf.function`` trace of a train step = the reductions of one step
 (under ``MirroredStrategy`` once per local replica)."""
 
-from tensorflow.python.distribute import distribute_lib
-
 import numpy as np
+from tensorflow.python.distribute import distribute_lib
 
 
 class ReduceCounter:

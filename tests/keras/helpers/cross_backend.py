@@ -2,13 +2,12 @@
 tests/keras/test_jax_backend.py runs them in its TensorFlow process and in the JAX subprocess
 (tests/keras/helpers/jax_backend.py) and compares the two."""
 
-import numpy as np
-
 import keras
+import numpy as np
 from keras import ops
 
 import keras_ext
-from mp_callbacks.diagnostics.meters import DivergenceError
+from mp_callbacks.diagnostics.divergence import DivergenceError
 from tests.keras.helpers.models import RecordLogs, fit, tiny_regressor
 
 INF_STEPS = (2, 3, 7)  # 0-based batches with an inf sample weight

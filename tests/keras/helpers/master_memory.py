@@ -14,9 +14,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import json  # noqa: E402
 import sys  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_ext  # noqa: E402

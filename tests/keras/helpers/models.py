@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 import keras
+import numpy as np
 from keras import ops
 
 import keras_ext

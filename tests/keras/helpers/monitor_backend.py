@@ -10,7 +10,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras  # noqa: E402
 
 import keras_ext  # noqa: E402
-from mp_callbacks.diagnostics.attribution import expected_series, series_from_rows  # noqa: E402
+from tests.helpers.series import expected_series, series_from_rows  # noqa: E402
 from tests.keras.helpers.models import Amplify, RecordLogs, compile_scaled, fit, tiny_regressor  # noqa: E402
 
 

@@ -1,0 +1,84 @@
+"""Master weights: which parameters get FP32 copies, and how a recipe stores weights and optimizer state.
+
+The rule of the ``*-master`` recipes: a parameter stored in fp16/bf16 gets an FP32 master copy
+inside the optimizer; the optimizer's update and its states live in FP32 on the master; after
+every *applied* step the master is rounded back into the low-precision parameter.  Parameters
+the policy keeps in FP32 need no copy: they are their own master.  Without masters
+(``bf16-kahan``, ``bf16-sr``) an update rounding rule (:mod:`mp_callbacks.rounding`) writes the
+update into the low-precision weight.  What each costs in bytes is :mod:`mp_callbacks.memory`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .dtypes import canonical_dtype, dtype_bytes
+from .rounding.rules import check_mode
+
+
+@dataclass(frozen=True)
+class MasterPlan:
+    """How a recipe stores weights and optimizer state.
+
+    Attributes:
+      param_dtype: storage dtype of module parameters (those not kept in FP32).
+      master_weights: True when the optimizer holds FP32 master copies of
+        low-precision parameters.
+      state_dtype: dtype of the optimizer states of low-precision parameters
+        (FP32-kept parameters keep FP32 states); ``bfloat16`` only with
+        ``update_rounding`` ``kahan`` or ``stochastic``.
+      update_rounding: how an update is written into a low-precision weight
+        without a master (:data:`mp_callbacks.rounding.rules.ROUNDING_MODES`):
+        ``nearest`` (the dtype's rounding; with masters: the master),
+        ``kahan`` (a compensation buffer in ``param_dtype``) or
+        ``stochastic`` (bf16 only).
+    """
+
+    param_dtype: str = "float32"
+    master_weights: bool = False
+    state_dtype: str = "float32"
+    update_rounding: str = "nearest"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype, "param_dtype"))
+        object.__setattr__(self, "state_dtype", canonical_dtype(self.state_dtype, "state_dtype"))
+        check_mode(self.update_rounding)
+        if self.master_weights and self.param_dtype == "float32":
+            raise ValueError("master_weights=True needs a low-precision param_dtype (float16 or bfloat16)")
+        if self.rounds_updates and (self.master_weights or self.param_dtype == "float32"):
+            raise ValueError(f"update_rounding={self.update_rounding!r} needs low-precision weights without "
+                             f"master copies (param_dtype float16/bfloat16, master_weights=False)")
+        if self.update_rounding == "stochastic" and self.param_dtype != "bfloat16":
+            raise ValueError("update_rounding='stochastic' rounds FP32 to bfloat16: param_dtype must be bfloat16")
+        if self.state_dtype != "float32" and not self.rounds_updates:
+            raise ValueError(f"state_dtype={self.state_dtype!r} is only offered with update_rounding 'kahan' or "
+                             f"'stochastic' (bf16-kahan, bf16-sr); other recipes keep FP32 optimizer states")
+
+    @property
+    def rounds_updates(self) -> bool:
+        """True for ``kahan`` and ``stochastic`` update rounding."""
+        return self.update_rounding != "nearest"
+
+    def needs_master(self, storage_dtype: str) -> bool:
+        """True when a parameter stored in ``storage_dtype`` gets an FP32 master copy."""
+        return self.master_weights and canonical_dtype(storage_dtype) != "float32"
+
+    def needs_compensation(self, storage_dtype: str) -> bool:
+        """True when a parameter stored in ``storage_dtype`` gets a Kahan compensation buffer."""
+        return self.update_rounding == "kahan" and canonical_dtype(storage_dtype) != "float32"
+
+    def state_bytes(self, storage_dtype: str) -> int:
+        """Bytes per element of one optimizer state of a parameter stored in ``storage_dtype``."""
+        return 4 if canonical_dtype(storage_dtype) == "float32" else dtype_bytes(self.state_dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: ``{"param_dtype", "master_weights", "state_dtype", "update_rounding"}``."""
+        return {"param_dtype": self.param_dtype, "master_weights": self.master_weights,
+                "state_dtype": self.state_dtype, "update_rounding": self.update_rounding}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MasterPlan:
+        """Inverse of :meth:`to_dict` (validated like the constructor)."""
+        return cls(**dict(data))

@@ -1,0 +1,1 @@
+"""Helpers shared by the test folders (not part of the core)."""
