@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # pip's config on these machines names local indexes that may be absent: hide that noise only.
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint venv clean
 
 $(STAMP): requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m mp_callbacks demo
 
-test: $(STAMP)
+# ruff (pyflakes, pycodestyle, import order, PEP 604 hints) and import-linter's contracts (pyproject.toml):
+# a layer breach or an import circle fails here, before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+test: lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 clean:

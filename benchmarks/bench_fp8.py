@@ -10,9 +10,9 @@ alternating in one process (order reversed every other round, a control copy
 of ``bf16-mixed``), and prints, in wall and in CPU time, the step times (a
 fit's figure: its median timed window, ``common.fit_figures``) and the median
 per-round ratios fp8-mixed / bf16-mixed, fp8-mixed / bf16-master, fp8-mixed /
-32-true, with the CPU model (``--json PATH`` also writes them).  Keras (``mp_callbacks.app.keras_runner.fit_once``, ``model.fit``,
-TensorFlow unless KERAS_BACKEND says otherwise) runs the same after Lightning
-with the first ``--threads`` value.
+32-true, with the CPU model (``--json PATH`` also writes them).  Keras
+(``mp_callbacks.app.keras_runner.fit_once``, ``model.fit``, TensorFlow unless KERAS_BACKEND says
+otherwise) runs the same after Lightning with the first ``--threads`` value.
 
 What the emulation costs, per FP8 matmul and step: the amax of the input, the
 weight and the output gradient (a reduction each), the scale, clamp, cast to

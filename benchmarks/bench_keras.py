@@ -151,7 +151,7 @@ def main() -> None:
     for threads in args.threads:
         env["OMP_NUM_THREADS"] = str(threads)
         proc = subprocess.run([sys.executable, __file__, "--worker", "--threads", str(threads), *passthrough],
-                              env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=env, cwd=str(ROOT), capture_output=True, text=True)
         print(proc.stdout, end="", flush=True)
         if proc.returncode:
             sys.stderr.write(proc.stderr[-4000:])

@@ -220,7 +220,7 @@ def main() -> None:
         env["OMP_NUM_THREADS"] = str(threads)
         extra = ["--json", f"{args.json}.{threads}" if len(args.threads) > 1 else args.json] if args.json else []
         proc = subprocess.run([sys.executable, __file__, "--worker", "--threads", str(threads), *passthrough, *extra],
-                              env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=env, cwd=str(ROOT), capture_output=True, text=True)
         print(proc.stdout, end="", flush=True)
         if proc.returncode:
             sys.stderr.write(proc.stderr[-4000:])

@@ -114,7 +114,8 @@ what the fit itself computed, robust to other jobs sharing the machine, which on
 
 
 def fit_figures(wall: list[float], cpu: list[float]) -> tuple[float, float]:
-    """A fit's (wall, cpu) seconds per step: the median of its timed windows (mp_callbacks.app.measurement.step_timing)."""
+    """A fit's (wall, cpu) seconds per step: the median of its timed windows
+    (mp_callbacks.app.measurement.step_timing)."""
     from mp_callbacks.app.measurement import step_timing
 
     return step_timing(wall).median_ms / 1000, step_timing(cpu).median_ms / 1000

@@ -14,7 +14,8 @@ def test_fast_low_precision_keeps_the_full_demo():
 
 def test_a_slow_dtype_shrinks_the_demo_and_names_it():
     args, note = demo_args({"float16": SLOW_FACTOR * 10, "bfloat16": 0.6})
-    assert _value(args, "--hidden") == SMALL_DEMO["--hidden"] and _value(args, "--batch-size") == SMALL_DEMO["--batch-size"]
+    assert _value(args, "--hidden") == SMALL_DEMO["--hidden"]
+    assert _value(args, "--batch-size") == SMALL_DEMO["--batch-size"]
     assert _value(args, "--steps") == _value(list(DEMO_ARGS), "--steps")  # every recipe runs the same steps
     assert "float16 40x" in note and "bfloat16" not in note
 

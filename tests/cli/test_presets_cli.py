@@ -36,7 +36,7 @@ def _rows(text: str, names) -> dict:
 
 
 def test_every_preset_skips_every_overflow_within_its_bounds(output):
-    injected = int(re.search(r"over %d steps, (\d+) injected overflows" % STEPS, output).group(1))
+    injected = int(re.search(rf"over {STEPS} steps, (\d+) injected overflows", output).group(1))
     assert injected >= 8  # the pattern holds a burst of 8 overflows in the middle
     rows = _rows(output, PRESETS)
     assert list(rows) == list(PRESETS)

@@ -41,7 +41,7 @@ def lightning_starts():
 
     out = {}
     for recipe in RECIPE_NAMES:
-        policy = get_recipe(recipe).policy.with_fp32_modules(f"net.{2 * SPEC.depth}")  # as mp_callbacks.app.lightning_runner.run
+        policy = get_recipe(recipe).policy.with_fp32_modules(f"net.{2 * SPEC.depth}")  # as lightning_runner.run
         plugin = MixedPrecision(recipe, "cpu", scaler=scaler_for(recipe, SPEC), policy=policy, count_overflows=True)
         module, _ = fit_once(plugin, SPEC)
         assert plugin.scaler.skipped == 1  # the only step was skipped: the weights are the initial ones

@@ -80,9 +80,10 @@ def test_memory_report_sums_optimizers_and_refuses_unknown_ones():
     # at the step: fp16 weights kept (2), FP32 grads on the masters (4), masters (4), Adam m, v (8);
     # FP32 params under SGD with momentum: weight, grad, buffer
     weights, grads, masters, state = 50 * 2 + 20 * 4, 50 * 4 + 20 * 4, 50 * 4, 50 * 8 + 20 * 4
+    total = weights + grads + masters + state
     assert report["estimate"] == {"params": 70, "weights": weights, "grads": grads, "masters": masters,
-                                  "optimizer_state": state, "compensation": 0, "total": weights + grads + masters + state,
-                                  "bytes_per_param": (weights + grads + masters + state) / 70}
+                                  "optimizer_state": state, "compensation": 0, "total": total,
+                                  "bytes_per_param": total / 70}
     unknown = memory_report("16-master", plan, [("Shampoo", 0.0, [(50, "float16")])], actual)
     assert unknown["estimate"] is None and unknown["optimizers"] == ["shampoo (unknown to the core)"]
 
