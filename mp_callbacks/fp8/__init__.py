@@ -6,6 +6,8 @@
   (Transformer Engine, Keras, torchao);
 * :mod:`.scaling`: the scaling transition (:func:`next_fp8_state`, delayed or current), its
   state and the :class:`FP8ArrayOps` extension of the array-ops protocol;
+* :mod:`.granularity`: how finely tensors are scaled (:class:`FP8Granularity`: tensorwise,
+  rowwise, blockwise, MXFP8) and the NumPy reference casts :func:`quantize` / :func:`dequantize`;
 * :mod:`.recipe`: :class:`FP8Recipe`, what ``fp8-mixed`` adds to a recipe (which matmuls, the
   three tensors' configs, state bytes).
 """
@@ -35,6 +37,13 @@ from .formats import (
     quantize_dequantize,
     saturated_fraction,
 )
+from .granularity import (
+    GRANULARITIES,
+    MX_ROUNDINGS,
+    FP8Granularity,
+    dequantize,
+    quantize,
+)
 from .recipe import (
     FP8_LAYERS,
     FP8_ROLES,
@@ -61,6 +70,11 @@ from .scaling import (
 )
 
 __all__ = [
+    "FP8Granularity",
+    "GRANULARITIES",
+    "MX_ROUNDINGS",
+    "dequantize",
+    "quantize",
     "AMAX_ALGOS",
     "E4M3",
     "E5M2",

@@ -8,8 +8,9 @@ fails until it is.
 from __future__ import annotations
 
 import pkgutil
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import mp_callbacks
 
