@@ -15,7 +15,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPre
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_ext import MixedPrecision, MixedPrecisionMonitor, update_rounding
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor
+from lightning_ext import rounding as update_rounding
 from lightning_ext.rounding import UpdateRounding
 from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
 from mp_callbacks import RecipeError, get_recipe
