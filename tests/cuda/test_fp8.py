@@ -125,7 +125,7 @@ def _compare_paths(fp8, monkeypatch, scaled_mm_calls) -> None:
     assert fast_skipped == emu_skipped == 1
     finite = torch.isfinite(emu_losses)
     torch.testing.assert_close(fast_losses[finite], emu_losses[finite], rtol=2e-2, atol=1e-4)
-    for (ha, sa), (hb, sb) in zip(fast_states, emu_states):  # the first layer's inputs are the data
+    for (ha, sa), (hb, sb) in zip(fast_states, emu_states, strict=True):  # the first layer's inputs are the data
         assert torch.equal(ha, hb) and torch.equal(sa, sb)
 
 

@@ -69,7 +69,7 @@ def _replay(capture: _Capture, **adamw) -> list[list[torch.Tensor]]:
     opt = torch.optim.AdamW(ref, lr=LR, **adamw)
     out = []
     for grads in capture.grads:
-        for p, g in zip(ref, grads):
+        for p, g in zip(ref, grads, strict=True):
             p.grad = g.clone()
         opt.step()
         out.append([p.detach().clone() for p in ref])
@@ -86,13 +86,13 @@ def test_the_fused_master_step_is_torchs_adamw_on_fp32_params(recipe, fused_call
     assert fused_calls == [DEVICE] * STEPS  # one fused kernel call per step, on the training device
     assert all(p.dtype == torch.float32 and p.device.type == DEVICE for p in capture.before[0])
     fused = _replay(capture, fused=True)
-    for t, (got, want) in enumerate(zip(capture.after, fused)):
-        for i, (a, b) in enumerate(zip(got, want)):
+    for t, (got, want) in enumerate(zip(capture.after, fused, strict=True)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(a, b), (t, i)
     default = _replay(capture)  # torch's default implementation (foreach on CUDA)
-    for t, (got, want) in enumerate(zip(capture.after, default)):
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {t}: {m}")
+    for t, (got, want) in enumerate(zip(capture.after, default, strict=True)):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, t=t: f"step {t}: {m}")
     masters = plugin.master_state_dict()
     for name, p in model.named_parameters():  # the weights are the rounded masters
         if name in masters:
