@@ -357,7 +357,8 @@ def bytes_per_param_row(recipe: str, template: nn.Module, batches: list, device:
     row = {"recipe": recipe, "params": n, "held_bytes_per_param": probe.held / n,
            "estimate_bytes_per_param": est.total / n, "estimate": est.to_dict(),
            "fp32_params": sum(k for k, d in dtypes if d == "float32"),
-           "allocated_bytes_per_param": probe.allocated / n if device == "cuda" else None}
+           "allocated_bytes_per_param": probe.allocated / n if device == "cuda" else None,
+           "fp8_matmuls": list(plugin.fp8.names) if plugin.fp8 is not None else None}
     del module, plugin, probe
     release(device)
     return row

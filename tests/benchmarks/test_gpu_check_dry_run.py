@@ -7,12 +7,15 @@ asserted (tiny models on a shared CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = ["32-true", "16-mixed", "bf16-mixed", "bf16-master", "bf16-kahan", "bf16-sr", "fp8-mixed"]
@@ -58,3 +61,24 @@ def test_the_cpu_dry_run_writes_every_row(tmp_path):
     for what in ("peak memory", "CUDA allocator", "FP8 tensor cores", "pytest -m cuda"):
         assert what in skipped, what
     assert skipped.count(NO_CUDA) == 4 and NO_CUDA in md
+
+
+def test_the_hugging_face_gpt2_path_on_cpu():
+    """The GPU run's model (``transformers``' GPT2LMHeadModel, tied head) through the same fit and bytes/param code,
+    tiny; skipped where ``transformers`` is not installed (it is no dependency of this project)."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_check_parts as parts
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    sizes = dataclasses.replace(parts.DRY_SIZES, layers=1, d_model=32, heads=2, seq=16, vocab=64)
+    template, desc = parts.gpt_template(sizes, use_hf=True)
+    assert desc.startswith("transformers GPT2LMHeadModel")
+    peaks, errors = {}, {}
+    batches = parts.gpt_batches(sizes, 3, 2)
+    for name in ("ours bf16-master", "ours fp8-mixed", "native 16-mixed"):
+        seconds = parts.timed_variant(name, lambda: parts.LM(template), batches, 1, "cpu", peaks, errors)()
+        assert not errors and math.isfinite(seconds) and seconds > 0, errors
+    row = parts.bytes_per_param_row("bf16-master", template, parts.gpt_batches(sizes, 2, 1, 8), "cpu")
+    assert row["held_bytes_per_param"] == pytest.approx(row["estimate_bytes_per_param"])
