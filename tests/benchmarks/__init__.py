@@ -1,0 +1,1 @@
+"""Tests of the benchmark scripts (that they keep running; no timing is asserted)."""

@@ -1,0 +1,1 @@
+"""CUDA tests (marked ``cuda``): run only where ``torch.cuda.is_available()``, skipped elsewhere."""
