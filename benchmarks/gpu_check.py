@@ -47,19 +47,30 @@ import time
 import traceback
 import xml.etree.ElementTree as ET
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
-
 from common import summary, with_controls  # noqa: E402
 from gpu_check_parts import (  # noqa: E402
-    DRY_SIZES, LM, NATIVE_OF, NATIVES, RECIPES, LinearStack, Sizes, bytes_per_param_row, gpt_batches, gpt_template,
-    linear_forward_rows, rounds_within, timed_variant,
+    DRY_SIZES,
+    LM,
+    NATIVE_OF,
+    NATIVES,
+    RECIPES,
+    LinearStack,
+    Sizes,
+    bytes_per_param_row,
+    gpt_batches,
+    gpt_template,
+    linear_forward_rows,
+    rounds_within,
+    timed_variant,
 )
 
 NO_CUDA = "skipped: no CUDA"

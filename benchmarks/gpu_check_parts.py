@@ -14,17 +14,18 @@ import copy
 import dataclasses
 import gc
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from bench_transformer_model import GPTConfig, TinyGPT, lm_loss, token_batches
+from common import alternate
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.utils.data import DataLoader
 
-from bench_transformer_model import GPTConfig, TinyGPT, lm_loss, token_batches
-from common import alternate
 from lightning_ext import MixedPrecision
 from mp_callbacks import estimate_memory
 
