@@ -80,7 +80,16 @@ def fp8_layers(model: Any) -> Iterator[tuple[str, Any]]:
 
 def install(model: Any, recipe: FP8Recipe) -> list[str]:
     """Give every low-precision ``Dense``/``EinsumDense`` of ``model`` an FP8 call and its FP8 variables
-    (now if built, else when it builds).  Returns the layer paths.  Installing twice changes nothing."""
+    (now if built, else when it builds).  Returns the layer paths.  Installing twice changes nothing.
+
+    Raises:
+      NotImplementedError: a granularity other than ``tensorwise`` (rowwise, blockwise and MXFP8 scales
+        run in Lightning only so far; nothing is installed, rather than per-tensor scales in their place).
+    """
+    if recipe.granularity.kind != "tensorwise":
+        raise NotImplementedError(
+            f"fp8 granularity {recipe.granularity.kind!r} is not available in keras_ext yet (Lightning has it: "
+            "lightning_ext.MixedPrecision('fp8-mixed', fp8={'granularity': ...})); use the default 'tensorwise'")
     paths = []
     for path, layer in policy_layers(model):
         if not _is_fp8_layer_class(layer) or keras.backend.standardize_dtype(

@@ -49,6 +49,7 @@ from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.settings import StateDictError
 
 from .fp8_attention import mha_forward, mha_matmuls
+from .fp8_blocks import block_cast
 from .fp8_matmul import fp8_linear
 from .ops import TorchOps
 from .policy import fp32_compute_modules
@@ -87,6 +88,7 @@ class TorchFP8:
 
     def __init__(self, recipe: FP8Recipe) -> None:
         self.recipe = recipe
+        self.granularity = recipe.granularity
         self.configs = recipe.configs
         self.names: list[str] = []
         self._index: dict[str, int] = {}
@@ -198,12 +200,16 @@ class TorchFP8:
         return sum(t.nbytes for s in (self.states or {}).values() for t in s)
 
     # -------------------------------------------------------------- a call
-    def quantize(self, role: str, index: int, x: Tensor, record: bool = True) -> tuple[Tensor, Tensor]:
+    def quantize(self, role: str, index: int, x: Tensor, record: bool = True,
+                 axis: int = -1) -> tuple[Tensor, Tensor]:
         """``(q, scale_inv)``: ``x`` cast to the role's FP8 dtype with its scale (saturating), and the
-        float32 factor that dequantizes it.  ``record``: keep the amax for this step's transition."""
+        float32 factor that dequantizes it (broadcastable to ``x``).  ``record``: keep the amax for this
+        step's transition.  ``axis``: the matmul's contraction axis (rowwise, blockwise and MX scales)."""
         ops = self._ensure(x.device)
         config = self.configs[role]
         amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        if self.granularity.kind != "tensorwise":
+            return self._quantize_blocks(role, index, x, amax, record, axis)
         state = self.state_of(role, index)
         if config.mode == "current":
             state, _ = next_fp8_state(config, state, amax, ops)
@@ -219,6 +225,23 @@ class TorchFP8:
                 prev = self._counts[role][index]
                 self._counts[role][index] = counts if prev is None else prev + counts
         return q, state.scale_inv.reshape(())
+
+    def _quantize_blocks(self, role: str, index: int, x: Tensor, amax: Tensor, record: bool,
+                         axis: int) -> tuple[Tensor, Tensor]:
+        """A finer granularity's cast (:mod:`lightning_ext.fp8_blocks`): current scales per row or block.
+        The tensor's amax is still recorded, so a non-finite block skips the step as per-tensor does."""
+        q, inv, _ = block_cast(x, self.granularity, self._fp8_dtypes[role], axis=axis, weight=role == "weights")
+        if record:
+            self._record(role, index, amax)
+            if self.measure:
+                x32 = x.detach().float()
+                with torch.no_grad():
+                    scaled = x32 / inv
+                counts = torch.stack([(scaled.abs() > self._max[role]).sum(), ((x32 != 0) & (q.float() == 0)).sum(),
+                                      torch.tensor(x.numel(), device=x.device)]).float()
+                prev = self._counts[role][index]
+                self._counts[role][index] = counts if prev is None else prev + counts
+        return q, inv
 
     def _record(self, role: str, index: int, amax: Tensor) -> None:
         prev = self._amax[role][index]

@@ -17,14 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mp_callbacks.fp8.granularity import FP8Granularity
+
 __all__ = ["Quantizer", "fp8_linear"]
 
 
 class Quantizer(Protocol):
     """What the matmul needs of the FP8 state (:class:`lightning_ext.fp8.TorchFP8` is one)."""
 
-    def quantize(self, role: str, index: int, x: Tensor, record: bool) -> tuple[Tensor, Tensor]:
-        """``(x cast to FP8 with role's scale, scale_inv)`` for matmul ``index``; ``record``: keep its amax."""
+    granularity: FP8Granularity
+
+    def quantize(self, role: str, index: int, x: Tensor, record: bool, axis: int = -1) -> tuple[Tensor, Tensor]:
+        """``(x cast to FP8 with role's scale, scale_inv)`` for matmul ``index`` along the contraction
+        ``axis``; ``record``: keep its amax."""
         ...
 
 
@@ -40,23 +45,44 @@ def _scaled_mm_ok(x: Tensor, weight: Tensor) -> bool:
 class _FP8Matmul(torch.autograd.Function):
     """``y = qdq(x) @ qdq(W)^T + b`` in float32, cast to ``out_dtype``; backward with ``qdq(dy)`` (e5m2).
 
-    The FP8 operands (not dequantized copies) are kept for the backward, as on FP8 hardware.
+    The FP8 operands (not dequantized copies) are kept for the backward, as on FP8 hardware.  With
+    per-tensor scales one FP8 copy of each operand serves every matmul.  With rowwise, blockwise or
+    MX scales each matmul casts its operands along its own contraction axis (as torchao and
+    Transformer Engine do): ``x`` and ``W`` along ``in`` for the output, ``W`` along ``out`` for
+    ``dx = qdq(dy) @ qdq(W)``, ``x`` and ``dy`` along the tokens for ``dW = qdq(dy)^T qdq(x)``; the
+    forward keeps those column-wise FP8 copies for the backward.  ``weight_grad_hp`` keeps ``dW``
+    in high precision (torchao's ``rowwise_with_gw_hp``): ``dW = dy^T x``.
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, fp8: Quantizer, index: int,
                 out_dtype: torch.dtype, record: bool) -> Tensor:
+        granularity = fp8.granularity
         with torch.autocast(x.device.type, enabled=False):
             xq, x_inv = fp8.quantize("inputs", index, x, record)
             wq, w_inv = fp8.quantize("weights", index, weight, record)
             b32 = None if bias is None else bias.float()
-            if _scaled_mm_ok(x, weight):  # untested here: needs an FP8 tensor-core GPU
-                out = torch._scaled_mm(xq.reshape(-1, xq.shape[-1]), wq.t(), scale_a=x_inv.reshape(()),
-                                       scale_b=w_inv.reshape(()), out_dtype=torch.float32)
+            kind = granularity.kind
+            if kind in ("tensorwise", "rowwise") and _scaled_mm_ok(x, weight):  # untested here: FP8 tensor cores
+                rows = kind == "rowwise"
+                out = torch._scaled_mm(xq.reshape(-1, xq.shape[-1]), wq.t(),
+                                       scale_a=x_inv.reshape(-1, 1) if rows else x_inv.reshape(()),
+                                       scale_b=w_inv.reshape(1, -1) if rows else w_inv.reshape(()),
+                                       out_dtype=torch.bfloat16 if rows else torch.float32).float()
                 out = (out if b32 is None else out + b32).reshape(*x.shape[:-1], weight.shape[0])
             else:
                 out = F.linear(xq.float() * x_inv, wq.float() * w_inv, b32)
-        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+            if kind == "tensorwise":
+                saved = (xq, x_inv, wq, w_inv)
+            else:  # column-wise copies for the backward's two matmuls
+                x2 = x.reshape(-1, x.shape[-1])
+                wc, wc_inv = fp8.quantize("weights", index, weight, False, axis=0)
+                if granularity.weight_grad_hp:
+                    xc, xc_inv = x2.detach(), torch.ones((), device=x.device)
+                else:
+                    xc, xc_inv = fp8.quantize("inputs", index, x2, False, axis=0)
+                saved = (xc, xc_inv, wc, wc_inv)
+        ctx.save_for_backward(*saved)
         ctx.fp8, ctx.index, ctx.has_bias = fp8, index, bias is not None
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.to(out_dtype)
@@ -65,6 +91,7 @@ class _FP8Matmul(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         xq, x_inv, wq, w_inv = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
+        granularity = ctx.fp8.granularity
         with torch.autocast(grad.device.type, enabled=False):
             g32 = grad.float()
             gq, g_inv = ctx.fp8.quantize("grad_outputs", ctx.index, g32, True)
@@ -75,7 +102,13 @@ class _FP8Matmul(torch.autograd.Function):
                 dx = (g @ w).to(x_dtype)
             if ctx.needs_input_grad[1]:
                 x = xq.float() * x_inv
-                dw = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(w_dtype)
+                g2 = g32.reshape(-1, g32.shape[-1])
+                if granularity.kind == "tensorwise":
+                    g2 = g.reshape(-1, g.shape[-1])
+                elif not granularity.weight_grad_hp:
+                    gc, gc_inv = ctx.fp8.quantize("grad_outputs", ctx.index, g2, False, axis=0)
+                    g2 = gc.float() * gc_inv
+                dw = (g2.t() @ x.reshape(-1, x.shape[-1])).to(w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = g32.reshape(-1, g32.shape[-1]).sum(0).to(b_dtype)
         return dx, dw, db, None, None, None, None

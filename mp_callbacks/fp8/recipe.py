@@ -49,6 +49,7 @@ import numpy as np
 from ..settings import Settings
 from .config import FP8_PRESETS, FP8ScalingConfig
 from .formats import TENSOR_ROLES, FP8ConfigError, fp8_round, quantize_dequantize
+from .granularity import FP8Granularity
 
 FP8_LAYERS: dict[str, tuple[str, ...]] = {
     "lightning": ("Linear", "MultiheadAttention"),
@@ -79,12 +80,18 @@ class FP8Recipe(Settings):
         (``mode``, ``history_len``, ``amax_algo``, ``margin``, ...), as sorted
         ``(name, value)`` pairs.  ``mode="current"`` without a ``history_len``
         keeps a history of 1 (the scale comes from this step's amax).
+      granularity: how finely tensors are scaled (:class:`~mp_callbacks.fp8.granularity.FP8Granularity`:
+        ``"tensorwise"`` default, ``"rowwise"``, ``"blockwise"``, ``"mxfp8"``, or a dict of its fields).
+        Every kind but ``tensorwise`` scales from the current amax: ``mode`` is ``"current"`` (a
+        ``"delayed"`` override is refused).
 
-    Build it with :meth:`coerce`: ``FP8Recipe.coerce({"preset": "keras", "history_len": 16})``.
+    Build it with :meth:`coerce`: ``FP8Recipe.coerce({"preset": "keras", "history_len": 16})``,
+    ``FP8Recipe.coerce({"granularity": "rowwise"})``.
     """
 
     preset: str = "transformer-engine"
     overrides: tuple[tuple[str, Any], ...] = ()
+    granularity: FP8Granularity = FP8Granularity()
 
     error: ClassVar[type[Exception]] = FP8ConfigError
     what: ClassVar[str] = "fp8 settings"
@@ -93,7 +100,13 @@ class FP8Recipe(Settings):
         if self.preset not in FP8_PRESETS:
             raise FP8ConfigError(f"unknown FP8 scaling preset {self.preset!r}; valid presets: "
                                  f"{', '.join(FP8_PRESETS)}")
+        object.__setattr__(self, "granularity", FP8Granularity.coerce(self.granularity))
         items = dict(self.overrides)
+        if self.granularity.kind != "tensorwise":
+            if items.get("mode", "current") != "current":
+                raise FP8ConfigError(f"granularity {self.granularity.kind!r} scales from the current amax: "
+                                     f"mode must be 'current', not {items['mode']!r}")
+            items["mode"] = "current"
         unknown = sorted(set(items) - set(_OVERRIDABLE))
         if unknown:
             raise FP8ConfigError(f"unknown FP8 setting(s) {unknown}; valid: preset, {', '.join(_OVERRIDABLE)}")
@@ -119,14 +132,19 @@ class FP8Recipe(Settings):
         return self.config("inputs").mode
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"preset": ..., **overrides}``."""
-        return {"preset": self.preset, **dict(self.overrides)}
+        """Plain data: ``{"preset": ..., **overrides}`` (and ``"granularity"`` unless tensorwise's default)."""
+        out = {"preset": self.preset, **dict(self.overrides)}
+        if self.granularity != FP8Granularity():
+            out["granularity"] = self.granularity.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FP8Recipe:
         """Inverse of :meth:`to_dict`."""
         data = dict(data)
-        return cls(preset=data.pop("preset", "transformer-engine"), overrides=tuple(data.items()))
+        granularity = FP8Granularity.coerce(data.pop("granularity", None))
+        return cls(preset=data.pop("preset", "transformer-engine"), overrides=tuple(data.items()),
+                   granularity=granularity)
 
     @classmethod
     def from_name(cls, name: str | None) -> FP8Recipe:
