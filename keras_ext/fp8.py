@@ -48,6 +48,7 @@ from keras import ops
 from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe
 from mp_callbacks.fp8.scaling import FP8State, next_fp8_state
 
+from .fp8_blocks import block_matmul, block_qdq, contracted_axes
 from .layers import policy_layers
 from .ops import KERAS_OPS, is_tf
 
@@ -83,13 +84,9 @@ def install(model: Any, recipe: FP8Recipe) -> list[str]:
     (now if built, else when it builds).  Returns the layer paths.  Installing twice changes nothing.
 
     Raises:
-      NotImplementedError: a granularity other than ``tensorwise`` (rowwise, blockwise and MXFP8 scales
-        run in Lightning only so far; nothing is installed, rather than per-tensor scales in their place).
+      NotImplementedError: a granularity other than ``tensorwise`` on an ``EinsumDense`` whose equation
+        is not ``x[..., C] @ kernel[C, ...]`` (its contraction axes are needed for the row or block scales).
     """
-    if recipe.granularity.kind != "tensorwise":
-        raise NotImplementedError(
-            f"fp8 granularity {recipe.granularity.kind!r} is not available in keras_ext yet (Lightning has it: "
-            "lightning_ext.MixedPrecision('fp8-mixed', fp8={'granularity': ...})); use the default 'tensorwise'")
     paths = []
     for path, layer in policy_layers(model):
         if not _is_fp8_layer_class(layer) or keras.backend.standardize_dtype(
@@ -242,9 +239,14 @@ def _step(config: Any, values: list[Any], x: Any) -> tuple[FP8State, FP8State, A
     return (new if config.mode == "current" else state), new, flag, amax
 
 
-def _forward_qdq(config: Any, x32: Any, variables: dict[str, Any], training: bool) -> Any:
-    """qdq of an input or weight; while training, the next state is the variables' "gradient"."""
+def _forward_qdq(config: Any, x32: Any, variables: dict[str, Any], training: bool, cast: Any = None) -> Any:
+    """qdq of an input or weight; while training, the next state is the variables' "gradient".
+
+    ``cast``: a finer granularity's cast (``x -> (qdq(x), stats)``): the value passes unchanged (the matmul
+    casts it, :mod:`keras_ext.fp8_blocks`) and the cast gives the stats; the state keeps the tensor's amax."""
     values = [_read(variables[f]) for f in FP8_VARIABLE_FIELDS]
+    if not training and cast is not None:
+        return x32
     if not training:
         if config.mode == "current":
             use = _step(config, values, x32)[0]
@@ -255,7 +257,10 @@ def _forward_qdq(config: Any, x32: Any, variables: dict[str, Any], training: boo
     @ops.custom_gradient
     def qdq(x, history, scale, scale_inv, nonfinite, stats):
         use, new, flag, amax = _step(config, [history, scale, scale_inv], x)
-        out, seen = _qdq(x, config, use.scale, use.scale_inv, amax)
+        if cast is None:
+            out, seen = _qdq(x, config, use.scale, use.scale_inv, amax)
+        else:
+            out, seen = x, cast(x)[1]
 
         def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
             if upstream is None:
@@ -267,8 +272,9 @@ def _forward_qdq(config: Any, x32: Any, variables: dict[str, Any], training: boo
     return qdq(x32, *values)
 
 
-def _backward_qdq(config: Any, y32: Any, variables: dict[str, Any]) -> Any:
-    """Identity forward; the output gradient quantize-dequantizes (e5m2) in the backward."""
+def _backward_qdq(config: Any, y32: Any, variables: dict[str, Any], cast: Any = None) -> Any:
+    """Identity forward; the output gradient quantize-dequantizes (e5m2) in the backward (``cast``: a finer
+    granularity's, whose matmul casts the gradient itself: here it passes unchanged, for the state and stats)."""
     values = [_read(variables[f]) for f in FP8_VARIABLE_FIELDS]
 
     @ops.custom_gradient
@@ -278,7 +284,10 @@ def _backward_qdq(config: Any, y32: Any, variables: dict[str, Any]) -> Any:
                 (upstream,) = args
             g32 = ops.cast(upstream, "float32")
             use, new, flag, amax = _step(config, [history, scale, scale_inv], g32)
-            out, seen = _qdq(g32, config, use.scale, use.scale_inv, amax)
+            if cast is None:
+                out, seen = _qdq(g32, config, use.scale, use.scale_inv, amax)
+            else:
+                out, seen = g32, cast(g32)[1]
             return ops.cast(out, upstream.dtype), new.amax_history, new.scale, new.scale_inv, flag, seen
 
         return y, grad
@@ -291,6 +300,9 @@ def _fp8_call(layer: Any, inputs: Any, training: Any = None) -> Any:
     fp8 = getattr(layer, _ATTR)
     training = bool(training)
     v, cfg = fp8.variables, fp8.configs
+    if fp8.recipe.granularity.kind != "tensorwise":
+        y = _fine_grained_matmul(layer, fp8, ops.cast(inputs, "float32"), training)
+        return _finish(layer, y)
     x = _forward_qdq(cfg["inputs"], ops.cast(inputs, "float32"), v["inputs"], training)
     k = _forward_qdq(cfg["weights"], ops.cast(layer.kernel, "float32"), v["weights"], training)
     if isinstance(layer, keras.layers.EinsumDense):
@@ -299,11 +311,41 @@ def _fp8_call(layer: Any, inputs: Any, training: Any = None) -> Any:
         y = ops.matmul(x, k)
     if training:
         y = _backward_qdq(cfg["grad_outputs"], y, v["grad_outputs"])
+    return _finish(layer, y)
+
+
+def _finish(layer: Any, y: Any) -> Any:
+    """Bias, the cast to the compute dtype, the activation: after the FP8 matmul."""
     if layer.bias is not None:
         y = ops.add(y, ops.cast(layer.bias, "float32"))
     y = ops.cast(y, layer.compute_dtype)
     if layer.activation is not None:
         y = layer.activation(y)
+    return y
+
+
+def _fine_grained_matmul(layer: Any, fp8: _LayerFP8, x32: Any, training: bool) -> Any:
+    """The FP8 matmul at a rowwise, blockwise or MX granularity (:func:`keras_ext.fp8_blocks.block_matmul`);
+    the per-tensor variables still record the amaxes (a non-finite one skips the step) and the stats."""
+    granularity, v, cfg = fp8.recipe.granularity, fp8.variables, fp8.configs
+    contracted = 1 if not isinstance(layer, keras.layers.EinsumDense) else contracted_axes(layer.equation)
+    if contracted is None:
+        raise NotImplementedError(
+            f"fp8 granularity {granularity.kind!r} needs an EinsumDense of the form x[..., C] @ kernel[C, ...]; "
+            f"layer {layer.name!r} has {layer.equation!r}: keep it in FP32 or use granularity 'tensorwise'")
+    formats = {role: cfg[role].format for role in FP8_ROLES}
+    k_shape = tuple(int(n) for n in layer.kernel.shape)
+    k_in = int(np.prod(k_shape[:contracted]))
+    kernel = ops.reshape(ops.cast(layer.kernel, "float32"), (k_in, -1))
+    x = _forward_qdq(cfg["inputs"], x32, v["inputs"], training,
+                     lambda t: block_qdq(ops.reshape(t, (-1, k_in)), granularity, formats["inputs"]))
+    k = _forward_qdq(cfg["weights"], kernel, v["weights"], training,
+                     lambda t: block_qdq(t, granularity, formats["weights"], axis=0, weight=True))
+    y = block_matmul(x, ops.reshape(k, k_shape), granularity, formats, contracted)
+    if training:
+        out = int(np.prod(k_shape[contracted:]))
+        y = _backward_qdq(cfg["grad_outputs"], y, v["grad_outputs"],
+                          lambda t: block_qdq(ops.reshape(t, (-1, out)), granularity, formats["grad_outputs"]))
     return y
 
 

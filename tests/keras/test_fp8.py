@@ -269,17 +269,3 @@ def test_save_weights_round_trip_carries_the_fp8_states(tmp_path):
     assert all(np.array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
                for a, b in zip(model.weights, other.weights, strict=True))
     assert fp8_state(dict(fp8_layers(other))["d1"], "weights").scale != 1.0
-
-
-def test_a_finer_granularity_is_refused_not_ignored():
-    """rowwise/blockwise/MXFP8 scales are Lightning-only so far: Keras says so instead of scaling per tensor."""
-    from mp_callbacks.recipes import get_recipe
-
-    recipe = get_recipe("fp8-mixed", fp8={"granularity": "rowwise"})
-    keras_ext.set_global_policy(recipe)
-    try:
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
-        with pytest.raises(NotImplementedError, match="granularity 'rowwise' is not available in keras_ext"):
-            keras_ext.apply_policy(model, recipe)
-    finally:
-        keras_ext.set_global_policy("32-true")
