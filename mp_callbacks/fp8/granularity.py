@@ -45,7 +45,7 @@ from ..settings import Settings, is_int
 from .formats import E4M3, FP8ConfigError, FP8Format, fp8_format, fp8_round
 
 __all__ = ["FP8Granularity", "GRANULARITIES", "MX_ROUNDINGS", "block_shape", "dequantize", "matmul_snr_db",
-           "outlier_operands", "quantize"]
+           "outlier_operands", "quantize", "scale_bytes"]
 
 GRANULARITIES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 MX_ROUNDINGS = ("floor", "rceil")
@@ -166,6 +166,21 @@ def _expand(values: np.ndarray, sizes: tuple[int, ...], shape: tuple[int, ...]) 
 def _pow2_floor(scale: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.exp2(np.floor(np.log2(scale))).astype(np.float32)
+
+
+def scale_bytes(shape: tuple[int, ...], granularity: str | FP8Granularity = "tensorwise", *, axis: int = -1,
+                weight: bool = False) -> int:
+    """Bytes of the scales one FP8 copy of a tensor of ``shape`` carries: 4 (float32) per tensor, row or
+    block; 1 (an E8M0 exponent) per MX block of 32."""
+    g = FP8Granularity.coerce(granularity)
+    dims = list(shape)
+    if dims:
+        dims.append(dims.pop(axis % len(dims)))
+    blocks = block_shape(g.kind, len(dims), weight=weight, block=g.block, mx_block=g.mx_block)
+    count = 1
+    for n, b in zip(dims, blocks):
+        count *= 1 if b == 0 else -(-n // b)
+    return count * (1 if g.kind == "mxfp8" else 4)
 
 
 def current_scale(amax: Any, fmt: FP8Format, pow2: bool, epsilon: float = AMAX_EPSILON) -> np.ndarray:

@@ -49,7 +49,7 @@ import numpy as np
 from ..settings import Settings
 from .config import FP8_PRESETS, FP8ScalingConfig
 from .formats import TENSOR_ROLES, FP8ConfigError, fp8_round, quantize_dequantize
-from .granularity import FP8Granularity
+from .granularity import FP8Granularity, scale_bytes
 
 FP8_LAYERS: dict[str, tuple[str, ...]] = {
     "lightning": ("Linear", "MultiheadAttention"),
@@ -174,16 +174,29 @@ def fp8_state_bytes(recipe: FP8Recipe, matmuls: int, layout: str = "torch", opti
     raise ValueError(f"layout={layout!r} is invalid: must be 'torch' or 'keras'")
 
 
-def fp8_transient_bytes(weight_numel: int, input_numel: int, emulated: bool = True) -> dict[str, int]:
+def fp8_transient_bytes(weight_numel: int, input_numel: int, emulated: bool = True,
+                        shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                        granularity: Any = None) -> dict[str, int]:
     """Bytes one FP8 matmul holds beyond the model state while it runs (activations, not model state).
 
     ``kept``: the FP8 copies of its weight and input kept from the forward for
     the backward (1 B/element, on FP8 hardware and in the emulation alike).
     ``working``: what the matmul holds while it computes: nothing more on FP8
     hardware; the emulation's float32 dequantized operands (4 B/element).
+    ``scales``: the scales those copies carry, for ``shapes`` = ``(weight (out, in), input (tokens, in))``
+    at ``granularity`` (:func:`~mp_callbacks.fp8.granularity.scale_bytes`: 4 B per tensor, row or block,
+    1 B per MX block of 32); a finer granularity keeps column-wise copies too (twice the FP8 bytes).
     """
     kept = int(weight_numel) + int(input_numel)
-    return {"kept": kept, "working": 4 * kept if emulated else 0}
+    g = FP8Granularity.coerce(granularity)
+    if shapes is None:
+        return {"kept": kept, "working": 4 * kept if emulated else 0, "scales": 8}
+    (w_shape, x_shape), fine = shapes, g.kind != "tensorwise"
+    scales = scale_bytes(w_shape, g, weight=True) + scale_bytes(x_shape, g)
+    if fine:  # the backward's column-wise copies: W along out, x along the tokens
+        kept *= 2
+        scales += scale_bytes(w_shape, g, axis=0, weight=True) + scale_bytes(x_shape, g, axis=0)
+    return {"kept": kept, "working": 4 * kept if emulated else 0, "scales": scales}
 
 
 def fp8_qdq(x: Any, config: FP8ScalingConfig, scale: Any, scale_inv: Any) -> np.ndarray:

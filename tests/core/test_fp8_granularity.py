@@ -179,3 +179,24 @@ def test_at_100x_every_granularity_is_limited_by_the_mantissa():
     x, w = outlier_operands("channels", 1e3)
     snr = [matmul_snr_db(x, w, k) for k in ("tensorwise", "rowwise", "blockwise", "mxfp8")]
     assert max(snr) - min(snr) < 1.5 and min(snr) > 25.0, snr
+
+
+def test_scale_storage_per_granularity():
+    """One float32 per tensor / row / block, one E8M0 byte per MX block of 32 (partial blocks count)."""
+    from mp_callbacks.fp8.granularity import scale_bytes
+    from mp_callbacks.fp8.recipe import fp8_transient_bytes
+
+    assert scale_bytes((300, 200)) == 4
+    assert scale_bytes((300, 200), "rowwise") == 300 * 4
+    assert scale_bytes((300, 200), "rowwise", axis=0) == 200 * 4
+    assert scale_bytes((300, 200), "blockwise") == 300 * 2 * 4  # 1 x 128 tiles
+    assert scale_bytes((300, 200), "blockwise", weight=True) == 3 * 2 * 4  # 128 x 128 tiles
+    assert scale_bytes((300, 200), "mxfp8") == 300 * 7  # ceil(200 / 32) E8M0 bytes per row
+    for kind in ("rowwise", "blockwise", "mxfp8"):  # the scales of every cast quantize() returns
+        x = np.ones((70, 200), np.float32)
+        for axis, weight in ((-1, False), (0, False), (-1, True)):
+            s = quantize(x, kind, axis=axis, weight=weight)[1]
+            assert scale_bytes(x.shape, kind, axis=axis, weight=weight) == s.size * s.itemsize
+    t = fp8_transient_bytes(48 * 160, 150 * 160, shapes=((48, 160), (150, 160)), granularity="rowwise")
+    assert t["kept"] == 2 * (48 * 160 + 150 * 160)  # the column-wise copies for the backward
+    assert t["scales"] == 4 * (48 + 150 + 160 + 160)

@@ -71,7 +71,7 @@ def test_memory_of_the_fp8_state_and_transients():
     assert fp8_state_bytes(FP8Recipe(), 1) == 3 * (4 * 1024 + 16)
     assert FP8Recipe.coerce({"history_len": 16}).state_bytes(10) == 10 * 3 * (64 + 16)
     assert fp8_state_bytes(FP8Recipe.coerce({"mode": "current"}), 2) == 2 * 3 * 20
-    assert fp8_transient_bytes(100, 30) == {"kept": 130, "working": 520}
+    assert fp8_transient_bytes(100, 30) == {"kept": 130, "working": 520, "scales": 8}
     assert fp8_transient_bytes(100, 30, emulated=False)["working"] == 0
 
 
