@@ -2,6 +2,7 @@
 
     python benchmarks/bench_fp8.py [--threads 1 2] [--rounds 5] [--steps 30] [--batch-size 64]
                                    [--hidden 256] [--depth 2] [--frameworks lightning keras]
+                                   [--granularities rowwise blockwise mxfp8]
 
 Trains the ``mpx compare`` MLP on the same digits batches with AdamW under
 ``lightning_ext.MixedPrecision(recipe)`` for ``fp8-mixed``, ``bf16-mixed``,
@@ -23,7 +24,10 @@ no FP8 matmul, so the emulation is for numerics (what FP8 training does to the
 values, scales, saturation and underflow), never for speed.  The FP8 speed-up
 exists on GPUs with FP8 tensor cores (NVIDIA Hopper/Ada/Blackwell: ``torch._scaled_mm``,
 gated in ``lightning_ext.fp8``), where the matmuls run at twice the bf16 rate.
-No thresholds: figures only.
+``--granularities``: Lightning also runs ``fp8-mixed`` at those FP8 granularities
+(``fp8={"granularity": ...}``: current per-row / per-block / MX scales, each matmul casting its
+operands along its own contraction axis, so the backward casts twice more) and prints each against
+``bf16-mixed`` and against per-tensor ``fp8-mixed``.  No thresholds: figures only.
 """
 
 from __future__ import annotations
@@ -56,9 +60,11 @@ PAIRS = [("fp8-mixed", "bf16-mixed"), ("fp8-mixed", "bf16-master"), ("fp8-mixed"
          ("bf16-mixed", "32-true")]
 
 
-def lightning_measure(recipe: str, spec: RunSpec):
+def lightning_measure(recipe: str, spec: RunSpec, granularity: str | None = None):
+    fp8 = {"granularity": granularity} if granularity else None
+
     def once() -> tuple[float, float]:
-        _, recorder = fit_once(MixedPrecision(recipe, "cpu"), spec)
+        _, recorder = fit_once(MixedPrecision(recipe, "cpu", fp8=fp8), spec)
         return fit_figures(recorder.times, recorder.cpu_times)  # median timed window: wall, CPU time
     return once
 
@@ -72,14 +78,18 @@ def keras_measure(recipe: str, spec: RunSpec):
     return once
 
 
-def section(title: str, variants: dict, rounds: int, prefix: str) -> dict:
+def section(title: str, variants: dict, rounds: int, prefix: str, granularities: list[str] = ()) -> dict:
     times = alternate(with_controls(variants, [f"{prefix} bf16-mixed"]), rounds)
-    return print_tables(title, times, [(f"{prefix} {a}", f"{prefix} {b}", "none (measured)") for a, b in PAIRS])
+    pairs = [(f"{prefix} {a}", f"{prefix} {b}", "none (measured)") for a, b in PAIRS]
+    for g in granularities:
+        pairs += [(f"{prefix} fp8-mixed/{g}", f"{prefix} {b}", "none (measured)") for b in ("bf16-mixed", "fp8-mixed")]
+    return print_tables(title, times, pairs)
 
 
 def main() -> None:
     parser = base_parser(__doc__, rounds=5, steps=30, batch_size=64)
     parser.add_argument("--frameworks", nargs="+", choices=["lightning", "keras"], default=["lightning", "keras"])
+    parser.add_argument("--granularities", nargs="*", choices=["rowwise", "blockwise", "mxfp8"], default=[])
     parser.set_defaults(hidden=256, depth=2)
     args = parser.parse_args()
     summaries = []
@@ -88,9 +98,12 @@ def main() -> None:
             continue
         torch.set_num_threads(threads)
         print(machine_line(threads))
+        variants = {f"lightning {r}": lightning_measure(r, spec) for r in RECIPES}
+        variants.update({f"lightning fp8-mixed/{g}": lightning_measure("fp8-mixed", spec, g)
+                         for g in args.granularities})
         summaries.append(section(
             f"Lightning, MLP {args.depth}x{args.hidden}, batch {args.batch_size}, {threads} thread(s), AdamW",
-            {f"lightning {r}": lightning_measure(r, spec) for r in RECIPES}, args.rounds, "lightning"))
+            variants, args.rounds, "lightning", args.granularities))
     if "keras" in args.frameworks:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         import keras
