@@ -5,17 +5,21 @@ stops the page: the exit status is 1 and the message names the block's line."""
 
 from __future__ import annotations
 
+import runpy
 import sys
 import traceback
 from pathlib import Path
 
-from tests.docs.snippets import blocks
+from tests.docs.snippets import blocks, setup_script
 
 
 def main(page: str) -> int:
-    namespace: dict = {"__name__": "__main__"}
+    path = Path(page).resolve()
+    setup = setup_script(path)
+    namespace: dict = runpy.run_path(str(setup)) if setup else {}
+    namespace["__name__"] = "__main__"
     ran = 0
-    for block in blocks(Path(page).resolve()):
+    for block in blocks(path):
         if block.reduced:
             continue
         try:
