@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 from tests.docs.browser import (
     check_no_error,
     check_not_blank,
@@ -19,8 +17,6 @@ from tests.docs.browser import (
     serve,
 )
 from tests.docs.test_site import build_site
-
-pytestmark = pytest.mark.xdist_group("docs-site")
 
 PAGES = {
     "home": ("", "One mixed-precision core"),

@@ -19,7 +19,6 @@ import pytest
 
 from tests.docs.snippets import ROOT
 
-pytestmark = pytest.mark.xdist_group("docs-site")
 PACKAGES = ("mp_callbacks", "lightning_ext", "keras_ext")
 
 
@@ -28,14 +27,6 @@ def build_site(out: Path) -> subprocess.CompletedProcess:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    out = tmp_path_factory.mktemp("site")
-    proc = build_site(out)
-    assert proc.returncode == 0, "mkdocs build --strict failed:\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
-    return out
 
 
 def public_names() -> dict[str, list[str]]:
@@ -52,14 +43,21 @@ def public_names() -> dict[str, list[str]]:
     return found
 
 
-def test_strict_build_writes_every_page(site):
+@pytest.fixture
+def site(tmp_path):
+    """A strict build of the site (one per test that needs it: xdist gives no fixture to share across workers)."""
+    proc = build_site(tmp_path / "site")
+    assert proc.returncode == 0, "mkdocs build --strict failed:\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
+    return tmp_path / "site"
+
+
+def test_strict_build_and_api_coverage(site):
+    """The strict build passes, writes every page (the benchmarks page with benchmarks/README.md in it), and its
+    API pages have an entry for every public name."""
     for page in ("index.html", "guides/recipes/index.html", "guides/benchmarks/index.html", "api/keras_ext/index.html"):
         assert (site / page).is_file(), page
     bench = (site / "guides/benchmarks/index.html").read_text(encoding="utf-8")
     assert "How each one measures" in bench, "the benchmarks page includes benchmarks/README.md"
-
-
-def test_every_public_name_has_an_api_entry(site):
     ids = set()
     for page in (site / "api").rglob("*.html"):
         ids.update(re.findall(r'id="([A-Za-z_][\w.]*)"', page.read_text(encoding="utf-8")))
