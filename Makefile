@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # pip's config on these machines names local indexes that may be absent: hide that noise only.
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean docs docs-serve docs-check
 
 $(STAMP): requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,25 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# The documentation site (mkdocs.yml; guides in docs/guides, API pages from the docstrings in docs/api).
+# --strict: a broken link or anchor, an unresolved reference or an unparsable docstring fails the build.
+# `make test` runs the same strict build (tests/docs/test_site.py) and every code block of the docs.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict --dev-addr 127.0.0.1:8000
+
+# The site and the mpx compare HTML report in headless Chromium (Debian's chromium, installed here when
+# absent: ~50 s on a fresh machine, which is why `make test` only uses a browser already there).
+# Screenshots: build/screenshots (SCREENSHOTS=DIR to move them).
+SCREENSHOTS ?= build/screenshots
+docs-check: $(STAMP)
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	MP_REQUIRE_CHROMIUM=1 MP_SCREENSHOTS=$(abspath $(SCREENSHOTS)) $(PY) -m pytest -q \
+		tests/docs/test_browser.py tests/cli/test_html_report.py
+	@echo "screenshots: $(SCREENSHOTS)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -47,7 +47,9 @@ class FSDPMixedPrecision(FSDPPrecision):
       precision: a recipe name (``"bf16-master"``, ``"16-mixed"``...; not
         ``bf16-kahan``/``bf16-sr``, which have no sharded form).
       device: the device type of autocast under ``*-mixed`` (``"cuda"``).
-      scaler, policy, comm_dtype: as :class:`lightning_ext.MixedPrecision`.
+      scaler: as :class:`lightning_ext.MixedPrecision`.
+      policy: as :class:`lightning_ext.MixedPrecision`.
+      comm_dtype: as :class:`lightning_ext.MixedPrecision`.
     """
 
     def __init__(self, precision: str = "bf16-mixed", device: str = "cuda", scaler: Any = None,
