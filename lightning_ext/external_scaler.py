@@ -109,7 +109,8 @@ class ExternalScaler:
     def attach_monitor(self, monitor: Any) -> None:
         """Refused: a monitor reads the core's scaler state, which an external scaler does not have."""
         raise ValueError(
-            f"{type(monitor).__name__} needs the plugin's own loss scaler, not the external {type(self.scaler).__name__}: "
+            f"{type(monitor).__name__} needs the plugin's own loss scaler, not the external "
+            f"{type(self.scaler).__name__}: "
             "pass scaler=torch.amp.GradScaler(...) (its settings are used), a ScalerConfig or a preset name.")
 
     def detach_monitor(self, monitor: Any) -> None:
