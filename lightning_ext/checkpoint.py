@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mp_callbacks.loss_scale.record import check_state_dict
+from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
 from mp_callbacks.recipes import Recipe, ResumePlan, plan_resume
 from mp_callbacks.settings import StateDictError
 
@@ -30,7 +31,7 @@ from .masters import MasterWeights
 from .rounding import rounding_record
 
 __all__ = ["PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "check_scaler_record", "load_parts", "masters_as_weights",
-           "plugin_record", "resume_plan"]
+           "plugin_record", "resume_plan", "saved_fp32_rules"]
 
 PLUGIN_SCHEMA = "lightning_ext.MixedPrecision"
 """The ``schema`` tag of the plugin's checkpoint record."""
@@ -84,6 +85,22 @@ def load_parts(state_dict: Mapping[str, Any], plan: ResumePlan, store: Any, fp8:
         store.load_state_dict(state_dict.get("rounding"))
     if fp8 is not None and not plan.changes_recipe and state_dict.get("fp8") is not None:
         fp8.load_state_dict(state_dict["fp8"])
+
+
+def saved_fp32_rules(saved: Any, policy: PrecisionPolicy, root: Any) -> list[tuple[str, Any]]:
+    """The FP32 module rules a checkpointed policy added to ``policy``
+    (:func:`~mp_callbacks.policy.added_fp32_rules`), each with the module of ``root`` it names now (None: a
+    class name or a glob, a policy rule only, or no model yet)."""
+    if saved is None:
+        return []
+    out = []
+    for pattern in added_fp32_rules(saved, policy):
+        try:
+            module = root.get_submodule(pattern) if root is not None else None
+        except AttributeError:
+            module = None
+        out.append((pattern, module))
+    return out
 
 
 def masters_as_weights(masters: MasterWeights | None, checkpoint: dict[str, Any]) -> None:

@@ -42,19 +42,20 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
+from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
 
-from .checkpoint import check_scaler_record, load_parts, plugin_record, resume_plan
+from .checkpoint import check_scaler_record, load_parts, plugin_record, resume_plan, saved_fp32_rules
 from .distributed import CommCounter, register_comm_hook
-from .external_scaler import ExternalScaler, is_external_scaler, optimizer_unscales_in_step
+from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales_in_step
 from .fp8 import TorchFP8
 from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
 from .masters import MasterWeights
 from .policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
 from .rounding import UpdateRounding, weight_store
-from .scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
+from .scaler import unwrap_optimizer
 from .support import (
+    autocast_device,
     cast_floats,
     check_optimizer,
     check_strategy,
@@ -106,22 +107,14 @@ class MixedPrecision(Precision):
     """
 
     def __init__(
-        self,
-        precision: str = "bf16-mixed",
-        device: str | torch.device = "cpu",
+        self, precision: str = "bf16-mixed", device: str | torch.device = "cpu",
         scaler: torch.amp.GradScaler | ScalerConfig | str | Mapping[str, Any] | None = None,
-        policy: PrecisionPolicy | str | Mapping[str, Any] | None = None,
-        count_overflows: bool | None = None,
-        free_weights_during_step: bool = True,
-        allow_recipe_change: bool = False,
-        divergence: Any = None,
-        state_dtype: str | None = None, seed: int = 0, comm_dtype: str | None = None,
-        fp8: Any = None,
+        policy: PrecisionPolicy | str | Mapping[str, Any] | None = None, count_overflows: bool | None = None,
+        free_weights_during_step: bool = True, allow_recipe_change: bool = False, divergence: Any = None,
+        state_dtype: str | None = None, seed: int = 0, comm_dtype: str | None = None, fp8: Any = None,
     ) -> None:
-        external = scaler if is_external_scaler(scaler) else None
-        self.recipe: Recipe = get_recipe(recipe_name(precision), policy=policy,
-                                         scaler=None if external is not None else scaler_config_from(scaler),
-                                         state_dtype=state_dtype, comm_dtype=comm_dtype).with_fp8(fp8)
+        self.recipe: Recipe = get_recipe(recipe_name(precision), policy=policy, state_dtype=state_dtype,
+                                         comm_dtype=comm_dtype).with_fp8(fp8)
         self.precision = self.recipe.name  # type: ignore[assignment]
         known = isinstance(device, (str, torch.device))
         self.device = str(device) if known else device  # another object (a test double) is kept as given
@@ -131,9 +124,7 @@ class MixedPrecision(Precision):
                                                                                  free_weights_during_step)
         self.fp8: TorchFP8 | None = TorchFP8.for_recipe(self.recipe)  # fp8-mixed: FP8 matmuls, their scales
         self._scaler_args = (count_overflows, divergence)
-        self.loss_scaler: Any = TorchLossScaler(self.recipe.scaler, self.weight_store, count_overflows, divergence)
-        if external is not None:
-            self.scaler = external
+        self.scaler = scaler  # sets loss_scaler (and the recipe's scaler settings)
         self._policy_handle: ModulePolicyHandle | None = None
         self._hooked_module: nn.Module | None = None
         self._root: nn.Module | None = None  # the model the recipe was applied to
@@ -156,18 +147,9 @@ class MixedPrecision(Precision):
 
     @scaler.setter
     def scaler(self, value: Any) -> None:
-        """Before training: an object with ``GradScaler``'s API is used as given (``16-mixed`` only); settings
-        (a ``GradScaler``, a config, a preset, a dict) give a fresh own scaler."""
-        if not is_external_scaler(value):
-            self.recipe = self.recipe.with_scaler(scaler_config_from(value))
-            self.loss_scaler = TorchLossScaler(self.recipe.scaler, self.weight_store, *self._scaler_args)
-            return
-        if self.recipe.name != "16-mixed":
-            unused = "" if self.recipe.scaler.enabled else f"`precision={self.recipe.name!r}` does not use a scaler, "
-            raise ValueError(f"{unused}found {value!r}: an external scaler ({type(value).__name__}) works with "
-                             f"precision='16-mixed' only, not {self.recipe.name!r}: pass its settings as a torch "
-                             "GradScaler instead.")
-        self.loss_scaler = ExternalScaler(value, self.recipe.scaler)
+        """Before training: the loss scaler for ``value`` (the ``scaler`` argument's meanings:
+        :func:`~lightning_ext.external_scaler.loss_scaler_for`)."""
+        self.recipe, self.loss_scaler = loss_scaler_for(value, self.recipe, self.weight_store, *self._scaler_args)
 
     @property
     def masters(self) -> MasterWeights | None:
@@ -244,13 +226,8 @@ class MixedPrecision(Precision):
         if strategy is None:
             return
         check_strategy(strategy)
-        root = getattr(strategy, "root_device", None)
-        if isinstance(root, torch.device) and root.type != self._device_type and self.recipe.low_precision:
-            warnings.warn(
-                f"MixedPrecision(device={self.device!r}) but the model trains on {root}: autocast follows the "
-                f"training device, {root.type!r}. Pass device={root.type!r} to silence this warning.",
-                stacklevel=3)
-            self._device_type = root.type
+        if self.recipe.low_precision:
+            self._device_type = autocast_device(strategy, self.device, self._device_type)
 
     def _apply_recipe(self, module: nn.Module, sharded: bool) -> None:
         """Parameter storage (``*-master``, ``bf16-kahan``/``-sr``; sharded: the FP32 shards stay the masters),
@@ -440,14 +417,7 @@ class MixedPrecision(Precision):
     def _restore_policy(self, saved: Any) -> None:
         """Re-apply the FP32 module rules a checkpointed policy added (:func:`~mp_callbacks.policy.added_fp32_rules`):
         a module path moves to FP32 now (once the masters exist), a class name or glob becomes a policy rule."""
-        if saved is None:
-            return
-        root = self.root_module
-        for pattern in added_fp32_rules(saved, self.policy):
-            try:
-                module = root.get_submodule(pattern) if root is not None else None
-            except AttributeError:
-                module = None  # a class name or a glob: a policy rule only
+        for pattern, module in saved_fp32_rules(saved, self.policy, self.root_module):
             if module is None or (self.masters is not None and not self.masters):
                 self.recipe = self.recipe.with_policy(self.recipe.policy.with_fp32_modules(pattern))
                 if module is not None:

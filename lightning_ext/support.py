@@ -13,6 +13,7 @@ masters cannot wrap).
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +23,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from mp_callbacks.recipes import RecipeError, canonical_recipe_name
 
-__all__ = ["cast_floats", "check_optimizer", "check_strategy", "is_fabric_strategy", "is_sharded", "recipe_name",
-           "unwatch_fabric_setup", "watch_fabric_setup"]
+__all__ = ["autocast_device", "cast_floats", "check_optimizer", "check_strategy", "is_fabric_strategy", "is_sharded",
+           "recipe_name", "unwatch_fabric_setup", "watch_fabric_setup"]
 
 _UNSUPPORTED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed's own fp16/bf16 config: Trainer(strategy='deepspeed', precision='16-mixed')",
@@ -99,6 +100,18 @@ def check_optimizer(optimizer: Any, recipe: str) -> None:
             "the closure inside step(), so loss scaling, overflow skipping and master weights cannot wrap "
             "it. Use a first-order optimizer (SGD, Adam, AdamW) with this recipe, or "
             "MixedPrecision('32-true') / Trainer(precision='32-true') for LBFGS.")
+
+
+def autocast_device(strategy: Any, device: Any, device_type: str) -> str:
+    """The device type autocast runs on: the strategy's training device (a warning when the plugin's
+    ``device`` said another), else ``device_type``."""
+    root = getattr(strategy, "root_device", None)
+    if isinstance(root, torch.device) and root.type != device_type:
+        warnings.warn(
+            f"MixedPrecision(device={device!r}) but the model trains on {root}: autocast follows the "
+            f"training device, {root.type!r}. Pass device={root.type!r} to silence this warning.", stacklevel=4)
+        return root.type
+    return device_type
 
 
 def cast_floats(data: Any, dtype: Any) -> Any:
