@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from filelock import FileLock
 
 from tests.lightning.helpers.fabric_worker import INF_STEP, STEPS
 from tests.lightning.helpers.torchrun import run_two_ranks
@@ -15,11 +16,20 @@ from tests.lightning.helpers.torchrun import run_two_ranks
 pytestmark = pytest.mark.multiprocess  # one torchrun launch: shares the xdist worker of process-launching tests
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """Run every scenario on 2 processes; ``ranks(name)`` -> [rank 0's result, rank 1's result]."""
-    out = tmp_path_factory.mktemp("fabric_ddp")
-    run_two_ranks("tests.lightning.helpers.fabric_worker", out, timeout=300)
+@pytest.fixture(scope="session")
+def ranks(tmp_path_factory, worker_id):
+    """Run every scenario on 2 processes, once per test run; ``ranks(name)`` -> [rank 0's result, rank 1's].
+
+    Once even when xdist hands these tests to both workers (its loadgroup does not group them under the
+    installed pytest): the workers share the run's base temp folder, and a file lock lets one launch.
+    """
+    base = tmp_path_factory.getbasetemp()
+    out = (base.parent if worker_id != "master" else base) / "fabric_ddp"
+    with FileLock(f"{out}.lock"):
+        if not (out / "done").exists():
+            out.mkdir(exist_ok=True)
+            run_two_ranks("tests.lightning.helpers.fabric_worker", out, timeout=300)
+            (out / "done").touch()
     return lambda name: [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
