@@ -19,11 +19,15 @@ Rules of the Fabric side:
 
 * setup: ``fabric.setup(model, optimizer)`` (or ``setup_module`` then ``setup_optimizers``) puts the
   weight store around each optimizer as it is set up (:func:`lightning_ext.support.watch_fabric_setup`),
-  so a ``fabric.load`` keeps FP32 optimizer state; without it the store is installed at the first step, with a warning;
+  so a ``fabric.load`` keeps FP32 optimizer state; without it the store is installed at the first step,
+  with a warning;
 * a skipped step changes no parameter, master, optimizer state or step count; clipping on such a step
   sees no parameters (no ``error_if_nonfinite`` raise);
 * checkpoints: pass the plugin in the state, ``{"model": model, "optimizer": optimizer, "mp":
-  fabric.strategy.precision}``, for ``fabric.save`` and ``fabric.load``;
+  fabric.strategy.precision}``, for ``fabric.save`` and ``fabric.load``; a sharded (directory) checkpoint
+  of ``ModelParallelStrategy`` puts the saved dict in ``state["mp"]`` instead: ``mp.load_state_dict`` it;
+* ``*-master``: ``optimizer.zero_grad()`` clears the masters' gradients; a backward never stepped leaves the
+  model's low-precision ones (``model.zero_grad()``);
 * LR schedulers: Fabric never shows them to the plugin; step one when ``not mp.last_step_skipped(optimizer)``;
 * the divergence rule raises from ``optimizer.step()`` (:mod:`lightning_ext.divergence`); the monitor is a
   Fabric callback (:class:`lightning_ext.fabric_monitor.FabricMonitor`).
