@@ -10,25 +10,28 @@ to restore: everything under the same recipe; under another recipe (opt-in)
 the masters where both keep them, and the scaler restarts with a warning.
 A ``*-master`` checkpoint's model weights are the FP32 masters
 (:func:`masters_as_weights`), so an FP32 model loads them exactly.
+
+These functions read and write plain data and the parts they are given (the
+loss scaler, the weight store, the FP8 state); what a restore changes in the
+plugin itself (its recipe, FP32 moves) is the plugin's own
+``load_state_dict`` (:mod:`lightning_ext.fabric`).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mp_callbacks.loss_scale.record import check_state_dict
-from mp_callbacks.policy import added_fp32_rules
-from mp_callbacks.recipes import plan_resume
+from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
+from mp_callbacks.recipes import Recipe, ResumePlan, plan_resume
 from mp_callbacks.settings import StateDictError
 
+from .masters import MasterWeights
 from .rounding import rounding_record
 
-if TYPE_CHECKING:
-    from .plugin import MixedPrecision
-
-__all__ = ["PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "load_plugin_record", "masters_as_weights", "plugin_record"]
+__all__ = ["PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "check_scaler_record", "load_parts", "masters_as_weights",
+           "plugin_record", "resume_plan", "saved_fp32_rules"]
 
 PLUGIN_SCHEMA = "lightning_ext.MixedPrecision"
 """The ``schema`` tag of the plugin's checkpoint record."""
@@ -36,12 +39,13 @@ PLUGIN_SCHEMA_VERSION = 1
 """The version of the plugin's checkpoint record."""
 
 
-def plugin_record(plugin: MixedPrecision) -> dict[str, Any]:
+def plugin_record(recipe: Recipe, loss_scaler: Any, store: Any, fp8: Any) -> dict[str, Any]:
     """The plugin's state as plain data (see the module docstring)."""
-    return {"schema": PLUGIN_SCHEMA, "schema_version": PLUGIN_SCHEMA_VERSION, "recipe": plugin.recipe.name,
-            "scaler": plugin.loss_scaler.state_dict(), "masters": plugin.master_state_dict(),
-            "policy": plugin.recipe.policy.to_dict(), **rounding_record(plugin.rounding),
-            **({"fp8": plugin.fp8.state_dict()} if plugin.fp8 is not None else {})}
+    masters = store.state_dict() if isinstance(store, MasterWeights) else {}
+    return {"schema": PLUGIN_SCHEMA, "schema_version": PLUGIN_SCHEMA_VERSION, "recipe": recipe.name,
+            "scaler": loss_scaler.state_dict(), "masters": masters, "policy": recipe.policy.to_dict(),
+            **rounding_record(None if isinstance(store, MasterWeights) else store),
+            **({"fp8": fp8.state_dict()} if fp8 is not None else {})}
 
 
 def _check_schema(state_dict: Any, here: str) -> None:
@@ -58,50 +62,51 @@ def _check_schema(state_dict: Any, here: str) -> None:
                              f"this trainer uses {here}")
 
 
-def load_plugin_record(plugin: MixedPrecision, state_dict: Mapping[str, Any]) -> None:
-    """Restore :func:`plugin_record`'s data into ``plugin``; another schema, recipe (unless the plugin
-    allows recipe changes) or scaler config is a :class:`~mp_callbacks.loss_scale.scaler.StateDictError` naming both."""
-    _check_schema(state_dict, f"lightning_ext.MixedPrecision({plugin.recipe.name!r}) schema v{PLUGIN_SCHEMA_VERSION}")
-    recipe = state_dict.get("recipe")
-    plan = plan_resume(recipe, plugin.recipe, plugin.allow_recipe_change, f"Resume with MixedPrecision({recipe!r}). ")
-    if plan.load_scaler:  # same recipe: a scaler mismatch is an error before anything changes
-        if not getattr(plugin.loss_scaler, "external", False):  # an external scaler checks its own record
-            check_state_dict(plugin.loss_scaler.config, state_dict["scaler"])
-        restore_policy(plugin, state_dict.get("policy"))
-        plugin.loss_scaler.load_state_dict(state_dict["scaler"])
-    if plugin.masters is not None and plan.load_masters:
-        plugin.masters.load_state_dict(state_dict.get("masters") or {})
-    if plugin.rounding is not None and not plan.changes_recipe:
-        plugin.rounding.load_state_dict(state_dict.get("rounding"))
-    if plugin.fp8 is not None and not plan.changes_recipe and state_dict.get("fp8") is not None:
-        plugin.fp8.load_state_dict(state_dict["fp8"])
-    if plan.changes_recipe:
-        warnings.warn(f"lightning_ext.MixedPrecision: {plan.warning()}", stacklevel=3)
+def resume_plan(state_dict: Any, recipe: Recipe, allow_recipe_change: bool) -> ResumePlan:
+    """What to restore from a :func:`plugin_record` under ``recipe``; another schema, or another recipe
+    (unless allowed), is a :class:`~mp_callbacks.settings.StateDictError` naming both."""
+    _check_schema(state_dict, f"lightning_ext.MixedPrecision({recipe.name!r}) schema v{PLUGIN_SCHEMA_VERSION}")
+    saved = state_dict.get("recipe")
+    return plan_resume(saved, recipe, allow_recipe_change, f"Resume with MixedPrecision({saved!r}). ")
 
 
-def restore_policy(plugin: MixedPrecision, saved: Any) -> None:
-    """Re-apply the FP32 module rules a checkpointed policy added (:func:`~mp_callbacks.policy.added_fp32_rules`):
-    a module path moves to FP32 now (once the masters exist), a class name or glob becomes a policy rule."""
+def check_scaler_record(loss_scaler: Any, record: Any) -> None:
+    """A scaler record saved under another scaler config is an error (before anything changes)."""
+    if not getattr(loss_scaler, "external", False):  # an external scaler checks its own record
+        check_state_dict(loss_scaler.config, record)
+
+
+def load_parts(state_dict: Mapping[str, Any], plan: ResumePlan, store: Any, fp8: Any) -> None:
+    """Restore the weight store (masters where ``plan`` keeps them, rounding under the same recipe) and the FP8
+    states (same recipe) from a :func:`plugin_record`."""
+    if isinstance(store, MasterWeights) and plan.load_masters:
+        store.load_state_dict(state_dict.get("masters") or {})
+    elif store is not None and not isinstance(store, MasterWeights) and not plan.changes_recipe:
+        store.load_state_dict(state_dict.get("rounding"))
+    if fp8 is not None and not plan.changes_recipe and state_dict.get("fp8") is not None:
+        fp8.load_state_dict(state_dict["fp8"])
+
+
+def saved_fp32_rules(saved: Any, policy: PrecisionPolicy, root: Any) -> list[tuple[str, Any]]:
+    """The FP32 module rules a checkpointed policy added to ``policy``
+    (:func:`~mp_callbacks.policy.added_fp32_rules`), each with the module of ``root`` it names now (None: a
+    class name or a glob, a policy rule only, or no model yet)."""
     if saved is None:
-        return
-    root = plugin.root_module
-    for pattern in added_fp32_rules(saved, plugin.policy):
+        return []
+    out = []
+    for pattern in added_fp32_rules(saved, policy):
         try:
             module = root.get_submodule(pattern) if root is not None else None
         except AttributeError:
-            module = None  # a class name or a glob: a policy rule only
-        if module is None or (plugin.masters is not None and not plugin.masters):
-            plugin.recipe = plugin.recipe.with_policy(plugin.recipe.policy.with_fp32_modules(pattern))
-            if module is not None:
-                plugin.pending_fp32_paths.append(pattern)
-        else:
-            plugin.keep_in_fp32(pattern, module)
+            module = None
+        out.append((pattern, module))
+    return out
 
 
-def masters_as_weights(plugin: MixedPrecision, checkpoint: dict[str, Any]) -> None:
+def masters_as_weights(masters: MasterWeights | None, checkpoint: dict[str, Any]) -> None:
     """Under ``*-master``, replace the checkpoint's low-precision model weights with the FP32 masters."""
     weights = checkpoint.get("state_dict")
-    if plugin.masters is not None and isinstance(weights, dict):
-        for entry in plugin.masters.entries():
+    if masters is not None and isinstance(weights, dict):
+        for entry in masters.entries():
             if entry.name in weights:
                 weights[entry.name] = entry.master.detach().clone()

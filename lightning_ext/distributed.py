@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from mp_callbacks.dtypes import canonical_dtype
 

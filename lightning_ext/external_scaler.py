@@ -23,10 +23,11 @@ import torch
 from torch import Tensor
 
 from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.recipes import Recipe
 
-from .scaler import unwrap_optimizer
+from .scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
 
-__all__ = ["ExternalScaler", "is_external_scaler", "optimizer_unscales_in_step"]
+__all__ = ["ExternalScaler", "is_external_scaler", "loss_scaler_for", "optimizer_unscales_in_step"]
 
 _API = ("scale", "unscale_", "step", "update")
 
@@ -109,8 +110,25 @@ class ExternalScaler:
     def attach_monitor(self, monitor: Any) -> None:
         """Refused: a monitor reads the core's scaler state, which an external scaler does not have."""
         raise ValueError(
-            f"{type(monitor).__name__} needs the plugin's own loss scaler, not the external {type(self.scaler).__name__}: "
+            f"{type(monitor).__name__} needs the plugin's own loss scaler, not the external "
+            f"{type(self.scaler).__name__}: "
             "pass scaler=torch.amp.GradScaler(...) (its settings are used), a ScalerConfig or a preset name.")
 
     def detach_monitor(self, monitor: Any) -> None:
         """Nothing is ever attached."""
+
+
+def loss_scaler_for(value: Any, recipe: Recipe, store: Any = None, count_overflows: bool | None = None,
+                    divergence: Any = None) -> tuple[Recipe, TorchLossScaler | ExternalScaler]:
+    """The plugin's ``scaler=``: an object with ``GradScaler``'s API is used as given (``16-mixed`` only);
+    settings (a ``GradScaler``, a config, a preset, a dict; None: the recipe's) give an own scaler.
+    Returns the recipe with those settings and the scaler."""
+    if not is_external_scaler(value):
+        recipe = recipe.with_scaler(scaler_config_from(value))
+        return recipe, TorchLossScaler(recipe.scaler, store, count_overflows, divergence)
+    if recipe.name != "16-mixed":
+        unused = "" if recipe.scaler.enabled else f"`precision={recipe.name!r}` does not use a scaler, "
+        raise ValueError(f"{unused}found {value!r}: an external scaler ({type(value).__name__}) works with "
+                         f"precision='16-mixed' only, not {recipe.name!r}: pass its settings as a torch GradScaler "
+                         "instead.")
+    return recipe, ExternalScaler(value, recipe.scaler)

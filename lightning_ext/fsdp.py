@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from mp_callbacks.dtypes import canonical_dtype

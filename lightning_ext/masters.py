@@ -19,6 +19,11 @@ their own master.  :class:`MasterWeights` is that rule in torch:
   the spent FP32 gradients are dropped after it, and the weights are rebuilt
   from the masters, also when the step raises;
 * :meth:`state_dict` / :meth:`load_state_dict`: ``{parameter name: master}``.
+
+It is one of the plugin's two weight stores (:func:`lightning_ext.rounding.weight_store`):
+:class:`~lightning_ext.rounding.UpdateRounding` has the same interface
+(``record_originals``, ``install``, ``collect_grads``, ``step``, ``store_fp32``,
+``state_dict``/``load_state_dict``, ``clear_cache``).
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ class MasterWeights:
       fused_step: step the masters with torch's fused kernel where the user left
         the implementation to torch (:func:`~lightning_ext.fused_step.fused_implementation`).
     """
+
+    keeps_masters = True
+    """FP32 copies of the weights (under FSDP2 the sharded FP32 parameters are the masters: not installed)."""
 
     def __init__(self, free_weights_during_step: bool = True, fused_step: bool = True) -> None:
         self.free_weights_during_step = bool(free_weights_during_step)
@@ -178,6 +186,18 @@ class MasterWeights:
         if lows:
             with torch.no_grad():
                 torch._foreach_copy_(lows, masters)
+
+    def collect_grads(self, optimizer: Optimizer) -> None:
+        """Before the overflow check: ``optimizer``'s low-precision gradients become its masters' FP32 ones."""
+        if self._entries:
+            self.grads_to_masters(self.for_optimizer(optimizer))
+
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()`` on the masters, then the weights rounded from them (:meth:`updating`)."""
+        if not self._entries:
+            return optimizer.step(*args, **kwargs)
+        with self.updating(optimizer):
+            return optimizer.step(*args, **kwargs)
 
     @contextlib.contextmanager
     def updating(self, optimizer: Optimizer) -> Iterator[None]:

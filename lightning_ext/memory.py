@@ -21,7 +21,7 @@ from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state
 from mp_callbacks.memory.estimate import memory_report as core_memory_report
 
 from .attribution import tensors_in
-from .plugin import MixedPrecision
+from .fabric import MixedPrecision
 from .scaler import unwrap_optimizer
 
 __all__ = ["memory_report", "optimizer_params", "storage_dtypes"]

@@ -1,9 +1,10 @@
-"""``lightning_ext.MixedPrecisionMonitor``: the core's diagnostics as a Lightning callback.
+"""``lightning_ext.MixedPrecisionMonitor``: the core's diagnostics as a Lightning Trainer callback.
 
-A thin translation: :class:`~mp_callbacks.diagnostics.monitor.MonitorCore` decides the
-cadence, keeps the :class:`~mp_callbacks.diagnostics.metrics.History`, records
-overflow attributions, runs the divergence guard and the auto-fallback
-tracker; this callback gathers the numbers from torch and
+The step logic is :class:`lightning_ext.fabric_monitor.FabricMonitor`'s (this callback subclasses it
+and maps the Trainer's hooks onto it, as the Trainer plugin subclasses the Fabric one).  A thin
+translation: :class:`~mp_callbacks.diagnostics.monitor.MonitorCore` decides the cadence, keeps the
+:class:`~mp_callbacks.diagnostics.metrics.History`, records overflow attributions, runs the divergence
+guard and the auto-fallback tracker; this callback gathers the numbers from torch and
 :class:`lightning_ext.MixedPrecision`, and writes the shared metric names
 (:data:`mp_callbacks.diagnostics.metrics.METRICS`) to every Lightning logger with
 ``logger.log_metrics`` (CSVLogger, TensorBoardLogger...).
@@ -44,25 +45,17 @@ Host syncs (the point of the design):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from mp_callbacks.diagnostics.meters import METER_SAMPLES
-from mp_callbacks.diagnostics.metrics import OVERFLOW_MODULE, StepStats, memory_metrics
-from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade, PackedLayout  # version: re-exported
+from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION  # re-exported: the record's version
 
-from .attribution import OverflowTracer, blame
-from .memory import memory_report, optimizer_params, storage_dtypes
-from .meters import grad_norm, sample, swamped_counts, underflow_counts
-from .plugin import MixedPrecision
-from .policy import policy_report
+from .fabric import MixedPrecision
+from .fabric_monitor import FabricMonitor, Loop
+from .memory import memory_report
 
 __all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
 
@@ -70,20 +63,7 @@ MONITOR_SCHEMA = "lightning_ext.MixedPrecisionMonitor"
 """The ``schema`` tag of the callback's checkpoint record."""
 
 
-@dataclass
-class _Pending:
-    """An optimizer step seen in ``on_before_optimizer_step``, finalized once the plugin has decided it."""
-
-    optimizer: Any
-    state: Any
-    cut: int
-    logging: bool
-    grad_norm: Tensor | None = None
-    underflow: tuple[Tensor, Tensor] | None = None
-    before: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-
-
-class MixedPrecisionMonitor(MonitorFacade, Callback):
+class MixedPrecisionMonitor(FabricMonitor, Callback):
     """Mixed-precision diagnostics for :class:`lightning_ext.MixedPrecision`, with the shared metric names.
 
     Args:
@@ -137,36 +117,17 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
 
     SCHEMA = MONITOR_SCHEMA
     STATE_WORD = "checkpoint"
-
-    def __init__(self, log_every_n_steps: int = 50, divergence_patience: int | None = None,
-                 auto_fallback_after: int | None = None, attribute_overflows: bool | None = None,
-                 measure_grads: bool = True, measure_swamping: bool = True, log_memory: bool = True,
-                 history_maxlen: int = 100_000, meter_samples: int | None = METER_SAMPLES,
-                 report_policy: bool = False) -> None:
-        self._setup(log_every_n_steps, divergence_patience, auto_fallback_after, attribute_overflows,
-                    measure_grads, measure_swamping, log_memory, history_maxlen, meter_samples, report_policy)
-        self.tracer = OverflowTracer()
-        self._pending: _Pending | None = None
-        self._attached: MixedPrecision | None = None
+    HOST = "Trainer"
 
     # ------------------------------------------------------------------ API
     # history, log_every_n_steps, step, state_dict, load_state_dict, repr: MonitorFacade
-    @staticmethod
-    def _plugin(trainer: pl.Trainer) -> MixedPrecision:
-        plugin = trainer.precision_plugin
-        if not isinstance(plugin, MixedPrecision):
-            raise MisconfigurationException(
-                f"MixedPrecisionMonitor reads the loss scaler of lightning_ext.MixedPrecision, but the trainer "
-                f"uses {type(plugin).__name__}. Pass Trainer(plugins=[lightning_ext.MixedPrecision('16-mixed')]) "
-                "(or another recipe) together with the monitor."
-            )
-        return plugin
+    def _plugin(self, trainer: pl.Trainer) -> MixedPrecision:
+        return self._check_plugin(trainer.precision_plugin)
 
-    def _storage_dtypes(self, trainer: pl.Trainer) -> dict[int, tuple[str, str]]:
-        """``id(optimizer param) -> (stored dtype, swamping dtype)``: :func:`lightning_ext.memory.storage_dtypes`."""
-        return storage_dtypes(self._plugin(trainer), trainer.lightning_module, trainer.optimizers)
+    def _loop(self, trainer: pl.Trainer) -> Loop:
+        return Loop(self._plugin(trainer), trainer.lightning_module, trainer.optimizers, trainer.loggers)
 
-    def memory_report(self, trainer: pl.Trainer) -> dict[str, Any]:
+    def memory_report(self, trainer: pl.Trainer) -> dict[str, Any]:  # type: ignore[override]
         """Model state actually held, next to the core's estimate: :func:`lightning_ext.memory.memory_report`."""
         return memory_report(self._plugin(trainer), trainer.lightning_module, trainer.optimizers)
 
@@ -180,24 +141,14 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Read the step counter (one sync), re-apply restored fallbacks, install hooks, log memory."""
-        plugin = self._plugin(trainer)
-        self._step = plugin.loss_scaler.steps
-        self._pending = None
-        if self.core.fallback is not None:
-            for path in self.core.fallback.moved:
-                self._move_to_fp32(plugin, pl_module, path)
-        if self.attribute_overflows:
-            self.tracer.install(pl_module)
-        if self.log_memory:
-            self._log_memory(trainer, "train_start")
-        if self.report_policy:
-            rank_zero_info(self.core.record_policy(policy_report(pl_module, plugin.policy), self._step))
+        self._start(self._loop(trainer))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Finish the last step, log memory, remove the hooks."""
-        self._finalize(trainer)
+        loop = self._loop(trainer)
+        self._finalize(loop)
         if self.log_memory:
-            self._log_memory(trainer, "train_end")
+            self._log_memory(loop, "train_end")
         self.tracer.remove()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -208,23 +159,12 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
         """Remove the hooks."""
         self.uninstall()
 
-    def uninstall(self) -> None:
-        """Remove the attribution hooks, forget any unfinished step, detach from the plugin (idempotent)."""
-        self.tracer.active = False
-        self.tracer.remove()
-        self._pending = None
-        plugin, self._attached = getattr(self, "_attached", None), None
-        if plugin is not None:
-            plugin.loss_scaler.detach_monitor(self)
-
     # ------------------------------------------------------------ per step
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         """Start recording attribution flags for this batch's forward/backward."""
         self.tracer.active = self.attribute_overflows
-        fp8 = self._plugin(trainer).fp8
-        if fp8 is not None:  # fp8-mixed: count saturated / flushed elements on logging steps only
-            fp8.measure = self.core.should_log(self._step + 1)
+        self._measure_fp8(self._plugin(trainer))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Record whether the loss itself is non-finite (a device flag)."""
@@ -233,132 +173,12 @@ class MixedPrecisionMonitor(MonitorFacade, Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
         """Grads are unscaled FP32 here: queue the meters and snapshot parameters on logging steps."""
-        self._finalize(trainer)  # an earlier optimizer step of the same batch (manual optimization)
-        plugin = self._plugin(trainer)
-        logging = self.core.should_log(self._step + 1)
-        pending = _Pending(optimizer=optimizer, state=plugin.loss_scaler.state, cut=len(self.tracer.records),
-                           logging=logging)
-        if logging:
-            params = optimizer_params(optimizer)
-            if self.measure_grads:
-                grads = [p.grad for p in params if p.grad is not None]
-                if grads:
-                    pending.grad_norm = grad_norm(grads)
-                    pending.underflow = underflow_counts(grads, plugin.policy.compute, plugin.loss_scaler.grad_scale,
-                                                         self.meter_samples)
-            if self.measure_swamping:
-                with torch.no_grad():  # only the sampled elements are kept and compared
-                    pending.before = [(p, sample(p, self.meter_samples).clone()) for p in params if p.requires_grad]
-                if plugin.rounding is not None:  # bf16-kahan/-sr: the optimizer's FP32 update, before rounding
-                    plugin.rounding.request_update_samples(self.meter_samples)
-        self._pending = pending
+        self._finalize(self._loop(trainer))  # an earlier optimizer step of the same batch (manual optimization)
+        self._queue(self._plugin(trainer), optimizer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         """Finish the step the plugin just decided (no-op between accumulation boundaries)."""
         self.tracer.active = False
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        self._finalize(trainer, loss if isinstance(loss, Tensor) else None)
-
-    # ------------------------------------------------------------- the step
-    def _finalize(self, trainer: pl.Trainer, loss: Tensor | None = None) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        plugin = self._plugin(trainer)
-        if plugin.loss_scaler.state is pending.state:  # training_step returned None: no transition
-            self.tracer.take(pending.cut)
-            return
-        self._step += 1
-        step = self._step
-        overflow_host = plugin.last_step_skipped(pending.optimizer) if plugin.can_skip else False
-        if not self.core.should_record(step, overflow_host):
-            self.tracer.take(pending.cut)
-            self.core.observe_clean()
-            return
-        latest = plugin.latest_stats()
-        layout, values = PackedLayout(), []
-
-        def add(name: str, value: Tensor | None) -> None:
-            if value is not None:
-                layout.add(name)
-                values.append(value)
-
-        for key in ("scale", "overflow", "overflows_total", "skipped_total", "growths_total"):
-            add(key, latest[key])
-        add("grad_norm", pending.grad_norm)
-        if pending.underflow is not None:
-            add("underflow_lost", pending.underflow[0])
-            add("underflow_total", pending.underflow[1])
-        if pending.before and not overflow_host:  # swamping: measured on applied steps only
-            with torch.no_grad():
-                storage = self._storage_dtypes(trainer)
-                rounded = plugin.rounding.update_samples if plugin.rounding is not None else {}
-                updates = [rounded[id(p)] if id(p) in rounded else sample(p, self.meter_samples) - b
-                           for p, b in pending.before]
-                lost, total = swamped_counts([b for _, b in pending.before], updates,
-                                             [storage.get(id(p), ("float32", "float32"))[1] for p, _ in pending.before])
-            add("swamp_lost", lost)
-            add("swamp_total", total)
-        if loss is not None and loss.numel() == 1:
-            add("loss", loss.detach())
-        if plugin.sharded is not None:  # FSDP2: meters of the local shards, made global (one all-reduce)
-            values = plugin.sharded.reduce_meters(layout.names, values)
-        device = values[0].device
-        got = layout.unpack(torch.stack([v.detach().reshape(()).to(device=device, dtype=torch.float64)
-                                         for v in values]).tolist())
-        overflow = bool(got["overflow"])
-
-        def counts(prefix: str) -> tuple[float, float] | None:
-            return (got[f"{prefix}_lost"], got[f"{prefix}_total"]) if f"{prefix}_total" in got else None
-
-        records = self.tracer.take(pending.cut)
-        module = blame(records) if (overflow and self.attribute_overflows) else None
-        stats = StepStats.from_counts(
-            step, got["scale"], overflow, got["overflows_total"], got["skipped_total"], got["growths_total"],
-            loss=got.get("loss"), grad_norm=got.get("grad_norm"), underflow=counts("underflow"),
-            swamped=counts("swamp"), overflow_module=module,
-            fp8=plugin.fp8.host_metrics() if plugin.fp8 is not None else None)  # fp8-mixed: one more read
-        try:
-            moved = self.core.record(stats, plugin.recipe.scaler.min_scale)
-        finally:
-            self._log(trainer, stats)
-        for path in moved:
-            self._move_to_fp32(plugin, trainer.lightning_module, path)
-            message = self.core.fallback_message(path)
-            rank_zero_info(message)
-            self._log_text(trainer, "mp/fallback", message, step)
-
-    def _move_to_fp32(self, plugin: MixedPrecision, pl_module: pl.LightningModule, path: str) -> None:
-        try:
-            module = pl_module.get_submodule(path)
-        except AttributeError:
-            rank_zero_info(f"MixedPrecisionMonitor: no module {path!r} to keep in FP32 in this model; skipped.")
-            return
-        plugin.keep_in_fp32(path, module)
-
-    # ------------------------------------------------------------- logging
-    @staticmethod
-    def _log_text(trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
-        for lg in trainer.loggers:
-            experiment = getattr(lg, "experiment", None)
-            add_text = getattr(experiment, "add_text", None)
-            if callable(add_text):
-                add_text(tag, text, global_step=step)
-
-    def _log(self, trainer: pl.Trainer, stats: StepStats) -> None:
-        metrics = stats.metrics()
-        text = metrics.pop(OVERFLOW_MODULE, None)
-        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        for lg in trainer.loggers:
-            lg.log_metrics(numbers, step=stats.step)
-        if text is not None:
-            self._log_text(trainer, OVERFLOW_MODULE, str(text), stats.step)
-
-    def _log_memory(self, trainer: pl.Trainer, when: str) -> None:
-        report = self.memory_report(trainer)
-        report["when"] = when
-        self.memory_reports.append(report)
-        self.history.add_event("memory", step=self._step, **report)
-        for lg in trainer.loggers:
-            lg.log_metrics(memory_metrics(report), step=self._step)
+        self._finalize(self._loop(trainer), loss if isinstance(loss, Tensor) else None)

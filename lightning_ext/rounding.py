@@ -32,6 +32,10 @@ that it computes that update in FP32 with FP32 states:
 
 A skipped step never calls :meth:`step`: weights, buffers, the counter and
 the optimizer state stay bit-for-bit as they were.
+
+:func:`weight_store` picks the plugin's one weight store for a recipe (the
+name and job of :func:`keras_ext.rounding.weight_store`): this class or
+:class:`~lightning_ext.masters.MasterWeights`, which share their interface.
 """
 
 from __future__ import annotations
@@ -57,11 +61,12 @@ from mp_callbacks.rounding.rules import (
 )
 from mp_callbacks.settings import StateDictError
 
+from .masters import MasterWeights
 from .meters import sample
 from .policy import torch_dtype
 from .rounding_ops import TORCH_ROUNDING_OPS, TorchRoundingOps  # TorchRoundingOps: re-exported
 
-__all__ = ["RoundingEntry", "TorchRoundingOps", "UpdateRounding", "rounding_record"]
+__all__ = ["RoundingEntry", "TorchRoundingOps", "UpdateRounding", "rounding_record", "weight_store"]
 
 
 class RoundingEntry(NamedTuple):
@@ -95,9 +100,15 @@ class UpdateRounding:
       seed: the stochastic-rounding seed (any integer >= 0; used mod ``2**32``).
     """
 
+    keeps_masters = False
+    """No FP32 copies: the bf16 weights are updated in place (installed under FSDP2 too)."""
+    free_weights_during_step = False
+    """Nothing to release: the weights are what the step updates."""
+
     def __init__(self, plan: MasterPlan, seed: int = 0) -> None:
         if not plan.rounds_updates:
-            raise ValueError(f"UpdateRounding needs update_rounding 'kahan' or 'stochastic', not {plan.update_rounding!r}")
+            raise ValueError(
+                f"UpdateRounding needs update_rounding 'kahan' or 'stochastic', not {plan.update_rounding!r}")
         self.plan = plan
         self.mode = plan.update_rounding
         self.state_dtype = torch_dtype(plan.state_dtype)
@@ -216,6 +227,12 @@ class UpdateRounding:
         self._sample = (samples,)
         self.update_samples = {}
 
+    def collect_grads(self, optimizer: Optimizer) -> None:
+        """Nothing to move: the step reads the bf16 gradients where they are."""
+
+    def clear_cache(self) -> None:
+        """Nothing cached between fits."""
+
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` with the bf16 parameters updated by the recipe's rule (see the module docstring)."""
         if args or "closure" in kwargs:
@@ -309,7 +326,8 @@ class UpdateRounding:
                     continue
                 value = self._originals.pop(entry.name, None)
                 if value is None:
-                    value = compensated_value(p, entry.comp, TORCH_ROUNDING_OPS) if entry.comp is not None else p.float()
+                    value = (compensated_value(p, entry.comp, TORCH_ROUNDING_OPS) if entry.comp is not None
+                             else p.float())
                 p.data = value.detach().to(device=p.device, dtype=torch.float32).clone()
                 for opt in opts:
                     if p in opt.state:
@@ -354,3 +372,13 @@ class UpdateRounding:
 def rounding_record(rounding: UpdateRounding | None) -> dict[str, Any]:
     """The plugin checkpoint's ``{"rounding": UpdateRounding.state_dict()}`` entry (empty without rounding)."""
     return {} if rounding is None else {"rounding": rounding.state_dict()}
+
+
+def weight_store(recipe: Recipe, seed: int = 0,
+                 free_weights_during_step: bool = True) -> MasterWeights | UpdateRounding | None:
+    """What keeps the optimizer's weights right under ``recipe``: :class:`~lightning_ext.masters.MasterWeights`
+    (``*-master``, ``fp8-mixed``), :class:`UpdateRounding` (``bf16-kahan``, ``bf16-sr``), None (the optimizer
+    updates the parameters as they are)."""
+    if recipe.master.master_weights:
+        return MasterWeights(free_weights_during_step)
+    return UpdateRounding.for_recipe(recipe, seed)

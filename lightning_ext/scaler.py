@@ -15,8 +15,9 @@ Per optimizer, a stage guards the order (``READY`` -> ``UNSCALED`` ->
 ``STEPPED``, back to ``READY`` at :meth:`update`): unscaling twice or after the
 step is an error, as in torch.  Rules:
 
-* ``unscale_``: under ``*-master`` the gradients first move onto the FP32
-  masters (:class:`~lightning_ext.masters.MasterWeights`); then, when the step
+* ``unscale_``: the plugin's weight store takes the gradients first (under
+  ``*-master`` they move onto the FP32 masters: :class:`~lightning_ext.masters.MasterWeights`;
+  :func:`~lightning_ext.rounding.weight_store`); then, when the step
   checks for overflows (:attr:`checks_overflow`, the core's
   :func:`~mp_callbacks.loss_scale.scaler.checks_overflow`), torch's fused
   ``_amp_foreach_non_finite_check_and_unscale_`` unscales by ``1/scale``
@@ -24,16 +25,20 @@ step is an error, as in torch.  Rules:
   all-reduced (MAX) over the process group so every rank decides alike
   (under FSDP2 each rank checks its local gradient shards: ``ShardedGradScaler``'s semantics).
 * ``step``: one host read of ``found_inf`` when scaling is on (as
-  ``GradScaler.step``); a skipped step calls nothing, so parameters, masters,
-  compensation buffers, the rounding stream, optimizer state and the
-  optimizer's step counters stay as they were.
+  ``GradScaler.step``; :meth:`TorchLossScaler.skips` may read it earlier, once); a
+  skipped step calls nothing, so parameters, masters, compensation buffers, the
+  rounding stream, optimizer state and the optimizer's step counters stay as they
+  were; an applied one goes through the weight store.  The divergence rule sees the
+  decision (:class:`~lightning_ext.divergence.TorchDivergence`).
 * ``update``: the transition with the flags of the optimizers stepped since
   the last update; a floor hit reacts per ``on_min_scale``
   (:func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`).
 
 With scaling disabled (bf16 and FP32 recipes) the same object counts
 overflows for the monitor; the plugin then exposes it as ``loss_scaler`` only
-and ``plugin.scaler`` is None, as in Lightning.
+and ``plugin.scaler`` is None, as in Lightning.  It is a ``torch.amp.GradScaler``
+for ``isinstance`` checks (Lightning's, users'), not built on one: no
+``GradScaler`` method runs unless this class defines it.
 """
 
 from __future__ import annotations
@@ -47,14 +52,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mp_callbacks.diagnostics.divergence import DivergenceRule
 from mp_callbacks.diagnostics.monitor import MonitorPort
 from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.loss_scale.record import check_state_dict, make_state_dict, state_from_dict
 from mp_callbacks.loss_scale.scaler import ScalerCounters, react_to_floor_hit
 from mp_callbacks.loss_scale.transition import ScalerState, initial_state, next_state
 
-from .masters import MasterWeights
+from .divergence import TorchDivergence
 from .ops import TorchOps
 
 __all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unwrap_optimizer"]
@@ -64,6 +68,8 @@ def scaler_config_from(value: Any) -> ScalerConfig | None:
     """A ScalerConfig from a torch ``GradScaler`` (its settings), a config, a preset name, a dict, or None."""
     if value is None:
         return None
+    if isinstance(value, TorchLossScaler):
+        return value.config
     if isinstance(value, torch.amp.GradScaler):
         if not value.is_enabled():
             return ScalerConfig.preset("torch", enabled=False)
@@ -82,36 +88,35 @@ class OptState(enum.Enum):
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper."""
-    return getattr(optimizer, "_optimizer", optimizer)
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` (or Fabric's ``_FabricOptimizer``): the
+    wrapper's own ``_optimizer`` attribute only (a ``Mock`` would make one up on access)."""
+    return getattr(optimizer, "__dict__", {}).get("_optimizer", optimizer)
 
 
-class TorchLossScaler(ScalerCounters, MonitorPort):
+class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
     """Dynamic loss scaling driven by :func:`mp_callbacks.loss_scale.scaler.next_state`, with ``GradScaler``'s API.
 
     Args:
       config: the :class:`~mp_callbacks.loss_scale.config.ScalerConfig`.
-      masters: the plugin's :class:`~lightning_ext.masters.MasterWeights` (``*-master``), or None.
+      store: the plugin's weight store (:func:`~lightning_ext.rounding.weight_store`: FP32 masters
+        under ``*-master``, update rounding under ``bf16-kahan``/``bf16-sr``), or None.
       count_overflows: with scaling off and ``skip_nonfinite=False``, whether
         steps count inf/NaN gradients (None: while a monitor is attached).
       divergence: the :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule` applied
         on skipped steps (None: the default rule; False: off).
-      rounding: the plugin's :class:`~lightning_ext.rounding.UpdateRounding`
-        (``bf16-kahan``, ``bf16-sr``): an applied step goes through it.
     """
 
-    def __init__(self, config: ScalerConfig, masters: MasterWeights | None = None,
-                 count_overflows: bool | None = None, divergence: Any = None, rounding: Any = None) -> None:
+    def __init__(self, config: ScalerConfig, store: Any = None, count_overflows: bool | None = None,
+                 divergence: Any = None) -> None:
         self.config = config
-        self.rounding = rounding
-        self.divergence = DivergenceRule.coerce(divergence)
-        self._loss_finite: Tensor | None = None
-        self.masters = masters
+        self.store = store
+        self.divergence = TorchDivergence(divergence)
         self.count_overflows = count_overflows
         self._ops = TorchOps("cpu")
         self._state: ScalerState = initial_state(config, self._ops)
         self._grad_scale: Tensor | None = None
         self._stages: dict[int, tuple[OptState, Tensor | None]] = {}
+        self._skips: dict[int, bool] = {}  # id(optimizer) -> this step's decision, once read
         self._latest: dict[str, Tensor] = {}
         self._last_applied: dict[int, bool] = {}  # id(optimizer) -> its latest step applied
         self._latest_applied: bool | None = None  # the latest step of any optimizer applied
@@ -209,8 +214,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
 
         A scalar loss is also remembered as finite or not (a device flag) for the divergence rule.
         """
-        if self.divergence.active and isinstance(outputs, Tensor) and outputs.numel() == 1:
-            self._loss_finite = torch.isfinite(outputs.detach()).reshape(())
+        self.divergence.record_loss(outputs)
         if not self.config.enabled:
             return outputs
         if isinstance(outputs, Tensor):
@@ -244,8 +248,8 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
             return found
         device = self._state.scale.device
         with torch.no_grad():
-            if self.masters:
-                self.masters.grads_to_masters(self.masters.for_optimizer(raw))
+            if self.store is not None:
+                self.store.collect_grads(raw)
             if self.checks_overflow:
                 found = self._check_and_unscale(raw, device)
             else:
@@ -258,35 +262,30 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported with loss scaling: step() decides after the backward.")
         raw = unwrap_optimizer(optimizer)
-        stage, found = self._stages.get(id(raw), (OptState.READY, None))
+        stage, _ = self._stages.get(id(raw), (OptState.READY, None))
         if stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if stage is OptState.READY or found is None:
-            found = self.unscale_once(raw)
-        skip = self.config.can_skip and bool(found.item())  # the one host read of the step
-        self._stages[id(raw)] = (OptState.STEPPED, found)
+        skip = self.skips(raw)  # the one host read of the step
+        self._stages[id(raw)] = (OptState.STEPPED, self._stages[id(raw)][1])
+        self._skips.pop(id(raw), None)
         self._last_applied[id(raw)] = self._latest_applied = not skip
-        if self.divergence.active:
-            self._observe_divergence(skip)
+        self.divergence.observe(skip, self.grad_scale, self._state.steps)
         if skip:
             return None
-        if self.masters:
-            with self.masters.updating(raw):
-                return raw.step(*args, **kwargs)
-        if self.rounding is not None:
-            return self.rounding.step(raw, *args, **kwargs)
+        if self.store is not None:
+            return self.store.step(raw, *args, **kwargs)
         return raw.step(*args, **kwargs)
 
-    def _observe_divergence(self, skipped: bool) -> None:
-        """Feed the divergence rule; a skipped step costs one more host read (loss flag, scale, step)."""
-        if not skipped:
-            self.divergence.observe(0, False)
-            return
-        finite = self._loss_finite if self._loss_finite is not None else torch.ones((), dtype=torch.bool)
-        device = self._state.scale.device
-        read = torch.stack([finite.to(device=device, dtype=torch.float64), self.grad_scale.double(),
-                            self._state.steps.double() + 1]).tolist()
-        self.divergence.observe(int(read[2]), True, bool(read[0]), read[1])
+    def skips(self, optimizer: Any) -> bool:
+        """Whether this step of ``optimizer`` will be skipped (unscales first when needed): the step's one
+        host read of ``found_inf``, cached for :meth:`step` (Fabric's clipping asks before the step)."""
+        raw = unwrap_optimizer(optimizer)
+        if id(raw) not in self._skips:
+            stage, found = self._stages.get(id(raw), (OptState.READY, None))
+            if stage is OptState.READY or found is None:
+                found = self.unscale_once(raw)
+            self._skips[id(raw)] = self.config.can_skip and bool(found.item())
+        return self._skips[id(raw)]
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """One scaler transition with the flags of the optimizers stepped since the last update.
@@ -295,6 +294,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         """
         stepped = [found for stage, found in self._stages.values() if stage is OptState.STEPPED]
         self._stages.clear()
+        self._skips.clear()
         if new_scale is not None:
             value = torch.as_tensor(new_scale, dtype=torch.float32, device=self._state.scale.device).reshape(())
             self._state = self._state._replace(scale=value.clone())
@@ -321,11 +321,13 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         """An optimizer step that ran no backward (``training_step`` returned None): no transition."""
         raw = unwrap_optimizer(optimizer)
         self._stages.pop(id(raw), None)
+        self._skips.pop(id(raw), None)
         self._last_applied[id(raw)] = self._latest_applied = False
 
     def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
-        for group in optimizer.param_groups:
+        param_groups = getattr(optimizer, "param_groups", None)
+        for group in param_groups if isinstance(param_groups, (list, tuple)) else ():  # a test double: no grads
             for p in group["params"]:
                 grad = p.grad
                 if grad is None:
@@ -362,6 +364,12 @@ class TorchLossScaler(ScalerCounters, MonitorPort):
         """Restore a :meth:`state_dict`; another config or a corrupt record is a ``StateDictError``."""
         device = self._state.scale.device
         self._state = state_from_dict(check_state_dict(self.config, state_dict), TorchOps(device))
+
+    def __getstate__(self) -> dict[str, Any]:  # GradScaler's own would read attributes it never got
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"TorchLossScaler(config={self.config!r})"

@@ -1,6 +1,6 @@
-"""What the plugin trains with: recipe names, strategies and optimizers.
+"""What the plugin trains with: recipe names, strategies and optimizers; how it meets a Fabric's setup.
 
-Supported: single-device strategies, DDP (``ddp``, ``ddp_spawn``...),
+Supported, under the Trainer and under Fabric alike: single-device strategies, DDP (``ddp``, ``ddp_spawn``...),
 ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, :mod:`lightning_ext.fsdp`),
 and first-order optimizers.  FSDP1 (``FSDPStrategy``) takes
 :class:`lightning_ext.fsdp1.FSDPMixedPrecision` instead; other strategies that
@@ -12,18 +12,26 @@ masters cannot wrap).
 
 from __future__ import annotations
 
+import sys
+import warnings
+from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from mp_callbacks.recipes import RecipeError, canonical_recipe_name
 
-__all__ = ["check_optimizer", "check_strategy", "is_sharded", "recipe_name"]
+__all__ = ["autocast_device", "cast_floats", "check_optimizer", "check_strategy", "is_fabric_strategy", "is_sharded",
+           "recipe_name", "unwatch_fabric_setup", "watch_fabric_setup"]
 
 _UNSUPPORTED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed's own fp16/bf16 config: Trainer(strategy='deepspeed', precision='16-mixed')",
     "FSDPStrategy": "lightning_ext.fsdp1.FSDPMixedPrecision(recipe) as the FSDP strategy's precision plugin, or "
                     "FSDP's mixed precision: Trainer(strategy='fsdp', precision='bf16-mixed')",
+    "FabricFSDPStrategy": "ModelParallelStrategy (FSDP2) with this plugin, or FSDP's mixed precision: "
+                          "Fabric(strategy='fsdp', precision='bf16-mixed')",
     "XLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
     "SingleDeviceXLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
 }
@@ -46,20 +54,36 @@ def is_sharded(strategy: Any) -> bool:
     return any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__)
 
 
+def is_fabric_strategy(strategy: Any) -> bool:
+    """True for a Lightning Fabric strategy (one built on ``lightning.fabric.strategies``), False for a Trainer one."""
+    return any(cls.__module__.startswith(("lightning.fabric.", "lightning_fabric.")) for cls in type(strategy).__mro__)
+
+
+def _supported(fabric: bool) -> tuple[type, ...]:
+    if fabric:
+        from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+    else:
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    return SingleDeviceStrategy, DDPStrategy
+
+
 def check_strategy(strategy: Any) -> None:
-    """Raise ``MisconfigurationException`` when ``strategy`` shards or re-implements precision handling."""
+    """Raise ``MisconfigurationException`` when ``strategy`` (a Trainer's or a Fabric's) shards or re-implements
+    precision handling."""
     if strategy is None or is_sharded(strategy):
         return
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
+    fabric = is_fabric_strategy(strategy)
     for cls in type(strategy).__mro__:
         if cls.__name__ in _UNSUPPORTED_STRATEGIES:
+            hint = _UNSUPPORTED_STRATEGIES.get(f"Fabric{cls.__name__}" if fabric else "",
+                                               _UNSUPPORTED_STRATEGIES[cls.__name__])
             raise MisconfigurationException(
                 f"lightning_ext.MixedPrecision does not support {type(strategy).__name__}: that strategy shards "
                 f"parameters or optimizer state and brings its own precision handling. Use "
-                f"{_UNSUPPORTED_STRATEGIES[cls.__name__]}, or keep this plugin with strategy='ddp' / a single device."
+                f"{hint.replace('Trainer(', 'Fabric(') if fabric else hint}, or keep this plugin with "
+                "strategy='ddp' / a single device."
             )
-    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+    if not isinstance(strategy, _supported(fabric)):
         raise MisconfigurationException(
             f"lightning_ext.MixedPrecision supports single-device, DDP and ModelParallelStrategy (FSDP2), not "
             f"{type(strategy).__name__}. Use strategy='ddp' (or 'ddp_spawn'), or the strategy's own precision."
@@ -76,3 +100,71 @@ def check_optimizer(optimizer: Any, recipe: str) -> None:
             "the closure inside step(), so loss scaling, overflow skipping and master weights cannot wrap "
             "it. Use a first-order optimizer (SGD, Adam, AdamW) with this recipe, or "
             "MixedPrecision('32-true') / Trainer(precision='32-true') for LBFGS.")
+
+
+def autocast_device(strategy: Any, device: Any, device_type: str) -> str:
+    """The device type autocast runs on: the strategy's training device (a warning when the plugin's
+    ``device`` said another), else ``device_type``."""
+    root = getattr(strategy, "root_device", None)
+    if isinstance(root, torch.device) and root.type != device_type:
+        warnings.warn(
+            f"MixedPrecision(device={device!r}) but the model trains on {root}: autocast follows the "
+            f"training device, {root.type!r}. Pass device={root.type!r} to silence this warning.", stacklevel=4)
+        return root.type
+    return device_type
+
+
+def cast_floats(data: Any, dtype: Any) -> Any:
+    """``data`` with every floating tensor in it (nested collections too) cast to ``dtype``."""
+    return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
+
+
+class _After:
+    """A strategy's ``setup_module``/``setup_optimizer``, then ``then(result)`` (a picklable wrapper)."""
+
+    def __init__(self, inner: Callable[[Any], Any], then: Callable[[Any], None]) -> None:
+        self.inner, self.then = inner, then
+
+    def __call__(self, obj: Any) -> Any:
+        out = self.inner(obj)
+        self.then(out)
+        return out
+
+
+def watch_fabric_setup(on_module: Callable[[Any], None],
+                       on_optimizer: Callable[[Any], None]) -> Any | None:
+    """From a precision's ``convert_module``: the strategy of the ``Fabric`` whose ``setup``/``setup_module``
+    is calling (None: no Fabric called), its ``setup_module``/``setup_optimizer`` wrapped on that instance
+    (once) to call ``on_module(model)`` / ``on_optimizer(optimizer)`` after them.
+
+    Why: Fabric shows a precision no optimizer before its first step, but ``fabric.load`` (usually
+    before it) casts loaded optimizer state to the parameters' dtype: the FP32 masters (or update
+    rounding) must be in the optimizer by then.  The strategy's own setup calls come right after the
+    model moved to its device, the moment the Trainer's ``connect`` has.  Fabric 2.x calls
+    ``convert_module`` from ``Fabric.setup``/``setup_module`` directly; the calling frames are searched
+    for that call (up to 8, for subclasses that override ``convert_module``).  :func:`unwatch_fabric_setup` undoes it.
+    """
+    from lightning.fabric import Fabric
+
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, Fabric) and frame.f_code.co_name in ("setup", "setup_module"):
+            break
+        frame = frame.f_back
+    else:
+        return None
+    strategy = caller.strategy
+    if not isinstance(vars(strategy).get("setup_module"), _After):
+        strategy.setup_module = _After(strategy.setup_module, on_module)
+        strategy.setup_optimizer = _After(strategy.setup_optimizer, on_optimizer)
+    return strategy
+
+
+def unwatch_fabric_setup(strategy: Any) -> None:
+    """Undo :func:`watch_fabric_setup` on ``strategy`` (the class's methods again)."""
+    for name in ("setup_module", "setup_optimizer"):
+        if isinstance(vars(strategy).get(name), _After):
+            delattr(strategy, name)

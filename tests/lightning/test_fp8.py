@@ -261,7 +261,7 @@ def test_attention_forward_is_torchs_with_the_projections_swapped(batch_first, s
     mha = nn.MultiheadAttention(8, 2, batch_first=batch_first, kdim=kdim, vdim=kdim)
     n, length = 3, 4
     source = length if same_inputs and kdim is None else 5
-    shape = (lambda l, e: (n, l, e)) if batch_first else (lambda l, e: (l, n, e))
+    shape = (lambda s, e: (n, s, e)) if batch_first else (lambda s, e: (s, n, e))
     q = torch.randn(shape(length, 8))
     k = v = q if same_inputs and kdim is None else None
     if k is None:

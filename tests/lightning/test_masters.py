@@ -135,7 +135,8 @@ def test_policy_module_rule_overrides():
     x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
     model = PolicyModel()
     plugin = MixedPrecision("bf16-master", policy=policy)
-    pl.Trainer(plugins=[plugin], max_steps=1, **trainer_kwargs()).fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
+    pl.Trainer(plugins=[plugin], max_steps=1, **trainer_kwargs()).fit(
+        model, DataLoader(TensorDataset(x, y), batch_size=8))
     assert model.head.weight.dtype == torch.float32 and model.lin.weight.dtype == torch.bfloat16
     assert set(plugin.master_state_dict()) == {"lin.weight", "lin.bias"}
 

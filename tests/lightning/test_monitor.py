@@ -129,7 +129,8 @@ def test_shared_names_reach_csv_and_tensorboard(tmp_path):
 
 
 def test_requires_the_lightning_ext_plugin():
-    trainer = pl.Trainer(precision="16-mixed", max_steps=1, callbacks=[MixedPrecisionMonitor(attribute_overflows=True)], **trainer_kwargs())
+    trainer = pl.Trainer(precision="16-mixed", max_steps=1, callbacks=[MixedPrecisionMonitor(attribute_overflows=True)],
+                         **trainer_kwargs())
     with pytest.raises(MisconfigurationException, match="lightning_ext.MixedPrecision"):
         trainer.fit(TinyRegressor(), loader())
 

@@ -88,7 +88,8 @@ def test_epoch_schedulers_advance_once_per_epoch_step_schedulers_hold_on_skips(r
 def test_lightnings_own_plugin_advances_on_skips_for_contrast():
     """The same run under Lightning's native AMP plugin steps the step schedule on every batch:
     the difference above is the plugin's doing, not the test's setup."""
-    model, trainer = _fit(NativeMixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=SCALER["init_scale"])))
+    native = NativeMixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=SCALER["init_scale"]))
+    model, trainer = _fit(native)
     steps = EPOCHS * BATCHES
     assert model.per_epoch.last_epoch == EPOCHS
     assert model.per_step.last_epoch == steps

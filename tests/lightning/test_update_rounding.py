@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext import rounding as update_rounding
+from lightning_ext import rounding as rounding_module
 from lightning_ext.rounding import UpdateRounding
 from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
 from mp_callbacks import RecipeError, get_recipe
@@ -172,7 +172,7 @@ def test_the_wrapped_optimizer_is_the_optimizer_on_fp32_copies(recipe, optimizer
 def test_the_rule_runs_chunk_by_chunk_with_the_same_result(recipe, monkeypatch):
     """The write-back works on CHUNK elements at a time (flat indices carry over): with tiny chunks a
     16x8 weight is 26 chunks, and every step still equals the reference on the whole tensor."""
-    monkeypatch.setattr(update_rounding, "CHUNK", 5)
+    monkeypatch.setattr(rounding_module, "CHUNK", 5)
     plugin = MixedPrecision(recipe, seed=5)
     replay = Replay(plugin, OPTIMIZERS["adamw"])
     model = Net(OPTIMIZERS["adamw"], hidden=16, inf_steps={2})
