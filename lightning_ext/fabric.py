@@ -52,6 +52,7 @@ from mp_callbacks.recipes import Recipe, get_recipe
 from .checkpoint import check_scaler_record, load_parts, plugin_record, resume_plan, saved_fp32_rules
 from .distributed import CommCounter, register_comm_hook
 from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales_in_step
+from .forward_state import ForwardState
 from .fp8 import TorchFP8
 from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
 from .masters import MasterWeights
@@ -105,6 +106,8 @@ class MixedPrecision(Precision):
       fp8: ``fp8-mixed`` only: the FP8 scaling settings (a preset name, ``"transformer-engine"``
         default, ``"keras"``, ``"torchao"``, or a dict such as ``{"mode": "current"}``:
         :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).
+      restore_forward_state: on a skipped step, put back the buffers the forward wrote (BatchNorm
+        running statistics...: :mod:`lightning_ext.forward_state`); False saves a copy per step.
 
     Raises:
       RecipeError: an unknown recipe name (the message lists the valid ones).
@@ -116,6 +119,7 @@ class MixedPrecision(Precision):
         policy: PrecisionPolicy | str | Mapping[str, Any] | None = None, count_overflows: bool | None = None,
         free_weights_during_step: bool = True, allow_recipe_change: bool = False, divergence: Any = None,
         state_dtype: str | None = None, seed: int = 0, comm_dtype: str | None = None, fp8: Any = None,
+        restore_forward_state: bool = True,
     ) -> None:
         self.recipe: Recipe = get_recipe(recipe_name(precision), policy=policy, state_dtype=state_dtype,
                                          comm_dtype=comm_dtype).with_fp8(fp8)
@@ -136,6 +140,7 @@ class MixedPrecision(Precision):
         self._prepared: set[int] = set()  # optimizers unscaled (and FP8-checked) for the coming step
         self._watched: Any = None  # the Fabric strategy whose setup calls this plugin (watch_fabric_setup)
         self._warned_lazy = False
+        self.forward_state = ForwardState() if restore_forward_state else None
         self.pending_fp32_paths: list[str] = []
         self.sharded: ShardedLayout | None = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
         self.comm_counter: CommCounter | None = None  # counts DDP all-reduce / FSDP2 bytes (lightning_ext.distributed)
@@ -301,7 +306,10 @@ class MixedPrecision(Precision):
         return torch.autocast(self._device_type, dtype=self.compute_dtype)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        """Forward passes run under the recipe's autocast (a ``torch.autocast`` object, as native)."""
+        """Forward passes run under the recipe's autocast (a ``torch.autocast`` object, as native); a step's
+        first training forward keeps the buffers it may write (:mod:`lightning_ext.forward_state`)."""
+        if self.forward_state is not None:
+            self.forward_state.begin(self.root_module)
         return self.autocast_context_manager()
 
     def convert_input(self, data: Any) -> Any:
@@ -360,9 +368,15 @@ class MixedPrecision(Precision):
             monitor.before_optimizer_step(self, raw)  # unscaled FP32 gradients, before the decision
         step_output = self.loss_scaler.step(raw, **kwargs)
         self.loss_scaler.update()
-        if self.fp8 is not None:  # the FP8 scales move on applied steps only (no host read)
-            self.fp8.after_step(not self.loss_scaler.last_step_skipped(raw))
+        self._after_step(raw)
         return step_output
+
+    def _after_step(self, raw: Any) -> None:
+        """What a step's outcome moves: the FP8 scales on applied steps, the forward's buffers back on skipped."""
+        if self.fp8 is not None:  # no host read: the FP8 states select on the device
+            self.fp8.after_step(not self.loss_scaler.last_step_skipped(raw))
+        if self.forward_state is not None:
+            self.forward_state.end(self.loss_scaler.last_step_skipped(raw))
 
     def last_step_skipped(self, optimizer: Any | None = None) -> bool:
         """True when the latest step (of ``optimizer``, or of any) applied no update: step your LR

@@ -103,6 +103,8 @@ class MixedPrecision(Precision, FabricMixedPrecision):
             self.loss_scaler.forget_step(raw)
             if self.fp8 is not None:
                 self.fp8.discard_step()
+            if self.forward_state is not None:
+                self.forward_state.end(False)
             return None
         found_inf = self.loss_scaler.unscale_once(raw)
         if self.fp8 is not None:  # a non-finite FP8 amax skips the step like an overflow
@@ -110,8 +112,7 @@ class MixedPrecision(Precision, FabricMixedPrecision):
         self._after_closure(model, raw)
         step_output = self.loss_scaler.step(raw, **kwargs)
         self.loss_scaler.update()
-        if self.fp8 is not None:  # the FP8 scales move on applied steps only (no host read)
-            self.fp8.after_step(not self.loss_scaler.last_step_skipped(raw))
+        self._after_step(raw)
         return step_output
 
     def unscale_gradients(self, optimizer: Any) -> Tensor:

@@ -1,0 +1,56 @@
+"""What the forward pass writes, kept so that a skipped step writes nothing.
+
+A skipped step must change nothing the model learns from (the design's skip semantics), but
+some modules update state in the forward pass, before anyone knows the step will be skipped:
+BatchNorm's running mean, variance and batch counter, or any buffer a custom module writes.
+After one inf batch those statistics would be NaN and every later evaluation output NaN.
+
+The rule: at the first training forward after an optimizer step (:meth:`ForwardState.begin`,
+called as the forward context is entered), copy every buffer of the modules in training mode
+into a kept copy (allocated once; a copy per buffer per step: the cost, measured by
+``benchmarks/bench_forward_state.py``); when the optimizer step is skipped, copy them back
+(:meth:`ForwardState.end`).  Gradient accumulation is covered: the copy is taken at the first
+micro-batch.  ``restore_forward_state=False`` on the plugin turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ForwardState"]
+
+
+class ForwardState:
+    """The buffers of a step's training-mode modules as they were before its first forward."""
+
+    def __init__(self) -> None:
+        self._buffers: list[Tensor] = []
+        self._kept: list[Tensor] = []
+        self._armed = False
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the kept copies (allocated at the first step, reused after)."""
+        return sum(t.numel() * t.element_size() for t in self._kept)
+
+    @torch.no_grad()
+    def begin(self, root: nn.Module | None) -> None:
+        """Keep the buffers of ``root``'s training-mode modules, unless this step already did."""
+        if self._armed or root is None or not root.training:
+            return
+        buffers = [b for m in root.modules() if m.training for b in m.buffers(recurse=False) if b is not None]
+        if len(buffers) != len(self._buffers) or any(a is not b for a, b in zip(buffers, self._buffers)):
+            self._buffers = buffers
+            self._kept = [torch.empty_like(b) for b in buffers]
+        for kept, b in zip(self._kept, self._buffers):
+            kept.copy_(b)
+        self._armed = True
+
+    @torch.no_grad()
+    def end(self, skipped: bool) -> None:
+        """The optimizer step is over: put the buffers back when it was skipped; the next forward keeps anew."""
+        if self._armed and skipped:
+            for kept, b in zip(self._kept, self._buffers):
+                b.copy_(kept)
+        self._armed = False
