@@ -5,19 +5,16 @@ stops the page: the exit status is 1 and the message names the block's line."""
 
 from __future__ import annotations
 
-import runpy
 import sys
 import traceback
 from pathlib import Path
 
-from tests.docs.snippets import blocks, setup_script
+from tests.docs.snippets import blocks
 
 
 def main(page: str) -> int:
     path = Path(page).resolve()
-    setup = setup_script(path)
-    namespace: dict = runpy.run_path(str(setup)) if setup else {}
-    namespace["__name__"] = "__main__"
+    namespace: dict = {"__name__": "__main__"}
     ran = 0
     for block in blocks(path):
         if block.reduced:

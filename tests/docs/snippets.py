@@ -1,6 +1,6 @@
 """The Python code blocks of the docs and the README, as the snippet tests see them.
 
-Every ```` ```python ```` block of ``README.md``, ``docs/README.proposed.md`` and ``docs/**/*.md`` runs
+Every ```` ```python ```` block of ``README.md`` and ``docs/**/*.md`` runs
 (:mod:`tests.docs.run_snippets`): the blocks of one page in order, in one namespace (a page reads
 like a session), in a fresh process of their own, in a temporary directory.  Two things reduce a
 run, and each says so where it is used:
@@ -12,11 +12,6 @@ run, and each says so where it is used:
   ``<!-- docs-test: reduced tests/docs/reduced/NAME.py (why) -->``: it is not run as it stands; the
   script named there runs instead, the same code on one CPU process (its docstring says what it
   reduces).  No other marker exists: a block is run, or it is reduced.
-
-Until README.md is replaced by docs/README.proposed.md, README.md is the long README, whose blocks are
-fragments and which cannot carry markers here: :data:`LEGACY_README` gives it a set-up
-(:mod:`tests.docs.legacy_readme_setup`) and names its two multi-process blocks by their first line.
-Once README.md is the short one, none of that applies.
 """
 
 from __future__ import annotations
@@ -58,33 +53,8 @@ class Block:
         return f"{self.path.relative_to(ROOT)}:{self.line}"
 
 
-LEGACY_README = {
-    "setup": "tests/docs/legacy_readme_setup.py",
-    "reduced": {
-        "import lightning.pytorch as pl\nfrom lightning.pytorch.strategies import ModelParallelStrategy":
-            ("tests/docs/reduced/fsdp2_one_process.py", "needs 16 GPUs on 2 nodes"),
-        "# TF: one process per worker; every worker runs the same script with its own task index":
-            ("tests/docs/reduced/keras_multiworker.py", "needs one process per worker"),
-    },
-    # blocks whose names an earlier block of the page rebinds (`model` becomes a Keras model there)
-    "before": {"# the divergence message said": "model = _Lit()\n"},
-}
-
-
-def is_legacy_readme(path: Path) -> bool:
-    """README.md while it is not (yet) the proposed short README."""
-    proposed = ROOT / "docs" / "README.proposed.md"
-    return (path == ROOT / "README.md" and proposed.is_file()
-            and path.read_text(encoding="utf-8") != proposed.read_text(encoding="utf-8"))
-
-
-def setup_script(path: Path) -> Path | None:
-    """The set-up a page's blocks run after (only the long README has one)."""
-    return ROOT / LEGACY_README["setup"] if is_legacy_readme(path) else None
-
-
 def markdown_files() -> list[Path]:
-    """The pages whose blocks run: the README, the proposed README and every page under docs/."""
+    """The pages whose blocks run: the README and every page under docs/."""
     files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     return [f for f in files if f.is_file()]
 
@@ -110,13 +80,6 @@ def blocks(path: Path) -> list[Block]:
             prev = lines[i - 1] if i > 0 else ""
             mark = MARKER.match(prev)
             reduced, reason = (mark.group(1), mark.group(2)) if mark else (None, None)
-            if not mark and is_legacy_readme(path):
-                for head, (script, why) in LEGACY_README["reduced"].items():
-                    if code.startswith(head):
-                        reduced, reason = script, why
-                for head, before in LEGACY_README["before"].items():
-                    if code.startswith(head):
-                        code = before + code
             out.append(Block(path, i + 1, code + "\n", reduced, reason))
         i = end + 1
     return out

@@ -74,8 +74,8 @@ def test_strict_build_and_api_coverage(site):
 
 
 def test_readme_links_point_at_files():
-    """The README's relative links (and the proposed README's) name files of the repository."""
-    for readme in (ROOT / "README.md", ROOT / "docs" / "README.proposed.md"):
+    """The README's relative links name files of the repository."""
+    for readme in (ROOT / "README.md",):
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme.read_text(encoding="utf-8")):
             if "://" not in target:
                 assert (ROOT / target).exists(), f"{readme.name}: broken link {target}"
