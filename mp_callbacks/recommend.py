@@ -18,7 +18,8 @@ The rule, on the runs of one comparison (every recipe from the same weights on t
    **Goal** ``memory``: the eligible recipe with the smallest peak memory; those within the memory
    noise (the control's peak distance to the baseline's, at least :data:`MEMORY_NOISE_FLOOR_MB`)
    tie, and a tie goes the same way.
-5. **Warnings** from the diagnostics: swamped updates, gradient underflow, FP8 saturation above
+5. **Warnings** from the diagnostics: swamped updates (of weights stored in low precision without an
+   FP32 master), gradient underflow, FP8 saturation above
    their thresholds, divergence stops, failed runs, and a timing noise above
    :data:`TIMING_NOISE_WARN` (a busy machine: the speed ratios are not to be trusted).
 """
@@ -49,6 +50,9 @@ SPEED_TIE_MAX = 0.05
 """Recipes within this share of the fastest's samples/s at most count as tied with it, whatever the noise."""
 STATE_TIE = 0.01
 """Model-state sizes (B/param) within this share of the smallest count as the smallest."""
+
+_KEPT_BY = {"kahan": "the compensation buffer keeps them", "stochastic": "stochastic rounding keeps them in "
+             "expectation only"}
 
 _HIGHER = ("acc", "f1", "auc", "precision", "recall", "bleu", "rouge", "score", "iou", "map", "r2", "top")
 _LOWER = ("loss", "error", "err", "perplexity", "ppl", "mse", "mae", "rmse", "wer", "cer", "nll")
@@ -231,12 +235,12 @@ def warnings_for(outcomes: Sequence[RunOutcome]) -> list[str]:
             out.append(f"{o.recipe}: the run failed ({o.error})")
         d = o.diagnostics
         swamped = d.get("update_swamped_frac")
-        if _finite(swamped) and swamped > SWAMPED_WARN:
-            recipe = get_recipe(o.recipe)
-            kept = " (the FP32 masters keep them)" if recipe.master.master_weights else ""
-            dtype = recipe.master.param_dtype if recipe.master.param_dtype != "float32" else recipe.policy.compute
-            out.append(f"{o.recipe}: {swamped:.1%} of the sampled updates are below half a {dtype} ulp of their "
-                       f"weight (swamped){kept}")
+        recipe = get_recipe(o.recipe)
+        stored_low = recipe.master.param_dtype != "float32" and not recipe.master.master_weights
+        if _finite(swamped) and swamped > SWAMPED_WARN and stored_low:  # masters / FP32 weights keep them
+            kept = _KEPT_BY.get(recipe.master.update_rounding, "they are lost")
+            out.append(f"{o.recipe}: {swamped:.1%} of the sampled updates are below half a "
+                       f"{recipe.master.param_dtype} ulp of their weight (swamped: {kept})")
         under = d.get("grad_underflow_frac")
         if _finite(under) and under > UNDERFLOW_WARN:
             out.append(f"{o.recipe}: {under:.2%} of the non-zero gradients flush to zero in "

@@ -184,6 +184,20 @@ def test_history_records_the_skip(report):
             assert {s["scale"] for s in steps} == {1.0}, (fw, recipe)
 
 
+def test_the_report_ends_with_a_recommendation_per_framework(report, results):
+    """The built-in model's metric is its test accuracy (higher is better, binomial standard error)."""
+    out, stdout = report
+    data, results = results
+    for fw in FRAMEWORKS:
+        rec = data["recommendation"][fw]
+        assert rec["recipe"] in RECIPE_NAMES and rec["metric_name"] == "accuracy" and rec["goal"] == "speed"
+        assert rec["reason"].startswith(f"{rec['recipe']}: ") and rec["tolerance"] > 0
+        assert results[(fw, "32-true")]["higher_is_better"] is True
+    readme = (out / "README.md").read_text()
+    assert "## Recommendation" in readme and "lightning:" in readme and "keras:" in readme
+    assert "Recommended (speed): " in stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["compare", "--recipes", "fp12"], "mpx compare: error: unknown recipe 'fp12'; valid recipes: 32-true"),
     (["compare", "--steps", "10", "--inject", "10"], "mpx compare: error: inject steps [10] are outside [0, steps=10)"),
