@@ -16,7 +16,9 @@ model factory and a data factory, and runs the evaluation of the source document
   first line; the recommendation (:mod:`mp_callbacks.recommend`) only picks recipes that ran.
 
 The frameworks' own code is in :mod:`.lightning_model` and :mod:`.keras_model`, imported for the
-framework used only.
+framework used only.  The runs fork from the calling process: call the functions from a process that
+has not run TensorFlow or torch kernels itself (a script, ``mpx compare``), or pass ``in_process=True``
+(a fork of a process whose thread pools are running can deadlock).
 """
 
 from __future__ import annotations

@@ -112,66 +112,100 @@ def test_keras_hub_gpt2_through_the_keras_path(keras_hub_report):
     assert "Recommended (speed): " in stdout and f"report written to {out}" in stdout
 
 
-def test_failed_runs_are_rows_and_never_recommended(tmp_path):
+def _python(code: str, timeout: int = 240) -> dict:
+    """Run ``code`` in a fresh interpreter (the runs fork from it: a test process that has run TensorFlow or
+    torch kernels could deadlock a forked child) and return the JSON of its last output line."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=str(ROOT),
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+LIGHTNING_API = """
+import json, sys
+from mp_callbacks.app.own_model import ModelSetupError, compare_lightning, compare_recipes
+from tests.cli.own_models import make_fragile_module, make_lightning_mlp
+
+out = {}
+fragile = compare_lightning(make_fragile_module, recipes=["16-mixed", "16-master", "bf16-master"], steps=6,
+                            out=sys.argv[1], threads=1)
+out["fragile"] = {"errors": {r: v.error for r, v in fragile.by_recipe().items()},
+                  "recipe": fragile.recommendation.recipe, "others": list(fragile.recommendation.others)}
+own = compare_recipes(make_lightning_mlp, recipes=["bf16-mixed"], steps=8, goal="memory", threads=1)
+out["own"] = {"framework": own.spec.framework, "out": own.out, "description": own.description,
+              "goal": own.recommendation.goal, "recipe": own.recommendation.recipe, "table": own.table(),
+              "rows": {r: v.row() for r, v in own.by_recipe().items()}}
+for name, call in (("int", lambda: compare_lightning(lambda: 42, steps=2)),
+                   ("str", lambda: compare_recipes(lambda: "model", steps=2))):
+    try:
+        call()
+    except ModelSetupError as exc:
+        out[name] = str(exc)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def lightning_api(tmp_path_factory):
+    pytest.importorskip("lightning")
+    out = tmp_path_factory.mktemp("api")
+    return _python(LIGHTNING_API.replace("sys.argv[1]", repr(str(out)))), out
+
+
+def test_failed_runs_are_rows_and_never_recommended(lightning_api):
     """An exception in the run (bf16 weights) and a process that dies (fp16 weights) are failed rows."""
-    pytest.importorskip("lightning")
-    from mp_callbacks.app.own_model import compare_lightning
-    from tests.cli.own_models import make_fragile_module
-
-    result = compare_lightning(make_fragile_module, recipes=["16-mixed", "16-master", "bf16-master"], steps=6,
-                               out=tmp_path, threads=1)
-    rows = result.by_recipe()
-    assert rows["bf16-master"].error == "RuntimeError: this model refuses bfloat16 weights"
-    assert rows["16-master"].error.startswith("the run's process died")
-    assert rows["16-mixed"].error is None and rows["32-true"].error is None
-    assert result.recommendation.recipe in ("32-true", "16-mixed")
-    assert "bf16-master: failed: RuntimeError: this model refuses bfloat16 weights" in result.recommendation.others
-    readme = (tmp_path / "README.md").read_text()
-    assert "bf16-master   failed: RuntimeError: this model refuses bfloat16 weights" in readme
-    assert "second line" in (tmp_path / "lightning_bf16-master_error.txt").read_text()  # the whole traceback
+    data, out = lightning_api
+    errors = data["fragile"]["errors"]
+    assert errors["bf16-master"] == "RuntimeError: this model refuses bfloat16 weights"
+    assert errors["16-master"].startswith("the run's process died")
+    assert errors["16-mixed"] is None and errors["32-true"] is None
+    assert data["fragile"]["recipe"] in ("32-true", "16-mixed")
+    assert "bf16-master: failed: RuntimeError: this model refuses bfloat16 weights" in data["fragile"]["others"]
+    assert "bf16-master   failed: RuntimeError: this model refuses bfloat16 weights" in (out / "README.md").read_text()
+    assert "second line" in (out / "lightning_bf16-master_error.txt").read_text()  # the whole traceback
 
 
-def test_python_api_lightning_own_dataloader_and_training_loss(tmp_path):
+def test_python_api_lightning_own_dataloader_and_training_loss(lightning_api):
     """No datamodule, no validation_step: the module's train_dataloader, the training loss as the metric;
-    the framework found from what the factory returns."""
-    pytest.importorskip("lightning")
-    from mp_callbacks.app.own_model import compare_recipes
-    from tests.cli.own_models import make_lightning_mlp
-
-    result = compare_recipes(make_lightning_mlp, recipes=["bf16-mixed"], steps=8, goal="memory", threads=1)
-    assert result.spec.framework == "lightning" and result.out is None
-    rows = result.by_recipe()
+    the framework found from what the factory returns; no out: no files."""
+    own = lightning_api[0]["own"]
+    assert own["framework"] == "lightning" and own["out"] is None
+    rows = own["rows"]
     assert set(rows) == {"32-true", "bf16-mixed"}
-    assert {r.metric_name for r in rows.values()} == {"loss"} and rows["32-true"].metric == rows["32-true"].final_loss
-    assert result.recommendation.goal == "memory" and result.recommendation.recipe in rows
-    assert rows["32-true"].estimate_bytes_per_param == 12.0  # SGD with momentum: 4 weight + 4 grad + 4 buffer
-    assert "TinyMLP (178 parameters)" in result.description
-    assert "32-true" in result.table()
+    assert {r["metric_name"] for r in rows.values()} == {"loss"}
+    assert rows["32-true"]["metric"] == rows["32-true"]["final_loss"]
+    assert own["goal"] == "memory" and own["recipe"] in rows
+    assert rows["32-true"]["estimate_bytes_per_param"] == 12.0  # SGD with momentum: 4 weight + 4 grad + 4 buffer
+    assert "TinyMLP (178 parameters)" in own["description"] and "32-true" in own["table"]
+
+
+def test_factories_that_return_the_wrong_thing_are_clear_errors(lightning_api):
+    data = lightning_api[0]
+    assert "returned a 'int' object, not a LightningModule" in data["int"]
+    assert "returned a 'str' object: expected a LightningModule or a Keras model" in data["str"]
+
+
+KERAS_API = """
+import json, sys
+from mp_callbacks.app.own_model import compare_keras
+from tests.cli.own_models import build_fragile_keras, make_keras_arrays
+
+result = compare_keras(build_fragile_keras, make_keras_arrays, recipes=["bf16-mixed"], steps=5, batch_size=16,
+                       out=sys.argv[1], threads=1)
+print(json.dumps({"rows": {r: v.row() for r, v in result.by_recipe().items()},
+                  "recipe": result.recommendation.recipe}))
+"""
 
 
 def test_python_api_keras_failed_recipe(tmp_path):
     """Keras: a recipe whose model cannot be built is a failed row with the error's first line."""
     pytest.importorskip("keras")
-    from mp_callbacks.app.own_model import compare_keras
-    from tests.cli.own_models import build_fragile_keras, make_keras_arrays
-
-    result = compare_keras(build_fragile_keras, make_keras_arrays, recipes=["bf16-mixed"], steps=5, batch_size=16,
-                           out=tmp_path, threads=1)
-    rows = result.by_recipe()
-    assert rows["bf16-mixed"].error == "TypeError: cannot build under the mixed_bfloat16 policy"
-    assert rows["32-true"].error is None and rows["32-true"].metric_name == "val_loss"
-    assert result.recommendation.recipe == "32-true"
+    data = _python(KERAS_API.replace("sys.argv[1]", repr(str(tmp_path))))
+    rows = data["rows"]
+    assert rows["bf16-mixed"]["error"] == "TypeError: cannot build under the mixed_bfloat16 policy"
+    assert rows["32-true"]["error"] is None and rows["32-true"]["metric_name"] == "val_loss"
+    assert data["recipe"] == "32-true"
     assert "keras      bf16-mixed    failed: TypeError: cannot build" in (tmp_path / "README.md").read_text()
-
-
-def test_factories_that_return_the_wrong_thing_are_clear_errors():
-    pytest.importorskip("lightning")
-    from mp_callbacks.app.own_model import ModelSetupError, compare_lightning, compare_recipes
-
-    with pytest.raises(ModelSetupError, match="returned a 'int' object, not a LightningModule"):
-        compare_lightning(lambda: 42, steps=2)
-    with pytest.raises(ModelSetupError, match="returned a 'str' object: expected a LightningModule or a Keras model"):
-        compare_recipes(lambda: "model", steps=2)
 
 
 @pytest.mark.parametrize("args, message", [
