@@ -19,8 +19,8 @@ The rule, on the runs of one comparison (every recipe from the same weights on t
    noise (the control's peak distance to the baseline's, at least :data:`MEMORY_NOISE_FLOOR_MB`)
    tie, and a tie goes the same way.
 5. **Warnings** from the diagnostics: swamped updates (of weights stored in low precision without an
-   FP32 master), gradient underflow, FP8 saturation above
-   their thresholds, divergence stops, failed runs, and a timing noise above
+   FP32 master), gradient underflow, FP8 saturation above their thresholds, a low-precision recipe
+   whose policy kept most parameters in FP32, divergence stops, and a timing noise above
    :data:`TIMING_NOISE_WARN` (a busy machine: the speed ratios are not to be trusted).
 """
 
@@ -44,6 +44,8 @@ UNDERFLOW_WARN = 0.001
 """Warn when more than this share of the non-zero gradients flushes to zero in the compute dtype."""
 FP8_SATURATED_WARN = 1e-4
 """Warn when more than this share of the FP8 elements is clipped at the format's max."""
+LOW_PRECISION_SHARE_WARN = 0.5
+"""Warn when a recipe that stores parameters in low precision stores less than this share of them so."""
 TIMING_NOISE_WARN = 0.25
 """Warn when the timing noise is above this share of the samples/s."""
 SPEED_TIE_MAX = 0.05
@@ -76,7 +78,8 @@ class RunOutcome:
     ``metric``: the compared figure (a validation metric, else the final training loss), ``metric_se``
     its standard error; ``bytes_per_param``: model state held at the optimizer step; ``error``: why the
     run did not finish (its first line), ``diagnostics``: mean ``update_swamped_frac``,
-    ``grad_underflow_frac``, ``fp8_saturated_frac`` over the sampled steps."""
+    ``grad_underflow_frac``, ``fp8_saturated_frac`` over the sampled steps and ``low_precision_params``
+    (the share of parameters stored below FP32)."""
 
     recipe: str
     samples_per_s: float | None = None
@@ -231,11 +234,14 @@ def warnings_for(outcomes: Sequence[RunOutcome]) -> list[str]:
             continue
         if o.diverged:
             out.append(f"{o.recipe}: stopped by the divergence rule ({o.error})")
-        elif not o.ran:
-            out.append(f"{o.recipe}: the run failed ({o.error})")
         d = o.diagnostics
-        swamped = d.get("update_swamped_frac")
         recipe = get_recipe(o.recipe)
+        share = d.get("low_precision_params")
+        if _finite(share) and recipe.master.param_dtype != "float32" and share < LOW_PRECISION_SHARE_WARN:
+            out.append(f"{o.recipe}: {'no' if share == 0 else f'only {share:.0%} of the'} parameters stored in "
+                       f"{recipe.master.param_dtype} (the policy kept the others in FP32): the run measures little "
+                       "of the recipe on this model")
+        swamped = d.get("update_swamped_frac")
         stored_low = recipe.master.param_dtype != "float32" and not recipe.master.master_weights
         if _finite(swamped) and swamped > SWAMPED_WARN and stored_low:  # masters / FP32 weights keep them
             kept = _KEPT_BY.get(recipe.master.update_rounding, "they are lost")

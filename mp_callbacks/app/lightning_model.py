@@ -203,6 +203,7 @@ def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, sp
         "grad_underflow_frac": _mean([s.grad_underflow_frac for s in monitor.history]),
         "fp8_saturated_frac": _mean([s.fp8.get(FP8_SATURATED_FRAC) for s in recorder.history if s.fp8]),
         "fp8_underflow_frac": _mean([s.fp8.get(FP8_UNDERFLOW_FRAC) for s in recorder.history if s.fp8]),
+        "low_precision_params": sum(n for n, dtype in storage if dtype != "float32") / n_params,
     }
     view = plugin.loss_scaler
     return RunResult(

@@ -65,6 +65,7 @@ def hf_report(tmp_path_factory):
     return out, proc.stdout
 
 
+@pytest.mark.xdist_group("own_model_hf")  # one worker: the fixture runs once
 def test_hf_gpt2_every_recipe_through_the_lightning_path(hf_report):
     out, stdout = hf_report
     data = _check_report(out, list(RECIPE_NAMES), "lightning")
@@ -81,6 +82,7 @@ def test_hf_gpt2_every_recipe_through_the_lightning_path(hf_report):
     assert "Recommended (speed): " in stdout
 
 
+@pytest.mark.xdist_group("own_model_hf")  # one worker: the fixture runs once
 def test_hf_gpt2_runs_start_from_the_same_weights_on_the_same_batches(hf_report):
     out, _ = hf_report
     first = {}
@@ -109,6 +111,8 @@ def test_keras_hub_gpt2_through_the_keras_path(keras_hub_report):
     assert data["spec"]["description"].startswith("Functional 'gpt2_lm' (1,080 parameters)")
     assert results["bf16-master"]["state_bytes_per_param"] == pytest.approx(16.0)  # bf16 + grad + master + m, v
     assert abs(results["bf16-master"]["metric"] - results["32-true"]["metric"]) < 0.05
+    share = results["bf16-master"]["diagnostics"]["low_precision_params"]
+    assert 0 <= share <= 1 and (share >= 0.5 or "parameters stored in bfloat16" in (out / "README.md").read_text())
     assert "Recommended (speed): " in stdout and f"report written to {out}" in stdout
 
 
@@ -152,6 +156,7 @@ def lightning_api(tmp_path_factory):
     return _python(LIGHTNING_API.replace("sys.argv[1]", repr(str(out)))), out
 
 
+@pytest.mark.xdist_group("own_model_api")
 def test_failed_runs_are_rows_and_never_recommended(lightning_api):
     """An exception in the run (bf16 weights) and a process that dies (fp16 weights) are failed rows."""
     data, out = lightning_api
@@ -165,6 +170,7 @@ def test_failed_runs_are_rows_and_never_recommended(lightning_api):
     assert "second line" in (out / "lightning_bf16-master_error.txt").read_text()  # the whole traceback
 
 
+@pytest.mark.xdist_group("own_model_api")
 def test_python_api_lightning_own_dataloader_and_training_loss(lightning_api):
     """No datamodule, no validation_step: the module's train_dataloader, the training loss as the metric;
     the framework found from what the factory returns; no out: no files."""
@@ -179,6 +185,7 @@ def test_python_api_lightning_own_dataloader_and_training_loss(lightning_api):
     assert "TinyMLP (178 parameters)" in own["description"] and "32-true" in own["table"]
 
 
+@pytest.mark.xdist_group("own_model_api")
 def test_factories_that_return_the_wrong_thing_are_clear_errors(lightning_api):
     data = lightning_api[0]
     assert "returned a 'int' object, not a LightningModule" in data["int"]
