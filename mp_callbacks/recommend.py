@@ -13,8 +13,8 @@ The rule, on the runs of one comparison (every recipe from the same weights on t
    (``|control / baseline - 1|``) and half the baseline's window spread ((max - min) / median).
 4. **Goal** ``speed``: the eligible recipe with the most samples/s; those within the timing noise of
    it (at most :data:`SPEED_TIE_MAX`: a busy machine's noise does not make a slow recipe as fast) tie,
-   and a tie goes to the least model state per parameter (within :data:`STATE_TIE`), then to the most
-   samples/s.
+   and a tie goes to the least model state per parameter (within :data:`STATE_TIE`), then to
+   ``32-true`` (no gain beyond the noise: nothing to change), then to the most samples/s.
    **Goal** ``memory``: the eligible recipe with the smallest peak memory; those within the memory
    noise (the control's peak distance to the baseline's, at least :data:`MEMORY_NOISE_FLOOR_MB`)
    tie, and a tie goes the same way.
@@ -170,7 +170,7 @@ def _speed(o: RunOutcome) -> float:
 
 
 def _pick(eligible: list[RunOutcome], goal: str, noise: float, memory_noise: float) -> RunOutcome:
-    """Rule 4: the best by the goal; among its ties, the least model state, then the fastest."""
+    """Rule 4: the best by the goal; among its ties, the least model state, then 32-true, then the fastest."""
     if goal == "speed":
         fastest = max(_speed(o) for o in eligible)
         tied = [o for o in eligible if _speed(o) >= fastest * (1 - min(noise, SPEED_TIE_MAX))]
@@ -179,7 +179,7 @@ def _pick(eligible: list[RunOutcome], goal: str, noise: float, memory_noise: flo
         tied = [o for o in eligible if _peak(o) <= smallest + memory_noise]
     least = min(_state(o) for o in tied)
     small = [o for o in tied if _state(o) <= least * (1 + STATE_TIE)] if math.isfinite(least) else tied
-    return max(small, key=_speed)
+    return max(small, key=lambda o: (o.recipe == BASELINE, _speed(o)))  # no gain beyond noise: keep 32-true
 
 
 def _speed_words(o: RunOutcome, base: RunOutcome, notes: Mapping[str, str]) -> str:
@@ -238,9 +238,10 @@ def warnings_for(outcomes: Sequence[RunOutcome]) -> list[str]:
         recipe = get_recipe(o.recipe)
         share = d.get("low_precision_params")
         if _finite(share) and recipe.master.param_dtype != "float32" and share < LOW_PRECISION_SHARE_WARN:
-            out.append(f"{o.recipe}: {'no' if share == 0 else f'only {share:.0%} of the'} parameters stored in "
-                       f"{recipe.master.param_dtype} (the policy kept the others in FP32): the run measures little "
-                       "of the recipe on this model")
+            dtype = recipe.master.param_dtype
+            kept = (f"no parameters stored in {dtype}: the policy kept them all in FP32" if share == 0 else
+                    f"only {share:.0%} of the parameters stored in {dtype}: the policy kept the rest in FP32")
+            out.append(f"{o.recipe}: {kept}, so the run measures little of the recipe on this model")
         swamped = d.get("update_swamped_frac")
         stored_low = recipe.master.param_dtype != "float32" and not recipe.master.master_weights
         if _finite(swamped) and swamped > SWAMPED_WARN and stored_low:  # masters / FP32 weights keep them
