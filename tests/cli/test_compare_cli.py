@@ -13,7 +13,7 @@ from mp_callbacks.recipes import RECIPE_NAMES
 
 from .baseline import check_against_baseline, check_baseline
 
-pytestmark = pytest.mark.xdist_group("compare_cli")  # one xdist worker: the report fixture runs once
+pytestmark = pytest.mark.xdist_group("compare_cli")  # meant to run the report fixture once under loadgroup
 ROOT = Path(__file__).resolve().parents[2]
 # Small, but long enough to learn (lr 1e-2: the 32-true runs reach ~0.8 accuracy), so that the
 # recipes can be compared with the 32-true row.  Steps cost ~2 ms; the run is dominated by imports.

@@ -55,19 +55,14 @@ def _check_report(out: Path, recipes: list[str], framework: str) -> dict:
     return data
 
 
-@pytest.fixture(scope="module")
-def hf_report(tmp_path_factory):
+def test_hf_gpt2_every_recipe_through_the_lightning_path(tmp_path):
+    """One test, one compare (a module fixture would run once per xdist worker)."""
     pytest.importorskip("lightning")
     pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("hf")
+    out = tmp_path
     proc = _mpx(*HF, "--steps", "8", "--threads", "1", "--quiet", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout
-
-
-@pytest.mark.xdist_group("own_model_hf")  # one worker: the fixture runs once
-def test_hf_gpt2_every_recipe_through_the_lightning_path(hf_report):
-    out, stdout = hf_report
+    stdout = proc.stdout
     data = _check_report(out, list(RECIPE_NAMES), "lightning")
     assert data["spec"]["model"] == "examples.compare_hf_gpt2:make_module"
     results = {r["recipe"]: r for r in data["results"] if not r["control"]}
@@ -80,11 +75,7 @@ def test_hf_gpt2_every_recipe_through_the_lightning_path(hf_report):
         assert abs(r["metric"] - base["metric"]) < 0.05, r
     assert f"report written to {out}" in stdout.splitlines()[-1]
     assert "Recommended (speed): " in stdout
-
-
-@pytest.mark.xdist_group("own_model_hf")  # one worker: the fixture runs once
-def test_hf_gpt2_runs_start_from_the_same_weights_on_the_same_batches(hf_report):
-    out, _ = hf_report
+    # the same weights and the same first batch: step 0's loss differs by rounding only
     first = {}
     for recipe in RECIPE_NAMES:
         steps = [json.loads(line) for line in (out / f"lightning_{recipe}.jsonl").read_text().splitlines()]
@@ -92,18 +83,13 @@ def test_hf_gpt2_runs_start_from_the_same_weights_on_the_same_batches(hf_report)
     assert max(first.values()) - min(first.values()) < 0.02, first  # step 0: only the rounding differs
 
 
-@pytest.fixture(scope="module")
-def keras_hub_report(tmp_path_factory):
+def test_keras_hub_gpt2_through_the_keras_path(tmp_path):
     pytest.importorskip("keras_hub")
-    out = tmp_path_factory.mktemp("keras_hub")
+    out = tmp_path
     proc = _mpx(*KERAS_HUB, "--recipes", "bf16-master", "--steps", "6", "--threads", "1", "--quiet",
                 "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout
-
-
-def test_keras_hub_gpt2_through_the_keras_path(keras_hub_report):
-    out, stdout = keras_hub_report
+    stdout = proc.stdout
     data = _check_report(out, ["32-true", "bf16-master"], "keras")
     results = {r["recipe"]: r for r in data["results"] if not r["control"]}
     assert all(r["error"] is None for r in results.values())
@@ -149,32 +135,25 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def lightning_api(tmp_path_factory):
+def test_python_api_lightning(tmp_path):
+    """compare_lightning / compare_recipes in one fresh interpreter: failed runs (an exception under bf16
+    weights, a process that dies under fp16 weights) are rows never recommended; a module with its own
+    train_dataloader and no validation_step compares its training loss (framework found from the factory's
+    result, no out: no files); factories returning the wrong thing are clear errors."""
     pytest.importorskip("lightning")
-    out = tmp_path_factory.mktemp("api")
-    return _python(LIGHTNING_API.replace("sys.argv[1]", repr(str(out)))), out
+    data = _python(LIGHTNING_API.replace("sys.argv[1]", repr(str(tmp_path))))
 
-
-@pytest.mark.xdist_group("own_model_api")
-def test_failed_runs_are_rows_and_never_recommended(lightning_api):
-    """An exception in the run (bf16 weights) and a process that dies (fp16 weights) are failed rows."""
-    data, out = lightning_api
     errors = data["fragile"]["errors"]
     assert errors["bf16-master"] == "RuntimeError: this model refuses bfloat16 weights"
     assert errors["16-master"].startswith("the run's process died")
     assert errors["16-mixed"] is None and errors["32-true"] is None
     assert data["fragile"]["recipe"] in ("32-true", "16-mixed")
     assert "bf16-master: failed: RuntimeError: this model refuses bfloat16 weights" in data["fragile"]["others"]
-    assert "bf16-master   failed: RuntimeError: this model refuses bfloat16 weights" in (out / "README.md").read_text()
-    assert "second line" in (out / "lightning_bf16-master_error.txt").read_text()  # the whole traceback
+    readme = (tmp_path / "README.md").read_text()
+    assert "bf16-master   failed: RuntimeError: this model refuses bfloat16 weights" in readme
+    assert "second line" in (tmp_path / "lightning_bf16-master_error.txt").read_text()  # the whole traceback
 
-
-@pytest.mark.xdist_group("own_model_api")
-def test_python_api_lightning_own_dataloader_and_training_loss(lightning_api):
-    """No datamodule, no validation_step: the module's train_dataloader, the training loss as the metric;
-    the framework found from what the factory returns; no out: no files."""
-    own = lightning_api[0]["own"]
+    own = data["own"]
     assert own["framework"] == "lightning" and own["out"] is None
     rows = own["rows"]
     assert set(rows) == {"32-true", "bf16-mixed"}
@@ -184,10 +163,6 @@ def test_python_api_lightning_own_dataloader_and_training_loss(lightning_api):
     assert rows["32-true"]["estimate_bytes_per_param"] == 12.0  # SGD with momentum: 4 weight + 4 grad + 4 buffer
     assert "TinyMLP (178 parameters)" in own["description"] and "32-true" in own["table"]
 
-
-@pytest.mark.xdist_group("own_model_api")
-def test_factories_that_return_the_wrong_thing_are_clear_errors(lightning_api):
-    data = lightning_api[0]
     assert "returned a 'int' object, not a LightningModule" in data["int"]
     assert "returned a 'str' object: expected a LightningModule or a Keras model" in data["str"]
 
