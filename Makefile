@@ -10,9 +10,10 @@ QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || 
 
 .PHONY: demo test lint venv clean docs docs-serve docs-check
 
-$(STAMP): requirements-test.txt pyproject.toml
+$(STAMP): requirements-test.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-test.txt $(QUIET)
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt $(QUIET)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . $(QUIET)
 	$(PY) -c "import torch, lightning, keras, tensorflow, mp_callbacks"
 	touch $(STAMP)

@@ -1,11 +1,13 @@
 """Command line: ``python -m mp_callbacks`` (also installed as ``mpx``).
 
 Subcommands:
-  compare  train the same model under each recipe in Lightning and/or Keras,
-           each run in a process of its own, and print/write the comparison
-           (samples/s, speed-up, step time with its spread, peak memory split
-           into model state and the rest, bytes/param, final loss and accuracy,
-           overflows, skipped steps, a 32-true control run, the CPU's features).
+  compare  train one model under each recipe, each run in a process of its
+           own: your LightningModule (--lightning) or Keras model (--keras),
+           else the built-in MLP in Lightning and Keras; print/write the
+           comparison (samples/s, speed-up, step time with its spread, peak
+           memory split into model state and the rest, bytes/param, final
+           loss and metric, overflows, skipped steps, a 32-true control run,
+           the CPU's features) and end with the recipe to use, and why.
   presets  the scale trajectory of every preset on one overflow pattern,
            the recipes table and the bytes/param estimate (core only).
   demo     ``make demo``: a short ``compare`` of every recipe in both
@@ -26,6 +28,10 @@ from ..loss_scale.config import PRESETS, ScalerConfig
 from ..loss_scale.scaler import DynamicLossScaler
 from ..memory.estimate import bytes_per_param
 from ..recipes import RECIPE_NAMES, get_recipe
+from .machine import matmul_probe, matmul_slowdown
+from .session import quiet_frameworks
+
+__all__ = ["build_parser", "compare", "compare_own_model", "demo", "demo_args", "main", "matmul_slowdown", "presets"]
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -53,7 +59,8 @@ def presets(args: argparse.Namespace) -> int:
     flags = overflow_pattern(args.steps, args.seed, args.rate)
     print(f"Loss-scale trajectories over {args.steps} steps, {int(flags.sum())} injected overflows "
           f"(seed {args.seed}), growth_interval={args.growth_interval} for every preset:\n")
-    header = f"{'preset':<10} {'init':>8} {'final':>8} {'min':>8} {'max':>8} {'skipped':>7} {'growths':>7}  log2(scale) over time"
+    header = (f"{'preset':<10} {'init':>8} {'final':>8} {'min':>8} {'max':>8} {'skipped':>7} {'growths':>7}  "
+              "log2(scale) over time")
     print(header)
     print("-" * len(header))
     for name in PRESETS:
@@ -83,19 +90,7 @@ KERAS_TF_NOTE = (
 )
 
 
-def _quiet_frameworks() -> None:
-    """Hide the frameworks' chatter: TF's C++ info logs (call before TF is imported) and, once
-    Lightning is imported (it sets its own level on import), its per-fit info lines and tips."""
-    import logging
-    import os
-    import warnings
-
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    for message in (r".*does not have many workers.*", r".*GPU available but not used.*",
-                    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*"):
-        warnings.filterwarnings("ignore", message=message)
+_quiet_frameworks = quiet_frameworks
 
 
 def _load_runner(framework: str):
@@ -112,101 +107,85 @@ def _load_runner(framework: str):
 
 
 def compare(args: argparse.Namespace, slowdown: dict[str, float] | None = None) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    """``mpx compare``: the built-in MLP on digits, or the user's model (``--lightning`` / ``--keras``)."""
+    if args.lightning or args.keras:
+        return compare_own_model(args, slowdown)
     from ..recipes import canonical_recipe_name
-    from .compare import RunSpec, control_ratios, format_table, write_report
-    from .fp8_report import fp8_table
-    from .machine import cpu_model, features, recipe_notes
-    from .measurement import can_isolate, run_isolated
+    from .compare import FRAMEWORKS, RunSpec
+    from .session import PlannedRun, caller, finish, machine_notes, run_plan, with_control
 
     try:
-        recipes = list(dict.fromkeys(canonical_recipe_name(r) for r in args.recipes))
+        recipes = [canonical_recipe_name(r) for r in args.recipes]
     except ValueError as exc:
         raise SystemExit(f"mpx compare: error: {exc}") from None
-    if "32-true" not in recipes:
-        recipes.insert(0, "32-true")  # the baseline every delta is measured against
     try:
-        spec = RunSpec(steps=args.steps, batch_size=args.batch_size, hidden=args.hidden, depth=args.depth,
+        spec = RunSpec(steps=args.steps, batch_size=args.batch_size or 128, hidden=args.hidden or 512,
+                       depth=args.depth or 2,
                        seed=args.seed, inject=tuple(args.inject), lr=args.lr, threads=args.threads,
                        skip_nonfinite=not args.no_skip_nonfinite)
     except ValueError as exc:
         raise SystemExit(f"mpx compare: error: {exc}") from None
     _quiet_frameworks()
-    frameworks = list(dict.fromkeys(args.frameworks))
+    frameworks = list(dict.fromkeys(args.frameworks or FRAMEWORKS))
     runners = {framework: _load_runner(framework) for framework in frameworks}
     _quiet_frameworks()  # again: Lightning resets its logger level when it is imported
-    isolate = can_isolate() and not args.in_process
-    call = run_isolated if isolate else (lambda fn, *a, progress=None: fn(*a, progress))
-    if slowdown is None:
-        slowdown = call(_probe)  # in a child too: this process runs nothing before the runs fork
-    found = features()
-    machine = {"cpu": cpu_model() or "unknown CPU", "features": found, "matmul_slowdown_vs_float32": slowdown,
-               "isolated_runs": isolate}
-    notes = [f"CPU: {machine['cpu']}", *recipe_notes(found, slowdown)]
+    call = caller(not args.in_process)
+    machine, notes = machine_notes(call, slowdown, _probe)  # in a child too: this process runs nothing itself
     print("\n".join(notes))
-    plan = [(framework, recipe, False) for framework in frameworks for recipe in recipes]
     # the control: 32-true again, last in each framework's series (run-to-run noise, order independence)
-    plan = [item for framework in frameworks
-            for item in [p for p in plan if p[0] == framework] + [(framework, "32-true", True)]]
-    results, unsupported = [], []
-    with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=True, disable=args.quiet, auto_refresh=False) as progress:
-        for framework, recipe, control in plan:
-            run = runners[framework]
+    plan, unsupported = [], []
+    for framework in frameworks:
+        run = runners[framework]
+        for recipe, control in with_control(recipes):
             if not getattr(run, "supports", lambda _: True)(recipe):
                 unsupported.append(f"{framework} {recipe}")
                 continue
-            label = f"{framework} {recipe}" + (" (control)" if control else "")
-            task = progress.add_task(label, total=spec.steps)
-            result = call(run, recipe, spec, progress=_throttled(progress, task))
-            result.control, result.isolated = control, isolate
-            results.append(result)
-            progress.remove_task(task)
-    print(format_table(results))
-    fp8 = fp8_table(results)  # fp8-mixed runs: per-tensor FP8 rows
-    if fp8:
-        print("\nFP8 tensors (fp8-mixed):\n" + fp8)
-    ratios = control_ratios(results)
-    if ratios:
-        print("control: 32-true(ctl) step time / 32-true's: " + ", ".join(f"{fw} {v:.3f}" for fw, v in ratios.items())
-              + " (32-true run again, last; 1 = no run-to-run noise: every speed-up above carries this much)")
-    if not isolate:
-        print("note: every run shared this process (--in-process or no fork here): memory figures depend on run order")
-    out = write_report(results, spec, args.out, machine=machine, notes=notes)
-    if unsupported:
-        note = f"not run (the adapter does not implement the recipe yet): {', '.join(unsupported)}"
-        print(f"\nnote: {note}")
-        with open(out / "README.md", "a") as fh:
-            fh.write(f"\nNote: {note}\n")
+            plan.append(PlannedRun(framework, recipe, run, (recipe, spec), spec.steps, control))
+    results = run_plan(plan, call, quiet=args.quiet)
+    extra = [f"not run (the adapter does not implement the recipe yet): {', '.join(unsupported)}"
+             ] if unsupported else []
     if "keras" in frameworks and _keras_backend() == "tensorflow":
-        print(f"\nnote: {KERAS_TF_NOTE}")
-        with open(out / "README.md", "a") as fh:
-            fh.write(f"\nNote: {KERAS_TF_NOTE}\n")
-    print(f"\nreport written to {out}/ (README.md, results.json, *.jsonl, *.png)")
+        extra.append(KERAS_TF_NOTE)
+    finish(results, spec, args.out, machine, notes, goal=args.goal, extra_notes=extra)
     return 0
 
 
-def _throttled(progress: Any, task: Any, every: float = 0.1) -> Callable[[int], None]:
-    """``progress.update(task, completed=n)``, redrawn at most every ``every`` seconds (no refresh thread:
-    the runs fork from this process)."""
-    import time
+def compare_own_model(args: argparse.Namespace, slowdown: dict[str, float] | None = None) -> int:
+    """`mpx compare --lightning pkg.mod:make_module [--datamodule ..]` or `--keras pkg.mod:build_model --data ..`."""
+    from .own_model import ModelSpec, compare_recipes, load_factory
 
-    last = [0.0]
+    framework = "lightning" if args.lightning else "keras"
+    wrong = [f"mpx compare: error: {text}" for text, bad in (
+        ("--lightning and --keras: give one model", args.lightning and args.keras),
+        ("--keras needs --data pkg.module:make_dataset", args.keras and not args.data),
+        ("--datamodule goes with --lightning (Keras: --data)", args.datamodule and not args.lightning),
+        ("--data goes with --keras (Lightning: --datamodule)", args.data and not args.keras),
+    ) if bad]
+    builtin = [flag for flag, given in (("--hidden", args.hidden is not None), ("--depth", args.depth is not None),
+                                        ("--inject", bool(args.inject)), ("--frameworks", args.frameworks is not None),
+                                        ("--no-skip-nonfinite", args.no_skip_nonfinite),
+                                        ("--batch-size", bool(args.lightning and args.batch_size))) if given]
+    if builtin:
+        wrong.append(f"mpx compare: error: {', '.join(builtin)} describe the built-in model; --{framework} "
+                     "compares your own")
+    if wrong:
+        raise SystemExit(wrong[0])
+    _quiet_frameworks()
+    try:
+        make_model = load_factory(args.lightning or args.keras)
+        data = load_factory(args.datamodule or args.data) if (args.datamodule or args.data) else None
+        spec = ModelSpec(framework=framework, model=args.lightning or args.keras, data=args.datamodule or args.data,
+                         steps=args.steps, seed=args.seed, batch_size=args.batch_size, val_batches=args.val_batches,
+                         metric=args.metric, higher_is_better=args.higher_is_better, loss=args.loss, lr=args.lr,
+                         threads=args.threads)
+        compare_recipes(make_model, data, spec=spec, recipes=args.recipes, goal=args.goal, out=args.out,
+                        verbose=True, show_progress=not args.quiet, in_process=args.in_process, slowdown=slowdown)
+    except (ValueError, ImportError, AttributeError, TypeError) as exc:
+        raise SystemExit(f"mpx compare: error: {exc}") from None
+    return 0
 
-    def update(n: int) -> None:
-        now = time.monotonic()
-        draw = now - last[0] >= every
-        if draw:
-            last[0] = now
-        progress.update(task, completed=n, refresh=draw)
 
-    return update
-
-
-def _probe(progress: Any = None) -> dict[str, float]:
-    """:func:`matmul_slowdown` with the signature :func:`~mp_callbacks.app.measurement.run_isolated` calls."""
-    return matmul_slowdown()
+_probe = matmul_probe
 
 
 def _keras_backend() -> str:
@@ -237,31 +216,6 @@ SLOW_FACTOR = 4.0
 SMALL_DEMO = {"--hidden": "128", "--batch-size": "64"}
 
 
-def matmul_slowdown(n: int = 256, repeats: int = 3) -> dict[str, float]:
-    """``{dtype: time of an n x n matmul / float32's}`` for float16 and bfloat16 with torch (one thread);
-    empty when torch is not installed."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return {}
-    import time
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        times = {}
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            a = torch.randn(n, n).to(dtype)
-            a @ a  # warm-up
-            start = time.perf_counter()
-            for _ in range(repeats):
-                a @ a
-            times[str(dtype).replace("torch.", "")] = (time.perf_counter() - start) / repeats
-    finally:
-        torch.set_num_threads(threads)
-    return {k: v / times["float32"] for k, v in times.items() if k != "float32"}
-
-
 def demo_args(slowdown: dict[str, float]) -> tuple[list[str], str | None]:
     """The demo's ``compare`` arguments for a CPU with these matmul slowdowns, and the note saying why
     it was shrunk (None: the full-size demo)."""
@@ -290,29 +244,63 @@ def demo(args: argparse.Namespace) -> int:
                                              + (["--quiet"] if args.quiet else [])), slowdown=slowdown)
 
 
+COMPARE_DESCRIPTION = """\
+Train one model under each recipe (same initial weights, same batches in the same order, a process
+per run, 32-true run again last as the control) and end with the recipe to use on this machine.
+
+  mpx compare                                  the built-in MLP on digits, Lightning and Keras
+  mpx compare --lightning pkg.mod:make_module [--datamodule pkg.mod:make_datamodule]
+  mpx compare --keras pkg.mod:build_model --data pkg.mod:make_dataset [--loss NAME]
+
+Factories are imported from the current directory or PYTHONPATH and called without arguments."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..recipes import RECIPE_NAMES
+    from ..recommend import GOALS
     from .compare import FRAMEWORKS
 
     parser = argparse.ArgumentParser(prog="mpx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("compare", help="train one model under several recipes and frameworks")
-    p.add_argument("--frameworks", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS))
+    p = sub.add_parser("compare", help="train one model under several recipes and report which to use",
+                       description=COMPARE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    own = p.add_argument_group("your own model (default: the built-in MLP on digits, both frameworks)")
+    own.add_argument("--lightning", metavar="PKG.MODULE:FACTORY",
+                     help="a function returning your LightningModule (its train_dataloader, or --datamodule)")
+    own.add_argument("--datamodule", metavar="PKG.MODULE:FACTORY", help="a function returning a LightningDataModule")
+    own.add_argument("--keras", metavar="PKG.MODULE:FACTORY", help="a function returning your Keras model "
+                     "(compiled or not)")
+    own.add_argument("--data", metavar="PKG.MODULE:FACTORY",
+                     help="a function returning the Keras data: (x, y[, w]) arrays, a dataset of batches, or "
+                          "{'train': ..., 'validation': ...}")
+    own.add_argument("--loss", help="Keras, uncompiled model: a loss name or PKG.MODULE:ATTR")
+    own.add_argument("--metric", help="the validation metric to compare (default: the first logged one with 'loss' "
+                     "in its name; without validation data: the training loss)")
+    direction = own.add_mutually_exclusive_group()
+    direction.add_argument("--higher-is-better", dest="higher_is_better", action="store_true", default=None,
+                           help="the metric is better when larger (default: from its name)")
+    direction.add_argument("--lower-is-better", dest="higher_is_better", action="store_false")
+    own.add_argument("--val-batches", type=_positive_int, default=8, help="validation batches per run")
+    p.add_argument("--goal", choices=GOALS, default="speed",
+                   help="what the recommendation optimizes among recipes whose metric stays within tolerance")
+    p.add_argument("--frameworks", nargs="+", choices=list(FRAMEWORKS), default=None,
+                   help="built-in model: the frameworks to run (default: both)")
     p.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), metavar="RECIPE",
                    help=f"any of {', '.join(RECIPE_NAMES)} (32-true is always run as the baseline)")
     p.add_argument("--steps", type=_positive_int, default=300)
-    p.add_argument("--batch-size", type=_positive_int, default=128)
-    p.add_argument("--hidden", type=_positive_int, default=512, help="MLP width")
-    p.add_argument("--depth", type=_positive_int, default=2, help="hidden layers")
-    p.add_argument("--lr", type=_positive_float, default=1e-3)
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="built-in model: 128; Keras arrays: the batch to cut them in; Lightning: set by your loader")
+    p.add_argument("--hidden", type=_positive_int, default=None, help="built-in MLP width (512)")
+    p.add_argument("--depth", type=_positive_int, default=None, help="built-in MLP hidden layers (2)")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="built-in model, or an uncompiled Keras model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_nonnegative_int, default=0, help="intra-op threads (0: framework default)")
     p.add_argument("--inject", type=int, nargs="*", default=[], metavar="STEP",
-                   help="steps whose loss is made inf, to show skip and recovery")
+                   help="built-in model: steps whose loss is made inf, to show skip and recovery")
     p.add_argument("--no-skip-nonfinite", action="store_true",
-                   help="let recipes without loss scaling apply non-finite steps (see the NaNs)")
+                   help="built-in model: let recipes without loss scaling apply non-finite steps (see the NaNs)")
     p.add_argument("--out", default="mp_report", help="report folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--in-process", action="store_true",

@@ -3,8 +3,9 @@
 The evaluation recipe of the source documents: same seed, same data, same
 steps and batch; record samples/s, step time, peak memory, final metric,
 overflow and skip counts, and the scale curve.  Framework runners live in the
-adapters (``mp_callbacks.app.lightning_runner``, ``mp_callbacks.app.keras_runner``) and return a
-:class:`RunResult`; this module orchestrates them and writes the report.
+app (``mp_callbacks.app.lightning_runner``, ``mp_callbacks.app.keras_runner``; a model of the user's:
+:mod:`mp_callbacks.app.own_model`) and return a :class:`RunResult`; :mod:`mp_callbacks.app.report`
+writes the table, the recommendation and the report.
 
 How it measures (the same for every run, so that no figure depends on run order: a fresh
 process per run, peak anonymous memory, the median of timed step windows) is
@@ -17,19 +18,24 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
-import os
+import math
+import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..diagnostics.metrics import History, plot
+from ..diagnostics.metrics import History
 from ..loss_scale.config import ScalerConfig
 from ..recipes import get_recipe
-from .fp8_report import report_lines as fp8_report_lines
-from .measurement import WARMUP_FRACTION, WINDOWS, step_timing
+from ..recommend import RunOutcome
+from .measurement import WARMUP_FRACTION, WINDOWS, can_isolate, run_isolated, step_timing
+
+__all__ = [
+    "FRAMEWORKS", "ModelSetupError", "ModelSpec", "PreparedData", "RunResult", "RunSpec", "WARMUP_FRACTION", "WINDOWS",
+    "accuracy_metric", "batch_indices", "can_isolate", "digits_data", "load_factory", "run_isolated", "runner",
+    "sample_weights", "scaler_for", "step_timing", "timing_fields",
+]
 
 FRAMEWORKS = {"lightning": "mp_callbacks.app.lightning_runner", "keras": "mp_callbacks.app.keras_runner"}
 
@@ -57,6 +63,102 @@ class RunSpec:
         if bad:
             raise ValueError(f"inject steps {bad} are outside [0, steps={self.steps})")
 
+    def setup_line(self) -> str:
+        """What every run shared, for the report."""
+        return (f"Same seed ({self.seed}), data (scikit-learn digits), {self.steps} steps of batch "
+                f"{self.batch_size}, MLP {self.depth}x{self.hidden}, AdamW lr {self.lr}; "
+                f"injected overflow steps: {list(self.inject) or 'none'}"
+                + (" (recipes without loss scaling skip non-finite steps at a static scale of 1)."
+                   if self.inject and self.skip_nonfinite else "."))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class ModelSetupError(ValueError):
+    """The factories do not give what a comparison needs (the message says what and how to fix it)."""
+
+
+def load_factory(text: str) -> Callable[..., Any]:
+    """``"pkg.module:name"`` -> the callable ``name`` of ``pkg.module`` (the current directory is importable)."""
+    module_name, sep, attr = text.partition(":")
+    if not sep or not module_name or not attr:
+        raise ModelSetupError(f"{text!r}: expected PKG.MODULE:FACTORY (e.g. examples.compare_hf_gpt2:make_module)")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    module = importlib.import_module(module_name)
+    try:
+        value = module
+        for part in attr.split("."):
+            value = getattr(value, part)
+    except AttributeError:
+        raise ModelSetupError(f"{text!r}: {module_name} has no attribute {attr!r}") from None
+    if not callable(value):
+        raise ModelSetupError(f"{text!r} is a {type(value).__name__}, not a function")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What every run of a user's model shares.
+
+    ``batch_size``: Keras array data only (cut into batches of this size; Lightning and datasets of
+    batches bring their own); ``metric``: the validation metric to compare (None: the first logged one
+    whose name has ``loss``; the training loss without validation data); ``higher_is_better``: its
+    direction (None: from its name); ``loss``/``lr``: an uncompiled Keras model's loss and AdamW rate;
+    ``monitor_every``: the monitor's sampling period (0: about 8 samples per run)."""
+
+    framework: str
+    model: str = ""
+    data: str | None = None
+    steps: int = 40
+    seed: int = 0
+    batch_size: int | None = None
+    val_batches: int = 8
+    metric: str | None = None
+    higher_is_better: bool | None = None
+    loss: str | None = None
+    lr: float = 1e-3
+    threads: int = 0
+    monitor_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            raise ModelSetupError(f"framework {self.framework!r}: valid are {', '.join(FRAMEWORKS)}")
+        for name in ("steps", "val_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ModelSetupError(f"{name}={value!r} must be an integer >= 1")
+
+    @property
+    def sample_every(self) -> int:
+        """The monitor's sampling period in steps."""
+        return self.monitor_every or max(2, self.steps // 8)
+
+    def setup_line(self) -> str:
+        """What every run shared, for the report."""
+        data = f"batches of {self.data}" if self.data else "batches of the model's own train_dataloader"
+        return (f"Model {self.model} ({self.framework}): every recipe starts from the same initial weights (made "
+                f"once, seed {self.seed}) and trains {self.steps} steps on the same {data}, in the same order; "
+                f"the monitor samples every {self.sample_every}th step (those steps are left out of the timing).")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class PreparedData:
+    """What a user's model comparison makes once and gives every run: the initial weights (FP32), the training
+    batches in order, the validation batches, the batch size and what the model is (:mod:`.own_model`)."""
+
+    description: str
+    initial: Any
+    train: list[Any]
+    val: list[Any]
+    batch_size: int
+    metric_label: str
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
 
 def scaler_for(recipe: str, spec: RunSpec) -> ScalerConfig | None:
     """The scaler a run uses: the recipe's own, except that with ``skip_nonfinite``
@@ -79,6 +181,11 @@ class RunResult:
     ``state_bytes_per_param`` is None when no optimizer step ran (every step skipped).
     ``control``: a second run of the baseline, made last (the report's noise figure).
     ``isolated``: whether the run had a process of its own.
+    ``metric``: the figure the recommendation compares (``metric_name``: a validation metric when the model
+    has one, else the final training loss), ``metric_se`` its standard error, ``higher_is_better`` its
+    direction; ``diagnostics``: mean ``update_swamped_frac`` / ``grad_underflow_frac`` /
+    ``fp8_saturated_frac`` over the sampled steps; ``error``: why the run failed (its first line; the
+    other figures are then NaN).
     """
 
     framework: str
@@ -98,7 +205,32 @@ class RunResult:
     step_windows_ms: tuple[float, ...] = ()
     control: bool = False
     isolated: bool = False
+    metric_name: str = "loss"
+    metric: float = float("nan")
+    metric_se: float = float("nan")
+    higher_is_better: bool = False
+    diagnostics: dict[str, float] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+    error_detail: str | None = dataclasses.field(default=None, repr=False)
     history: History = dataclasses.field(default_factory=History, repr=False)
+
+    @classmethod
+    def failure(cls, framework: str, recipe: str, error: str, detail: str | None = None) -> RunResult:
+        """A run that did not finish: ``error`` is the first line of why, ``detail`` the traceback."""
+        nan = float("nan")
+        return cls(framework=framework, recipe=recipe, params=0, samples_per_s=nan, step_time_ms=nan,
+                   peak_rss_mb=nan, state_bytes_per_param=None, estimate_bytes_per_param=nan, final_loss=nan,
+                   accuracy=nan, overflows=0, skipped=0, error=error, error_detail=detail)
+
+    def outcome(self) -> RunOutcome:
+        """What the recommendation rule reads (:class:`mp_callbacks.recommend.RunOutcome`)."""
+        spread = ((self.step_time_max_ms - self.step_time_min_ms) / self.step_time_ms
+                  if self.step_time_ms and self.error is None else None)
+        return RunOutcome(self.recipe, samples_per_s=self.samples_per_s, step_spread=spread,
+                          peak_mb=self.peak_rss_mb, bytes_per_param=self.state_bytes_per_param,
+                          metric=self.metric, metric_se=self.metric_se, overflows=self.overflows,
+                          skipped=self.skipped, control=self.control, error=self.error,
+                          diagnostics=dict(self.diagnostics))
 
     @property
     def label(self) -> str:
@@ -119,6 +251,7 @@ class RunResult:
     def row(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("history")
+        d.pop("error_detail")
         d["step_windows_ms"] = list(self.step_windows_ms)
         d["model_state_mb"], d["other_mb"] = self.model_state_mb, self.other_mb
         return d
@@ -129,6 +262,12 @@ def timing_fields(seconds: Sequence[float], batch_size: int) -> dict[str, Any]:
     t = step_timing(seconds)
     return {"samples_per_s": 1000 * batch_size / t.median_ms, "step_time_ms": t.median_ms,
             "step_time_min_ms": t.min_ms, "step_time_max_ms": t.max_ms, "step_windows_ms": t.windows_ms}
+
+
+def accuracy_metric(accuracy: float, samples: int) -> dict[str, Any]:
+    """The :class:`RunResult` metric fields of a test accuracy over ``samples`` (binomial standard error)."""
+    se = math.sqrt(max(accuracy * (1 - accuracy), 0.0) / samples) if samples else float("nan")
+    return {"metric_name": "accuracy", "metric": accuracy, "metric_se": se, "higher_is_better": True}
 
 
 def digits_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -165,123 +304,3 @@ def runner(framework: str) -> Callable[[str, RunSpec, Callable[[int], None] | No
     if framework not in FRAMEWORKS:
         raise ValueError(f"unknown framework {framework!r}; valid: {', '.join(FRAMEWORKS)}")
     return importlib.import_module(FRAMEWORKS[framework]).run
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def control_ratios(results: Sequence[RunResult]) -> dict[str, float]:
-    """``{framework: step time of its control run / its 32-true run}`` (1.0: no run-to-run noise)."""
-    base = {r.framework: r for r in results if r.recipe == "32-true" and not r.control}
-    return {r.framework: r.step_time_ms / base[r.framework].step_time_ms
-            for r in results if r.control and r.framework in base}
-
-
-def format_table(results: Sequence[RunResult]) -> str:
-    """The comparison table; speed-up and metric deltas are against each framework's ``32-true``.
-
-    ``step ms`` is the median timed window, ``min-max`` the fastest and slowest window; ``peak MB``
-    the run's peak memory above its start, split into ``state`` (weights, grads, masters, optimizer
-    state) and ``other``."""
-    base = {r.framework: r for r in results if r.recipe == "32-true" and not r.control}
-    head = (f"{'framework':<10} {'recipe':<13} {'samples/s':>9} {'speed-up':>8} {'step ms':>8} {'min-max':>15} "
-            f"{'peak MB':>8} {'state':>7} {'other':>7} {'B/param':>7} {'est.':>5} {'loss':>8} {'d loss':>8} "
-            f"{'acc':>6} {'d acc':>7} {'overfl.':>7} {'skipped':>7}")
-    lines = [head, "-" * len(head)]
-    for r in results:
-        b = base.get(r.framework)
-        speed = f"{r.samples_per_s / b.samples_per_s:.2f}x" if b else "-"
-        dloss = f"{r.final_loss - b.final_loss:+.4f}" if b else "-"
-        dacc = f"{r.accuracy - b.accuracy:+.3f}" if b else "-"
-        spread = f"{_ms(r.step_time_min_ms)}-{_ms(r.step_time_max_ms)}"
-        lines.append(
-            f"{r.framework:<10} {r.label:<13} {r.samples_per_s:>9.0f} {speed:>8} {_ms(r.step_time_ms):>8} "
-            f"{spread:>15} {r.peak_rss_mb:>8.1f} {_num(r.model_state_mb, '.1f'):>7} {_num(r.other_mb, '.1f'):>7} "
-            f"{_num(r.state_bytes_per_param, '.1f'):>7} {r.estimate_bytes_per_param:>5.0f} "
-            f"{r.final_loss:>8.4f} {dloss:>8} {r.accuracy:>6.3f} {dacc:>7} {r.overflows:>7} {r.skipped:>7}"
-        )
-    return "\n".join(lines)
-
-
-def _ms(value: float) -> str:
-    """A step time in ms with 3 significant digits at least (0.123, 1.23, 12.3 -> 12.30, 123.4)."""
-    if value != value:  # NaN
-        return "-"
-    return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 100 else f"{value:.1f}"
-
-
-TABLE_NOTES = (
-    "Speed-up, loss and accuracy deltas are against the same framework's `32-true`. "
-    "Each run had a process of its own (a fork of the CLI: nothing allocated by an earlier run is reused). "
-    "step ms: the median of {windows} consecutive timed windows (mean step in each) after the first "
-    "{warmup:.0%} of the steps; min-max: the fastest and slowest window. "
-    "32-true(ctl) is 32-true run again, last: its speed-up is the run-to-run noise of this machine, and its "
-    "memory equals 32-true's when the measurement does not depend on run order. "
-    "peak MB: peak anonymous resident memory above the run's start, split into state (weights, grads, masters, "
-    "optimizer state: the bytes held at the optimizer step, B/param x params) and other (activations, "
-    "temporaries, framework buffers). B/param is measured after the optimizer state exists (Lightning: the most "
-    "held when optimizer.step() starts and ends, over the first two applied steps; Keras: variables, masters and "
-    "slots, plus one gradient per variable); est. is the core's estimate."
-)
-
-
-def write_report(results: Sequence[RunResult], spec: RunSpec, out: str | os.PathLike[str],
-                 machine: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> Path:
-    """Markdown summary, JSONL histories, PNG plots and results.json under ``out``.
-
-    ``machine``: what the CLI found about the CPU (model, features, probe), written to results.json;
-    ``notes``: lines for the README (what the features mean per recipe)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = [r for r in results if not r.control]
-    for r in runs:
-        stem = f"{r.framework}_{r.recipe}"
-        r.history.to_jsonl(out / f"{stem}.jsonl")
-        if len(r.history):
-            plot(r.history, out / f"{stem}_scale.png", title=f"{r.framework} {r.recipe}")
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in runs:
-        xs = [s.step for s in r.history if s.loss is not None and np.isfinite(s.loss)]
-        ys = [s.loss for s in r.history if s.loss is not None and np.isfinite(s.loss)]
-        ax.plot(xs, ys, label=f"{r.framework} {r.recipe}", linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=100)
-    plt.close(fig)
-    (out / "results.json").write_text(json.dumps(
-        {"spec": dataclasses.asdict(spec), "machine": machine or {},
-         "timing": {"windows": WINDOWS, "warmup_fraction": WARMUP_FRACTION},
-         "control_step_time_ratio": control_ratios(results),
-         "results": [r.row() for r in results]}, indent=2))
-    md = [
-        "# Mixed-precision comparison", "",
-        f"Same seed ({spec.seed}), data (scikit-learn digits), {spec.steps} steps of batch "
-        f"{spec.batch_size}, MLP {spec.depth}x{spec.hidden}, AdamW lr {spec.lr}; "
-        f"injected overflow steps: {list(spec.inject) or 'none'}"
-        + (" (recipes without loss scaling skip non-finite steps at a static scale of 1)."
-           if spec.inject and spec.skip_nonfinite else "."), "",
-    ]
-    if machine and machine.get("cpu"):
-        md += [f"CPU: {machine['cpu']}", ""]
-    if notes:
-        md += ["```", *notes, "```", ""]
-    md += [
-        "```", format_table(results), "```", "",
-        TABLE_NOTES.format(windows=WINDOWS, warmup=WARMUP_FRACTION), "",
-        "![loss curves](loss_curves.png)", "",
-    ]
-    for r in runs:
-        if len(r.history):
-            md += [f"## {r.framework} {r.recipe}", "", f"![scale]({r.framework}_{r.recipe}_scale.png)", ""]
-    md += fp8_report_lines(runs, out)  # fp8-mixed runs: per-tensor FP8 rows and scale plots
-    (out / "README.md").write_text("\n".join(md))
-    return out

@@ -57,7 +57,16 @@ from keras_ext.optimizer import LossScaleOptimizer, master_optimizer
 from ..diagnostics.metrics import History, StepStats
 from ..memory.estimate import estimate_memory, is_optimizer_state
 from ..recipes import get_recipe
-from .compare import RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields
+from .compare import (
+    RunResult,
+    RunSpec,
+    accuracy_metric,
+    batch_indices,
+    digits_data,
+    sample_weights,
+    scaler_for,
+    timing_fields,
+)
 from .fp8_report import FP8_SAMPLE_EVERY
 from .measurement import PeakRSS
 
@@ -273,6 +282,6 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
         **timing_fields(recorder.times, spec.batch_size), peak_rss_mb=rss.peak_mb,
         state_bytes_per_param=state_bytes(model, opt) / n_params,
         estimate_bytes_per_param=estimate.bytes_per_param,
-        final_loss=float(np.mean(tail)), accuracy=accuracy,
+        final_loss=float(np.mean(tail)), accuracy=accuracy, **accuracy_metric(accuracy, len(y_te)),
         overflows=opt.overflows, skipped=opt.skipped, history=recorder.history,
     )

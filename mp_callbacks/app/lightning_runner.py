@@ -25,7 +25,16 @@ from lightning_ext.plugin import MixedPrecision
 from ..diagnostics.metrics import History, StepStats
 from ..memory.estimate import estimate_memory
 from ..recipes import get_recipe
-from .compare import RunResult, RunSpec, batch_indices, digits_data, sample_weights, scaler_for, timing_fields
+from .compare import (
+    RunResult,
+    RunSpec,
+    accuracy_metric,
+    batch_indices,
+    digits_data,
+    sample_weights,
+    scaler_for,
+    timing_fields,
+)
 from .fp8_report import FP8_SAMPLE_EVERY
 from .measurement import PeakRSS
 
@@ -139,7 +148,8 @@ class _Recorder(pl.Callback):
 
     clocked = False  # True when a _Clock placed before other callbacks starts the step's timer
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if not self.clocked:
             self._t0, self._c0 = time.perf_counter(), time.process_time()
         fp8 = getattr(self.plugin, "fp8", None)
@@ -268,6 +278,6 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
         **timing_fields(recorder.times, spec.batch_size), peak_rss_mb=rss.peak_mb,
         state_bytes_per_param=None if recorder.state_bytes is None else recorder.state_bytes / n_params,
         estimate_bytes_per_param=estimate.bytes_per_param,
-        final_loss=float(np.mean(tail)), accuracy=accuracy,
+        final_loss=float(np.mean(tail)), accuracy=accuracy, **accuracy_metric(accuracy, len(y_te)),
         overflows=view.overflows, skipped=view.skipped, history=recorder.history,
     )

@@ -80,3 +80,43 @@ def recipe_notes(found: dict[str, bool], slowdown: dict[str, float] | None = Non
     lines.append("  float32 (32-true, and every FP32 region): FMA" + (" with AVX-512" if found.get("avx512f") else
                                                                        " with AVX2" if found.get("avx2") else ""))
     return lines
+
+
+def slowdown_notes(found: dict[str, bool]) -> dict[str, str]:
+    """``{recipe: why it may be slow here}`` for the recipes whose compute dtype has no native matmul kernel
+    on this CPU (nothing when the features are unknown)."""
+    if not any(found.values()):
+        return {}
+    groups = {**RECIPE_GROUPS, "bfloat16": (*RECIPE_GROUPS["bfloat16"], "fp8-mixed")}  # fp8-mixed: bf16 elsewhere
+    return {recipe: f"no native {dtype} matmul on this CPU" for dtype, recipes in groups.items()
+            if native_kernel(dtype, found) == "none" for recipe in recipes}
+
+
+def matmul_slowdown(n: int = 256, repeats: int = 3) -> dict[str, float]:
+    """``{dtype: time of an n x n matmul / float32's}`` for float16 and bfloat16 with torch (one thread);
+    empty when torch is not installed."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return {}
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = {}
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            a = torch.randn(n, n).to(dtype)
+            a @ a  # warm-up
+            start = time.perf_counter()
+            for _ in range(repeats):
+                a @ a
+            times[str(dtype).replace("torch.", "")] = (time.perf_counter() - start) / repeats
+    finally:
+        torch.set_num_threads(threads)
+    return {k: v / times["float32"] for k, v in times.items() if k != "float32"}
+
+
+def matmul_probe(progress: object = None) -> dict[str, float]:
+    """:func:`matmul_slowdown` with the signature :func:`~mp_callbacks.app.measurement.run_isolated` calls."""
+    return matmul_slowdown()

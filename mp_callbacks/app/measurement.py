@@ -1,7 +1,7 @@
 """How ``mpx compare`` measures a run: step-time windows, peak anonymous memory, a process per run.
 
-Framework-free and shared by both runners (:mod:`mp_callbacks.app.lightning_runner`, :mod:`mp_callbacks.app.keras_runner`) and
-the benchmarks; :mod:`mp_callbacks.app.compare` re-exports everything here.
+Framework-free and shared by both runners (:mod:`mp_callbacks.app.lightning_runner`,
+:mod:`mp_callbacks.app.keras_runner`) and the benchmarks; :mod:`mp_callbacks.app.compare` re-exports everything here.
 
 How it measures (the same for every run, so that no figure depends on run order):
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import re
 import statistics
 import sys
 import threading
@@ -112,6 +113,29 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_WRAPPER = re.compile(r"^Exception encountered when calling .*\.$")  # Keras' wrapper line: the cause follows
+
+
+def error_summary(exc: BaseException) -> str:
+    """``Type: first line of the message`` (Keras' "Exception encountered when calling X" wrapper line gets
+    the next non-empty line, its cause, appended)."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if _WRAPPER.match(text) and len(lines) > 1:
+        text = f"{text[:-1]}: {lines[1]}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class IsolatedRunError(RuntimeError):
+    """A run in a child process raised (``summary``: :func:`error_summary` of the child's exception,
+    ``detail``: its traceback) or died without a result."""
+
+    def __init__(self, message: str, summary: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.summary, self.detail = summary, detail
+
+
 def can_isolate() -> bool:
     """Whether :func:`run_isolated` gives each run a process of its own (POSIX fork, not macOS)."""
     return hasattr(os, "fork") and sys.platform != "darwin"
@@ -123,7 +147,7 @@ def run_isolated(fn: Callable[..., Any], *args: Any, progress: Callable[[int], N
     The child starts from the caller's memory (frameworks imported, nothing run: the caller must not
     have started thread pools) and leaves with ``os._exit``, so nothing it allocated or cached reaches
     the next run.  ``progress(n)`` calls are forwarded to the caller's ``progress``.  An exception in
-    the child is raised here as ``RuntimeError`` with the child's traceback.  Without fork
+    the child is raised here as :class:`IsolatedRunError` (a ``RuntimeError``) with the child's traceback.  Without fork
     (:func:`can_isolate` false) it runs ``fn`` in this process.
     """
     if not can_isolate():
@@ -140,8 +164,8 @@ def run_isolated(fn: Callable[..., Any], *args: Any, progress: Callable[[int], N
                     out.flush()
                 try:
                     message: tuple[str, Any] = ("result", fn(*args, send))
-                except BaseException:  # noqa: BLE001 - everything goes back to the parent
-                    message = ("error", traceback.format_exc())
+                except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+                    message = ("error", (error_summary(exc), traceback.format_exc()))
                 pickle.dump(message, out)
         except BaseException:  # noqa: BLE001 - the pipe is gone: nothing to report to
             code = 1
@@ -164,8 +188,9 @@ def run_isolated(fn: Callable[..., Any], *args: Any, progress: Callable[[int], N
                 result = (kind, value)
     _, status = os.waitpid(pid, 0)
     if result is None:
-        raise RuntimeError(f"the isolated run {getattr(fn, '__qualname__', fn)}{args!r} died "
-                           f"(wait status {status}) without a result")
+        died = f"the run's process died (wait status {status}) without a result"
+        raise IsolatedRunError(f"the isolated run {getattr(fn, '__qualname__', fn)}: {died}", died)
     if result[0] == "error":
-        raise RuntimeError(f"the isolated run failed:\n{result[1]}")
+        summary, detail = result[1]
+        raise IsolatedRunError(f"the isolated run failed:\n{detail}", summary, detail)
     return result[1]

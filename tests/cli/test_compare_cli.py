@@ -13,6 +13,7 @@ from mp_callbacks.recipes import RECIPE_NAMES
 
 from .baseline import check_against_baseline, check_baseline
 
+pytestmark = pytest.mark.xdist_group("compare_cli")  # meant to run the report fixture once under loadgroup
 ROOT = Path(__file__).resolve().parents[2]
 # Small, but long enough to learn (lr 1e-2: the 32-true runs reach ~0.8 accuracy), so that the
 # recipes can be compared with the 32-true row.  Steps cost ~2 ms; the run is dominated by imports.
@@ -182,6 +183,20 @@ def test_history_records_the_skip(report):
             assert steps[INJECT + 1]["scale"] == 2.0**15, (fw, recipe)
         else:  # no loss scaling: a static scale of 1 that still skips non-finite steps
             assert {s["scale"] for s in steps} == {1.0}, (fw, recipe)
+
+
+def test_the_report_ends_with_a_recommendation_per_framework(report, results):
+    """The built-in model's metric is its test accuracy (higher is better, binomial standard error)."""
+    out, stdout = report
+    data, results = results
+    for fw in FRAMEWORKS:
+        rec = data["recommendation"][fw]
+        assert rec["recipe"] in RECIPE_NAMES and rec["metric_name"] == "accuracy" and rec["goal"] == "speed"
+        assert rec["reason"].startswith(f"{rec['recipe']}: ") and rec["tolerance"] > 0
+        assert results[(fw, "32-true")]["higher_is_better"] is True
+    readme = (out / "README.md").read_text()
+    assert "## Recommendation" in readme and "lightning:" in readme and "keras:" in readme
+    assert "Recommended (speed): " in stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -9,6 +9,7 @@ import pytest
 
 from mp_callbacks.app import compare as mc
 from mp_callbacks.app.machine import FEATURES, features, native_kernel, recipe_notes
+from mp_callbacks.app.report import format_table
 
 
 def test_step_timing_leaves_out_the_warm_up_and_reports_windows():
@@ -93,4 +94,4 @@ def test_lightning_bytes_per_param_when_no_step_was_applied():
 
     result = lc.run("bf16-master", mc.RunSpec(steps=1, batch_size=8, hidden=8, depth=1, inject=(0,)))
     assert result.skipped == 1 and result.state_bytes_per_param is None and result.row()["model_state_mb"] is None
-    assert "-" in mc.format_table([result]).splitlines()[-1].split()  # printed as not measured
+    assert "-" in format_table([result]).splitlines()[-1].split()  # printed as not measured

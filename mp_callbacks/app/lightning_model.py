@@ -1,0 +1,217 @@
+"""Lightning side of ``mpx compare --lightning``: the user's ``LightningModule`` under one recipe.
+
+:func:`prepare` (once, in a child process): the module built by the factory (seeded, FP32), its
+``state_dict`` as the initial weights, the first ``steps`` training batches of the datamodule's (or the
+module's own) ``train_dataloader`` and up to ``val_batches`` validation batches.  :func:`run` (once per
+recipe, in a process of its own): a fresh module from the factory with those weights loaded, trained
+by ``Trainer`` with :class:`lightning_ext.MixedPrecision` on the prepared batches in order, with
+:class:`lightning_ext.MixedPrecisionMonitor` sampling the diagnostics, then validated on the prepared
+validation batches (the metric the module logs in ``validation_step``).  Any exception becomes a
+failed :class:`~mp_callbacks.app.compare.RunResult`.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor
+
+from ..diagnostics.metrics import FP8_SATURATED_FRAC, FP8_UNDERFLOW_FRAC
+from ..memory.estimate import estimate_memory, optimizer_kind
+from ..recipes import get_recipe
+from ..recommend import higher_is_better
+from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, timing_fields
+from .lightning_runner import _Batches, _Clock, _Recorder
+from .measurement import PeakRSS, error_summary
+
+__all__ = ["prepare", "run"]
+
+
+def _overrides(module: pl.LightningModule, hook: str) -> bool:
+    return getattr(type(module), hook, None) is not getattr(pl.LightningModule, hook)
+
+
+def _take(loader: Any, n: int, cycle: bool) -> list[Any]:
+    """The first ``n`` batches of ``loader`` (iterated again when it has fewer and ``cycle``)."""
+    batches: list[Any] = []
+    while len(batches) < n:
+        before = len(batches)
+        for batch in loader:
+            batches.append(batch)
+            if len(batches) == n:
+                break
+        if len(batches) == before or not cycle:
+            break
+    return batches
+
+
+def batch_size_of(batch: Any) -> int:
+    """The leading size of the first tensor in ``batch`` (a tensor, or tuples/lists/dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        size = batch_size_of(item)
+        if size:
+            return size
+    return 0
+
+
+def _loaders(module: pl.LightningModule, datamodule: Any) -> tuple[Any, Any]:
+    """``(train loader, validation loader or None)`` of the datamodule, else of the module itself."""
+    source = datamodule if datamodule is not None else module
+    if datamodule is not None:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+    if not _overrides(source, "train_dataloader") and not hasattr(type(source), "train_dataloader"):
+        raise ModelSetupError(f"{type(source).__name__} has no train_dataloader: pass --datamodule")
+    try:
+        train = source.train_dataloader()
+    except Exception as exc:  # noqa: BLE001 - Lightning's default hook raises when it is not implemented
+        raise ModelSetupError(f"{type(source).__name__}.train_dataloader(): {error_summary(exc)}; "
+                              "give a datamodule") from exc
+    val = None
+    if _overrides(module, "validation_step"):
+        try:
+            val = source.val_dataloader()
+        except Exception:  # noqa: BLE001 - no validation loader: the training loss is the metric
+            val = None
+    return train, val
+
+
+def prepare(make_module: Callable[[], Any], make_datamodule: Callable[[], Any] | None, spec: ModelSpec,
+            progress: Any = None) -> PreparedData:
+    """The initial weights and the batches every run shares (see the module docstring)."""
+    pl.seed_everything(spec.seed, verbose=False)
+    module = make_module()
+    if not isinstance(module, pl.LightningModule):
+        raise ModelSetupError(f"{spec.model} returned a {type(module).__name__!r} object, not a LightningModule")
+    datamodule = make_datamodule() if make_datamodule is not None else None
+    if datamodule is not None and not isinstance(datamodule, pl.LightningDataModule):
+        raise ModelSetupError(f"{spec.data} returned a {type(datamodule).__name__!r} object, not a LightningDataModule")
+    train_loader, val_loader = _loaders(module, datamodule)
+    train = _take(train_loader, spec.steps, cycle=True)
+    if len(train) < spec.steps:
+        raise ModelSetupError(f"the train_dataloader gave {len(train)} batches; {spec.steps} steps need more")
+    val = _take(val_loader, spec.val_batches, cycle=False) if val_loader is not None else []
+    params = sum(p.numel() for p in module.parameters())
+    metric = (spec.metric or "the first validation metric with 'loss' in its name") if val else "training loss"
+    return PreparedData(
+        description=f"{type(module).__name__} ({params:,} parameters)",
+        initial={k: v.detach().clone() for k, v in module.state_dict().items()},
+        train=train, val=val, batch_size=batch_size_of(train[0]), metric_label=metric)
+
+
+class _LogCapture:
+    """Wraps ``module.log`` to keep every value logged while validating (per batch, for the standard error)."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self.values: dict[str, list[float]] = {}
+        self.module, self.original = module, module.log
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+            trainer = module._trainer
+            if trainer is not None and trainer.validating:
+                try:
+                    self.values.setdefault(name, []).append(float(value))
+                except (TypeError, ValueError):
+                    pass
+            return self.original(name, value, *args, **kwargs)
+
+        module.log = log  # type: ignore[method-assign]
+
+
+def _pick_metric(names: list[str], wanted: str | None) -> str:
+    if wanted is not None:
+        if wanted not in names:
+            raise ModelSetupError(f"metric {wanted!r} was not logged in validation_step; logged: {names}")
+        return wanted
+    return next((n for n in names if "loss" in n.lower()), names[0])
+
+
+def _se(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.std(finite, ddof=1) / math.sqrt(len(finite))) if len(finite) > 1 else float("nan")
+
+
+def _mean(values: list[Any]) -> float | None:
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return float(np.mean(finite)) if finite else None
+
+
+def run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, spec: ModelSpec,
+        progress: Callable[[int], None] | None = None) -> RunResult:
+    """Train the prepared module under ``recipe`` and measure it; a failure is a failed result."""
+    try:
+        return _run(recipe, make_module, prepared, spec, progress)
+    except Exception as exc:  # noqa: BLE001 - a failed run is a row of the report
+        return RunResult.failure("lightning", get_recipe(recipe).name, error_summary(exc), traceback.format_exc())
+
+
+def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, spec: ModelSpec,
+         progress: Callable[[int], None] | None) -> RunResult:
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    name = get_recipe(recipe).name
+    pl.seed_everything(spec.seed, verbose=False)
+    module = make_module()
+    module.load_state_dict(prepared.initial)
+    plugin = MixedPrecision(name, "cpu", count_overflows=True)
+    every = spec.sample_every
+    monitor = MixedPrecisionMonitor(log_every_n_steps=every, log_memory=False)
+    recorder = _Recorder(plugin, spec.steps, progress)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_steps=spec.steps, max_epochs=1,
+                         callbacks=[_Clock(recorder), monitor, recorder], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0)
+    with PeakRSS() as rss:
+        trainer.fit(module, train_dataloaders=DataLoader(_Batches(prepared.train), batch_size=None))
+    losses = [s.loss for s in recorder.history if s.loss is not None and math.isfinite(s.loss)]
+    tail = losses[-10:] or [float("nan")]
+    metric_name, metric, metric_se = "loss", float(np.mean(tail)), _se(tail)
+    if prepared.val:
+        capture = _LogCapture(module)
+        trainer.limit_val_batches = len(prepared.val)
+        logged = trainer.validate(module, dataloaders=DataLoader(_Batches(prepared.val), batch_size=None),
+                                  verbose=False)
+        names = sorted(logged[0]) if logged and logged[0] else []
+        if names:
+            metric_name = _pick_metric(names, spec.metric)
+            metric, metric_se = float(logged[0][metric_name]), _se(capture.values.get(metric_name, []))
+    higher = spec.higher_is_better if spec.higher_is_better is not None else bool(higher_is_better(metric_name))
+    raw = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
+    n_params = sum(p.numel() for p in module.parameters())
+    storage = [(p.numel(), str(p.dtype).replace("torch.", "")) for p in module.parameters()]
+    momentum = raw.param_groups[0].get("momentum", 0) if raw.param_groups else 0
+    try:
+        estimate = estimate_memory(get_recipe(name).master, optimizer_kind(type(raw).__name__, momentum), storage,
+                                   fp32_master_grads=True, weights_released=plugin.free_weights_during_step
+                                   ).bytes_per_param
+    except ValueError:  # an optimizer the estimate does not know
+        estimate = float("nan")
+    times = [t for b, t in enumerate(recorder.times) if (b + 1) % every] or recorder.times  # monitor steps out
+    diagnostics = {
+        "update_swamped_frac": _mean([s.update_swamped_frac for s in monitor.history]),
+        "grad_underflow_frac": _mean([s.grad_underflow_frac for s in monitor.history]),
+        "fp8_saturated_frac": _mean([s.fp8.get(FP8_SATURATED_FRAC) for s in recorder.history if s.fp8]),
+        "fp8_underflow_frac": _mean([s.fp8.get(FP8_UNDERFLOW_FRAC) for s in recorder.history if s.fp8]),
+        "low_precision_params": sum(n for n, dtype in storage if dtype != "float32") / n_params,
+    }
+    view = plugin.loss_scaler
+    return RunResult(
+        framework="lightning", recipe=name, params=n_params, **timing_fields(times, prepared.batch_size),
+        peak_rss_mb=rss.peak_mb,
+        state_bytes_per_param=None if recorder.state_bytes is None else recorder.state_bytes / n_params,
+        estimate_bytes_per_param=estimate, final_loss=float(np.mean(tail)), accuracy=float("nan"),
+        overflows=view.overflows, skipped=view.skipped, history=recorder.history, metric_name=metric_name,
+        metric=metric, metric_se=metric_se, higher_is_better=higher,
+        diagnostics={k: v for k, v in diagnostics.items() if v is not None},
+    )
