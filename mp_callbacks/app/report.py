@@ -21,6 +21,7 @@ from ..diagnostics.metrics import plot
 from ..recommend import MEMORY_NOISE_FLOOR_MB, SPEED_TIE_MAX, STANDARD_ERRORS, Recommendation, recommend
 from .compare import RunResult
 from .fp8_report import report_lines as fp8_report_lines
+from .html_report import write_html_report
 from .measurement import WARMUP_FRACTION, WINDOWS
 
 
@@ -203,6 +204,7 @@ def write_report(results: Sequence[RunResult], spec: ReportSpec, out: str | os.P
         md += ["## Recommendation", "", "```", *recommendation_lines(recommended), "```", "",
                RULE_NOTE, ""]
     (out / "README.md").write_text("\n".join(md))
+    write_html_report(results, spec, out, machine=machine, notes=notes)  # index.html: the same, for a browser
     return out
 
 
