@@ -13,8 +13,9 @@ import re
 import numpy as np
 import pytest
 
-from mp_callbacks.app.compare import RunResult, RunSpec, write_report
+from mp_callbacks.app.compare import RunResult, RunSpec
 from mp_callbacks.app.html_report import loss_series, table_rows, write_html_report
+from mp_callbacks.app.report import write_report
 from mp_callbacks.diagnostics.metrics import (
     FP8_AMAX,
     FP8_SATURATED_FRAC,
