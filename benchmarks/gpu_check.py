@@ -251,7 +251,8 @@ def fmt(v: Any, spec: str = ".3f") -> str:
 
 
 def ratio_md(title: str, data: dict[str, Any]) -> list[str]:
-    lines = [title, "", "| ours | native | ours/native step time | min-max | control | target |", "|---|---|---|---|---|---|"]
+    lines = [title, "", "| ours | native | ours/native step time | min-max | control | target |",
+             "|---|---|---|---|---|---|"]
     for r in data["ratios"]:
         c = r.get("control")
         ctl = f"{fmt(c['median'])} ({fmt(c['min'])}-{fmt(c['max'])})" if c else "-"
@@ -267,19 +268,26 @@ def ratio_md(title: str, data: dict[str, Any]) -> list[str]:
 def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown tables (the same figures as the JSON)."""
     m = report["machine"]
-    dev = f"{m.get('gpu')} (sm {m.get('capability')}, {m.get('gpu_memory_gb')} GB)" if m["device"] == "cuda" else "CPU dry run"
+    dev = (f"{m.get('gpu')} (sm {m.get('capability')}, {m.get('gpu_memory_gb')} GB)" if m["device"] == "cuda"
+           else "CPU dry run")
     out = [f"# GPU check: {dev}", "",
-           f"{m['date']}; python {m['python']}, torch {m['torch']} (CUDA {m['torch_cuda']}), lightning {m['lightning']}, "
-           f"transformers {m['transformers']}; wall {fmt(report.get('wall_s'), '.0f')} s of a {report['budget_s']:.0f} s budget", ""]
+           f"{m['date']}; python {m['python']}, torch {m['torch']} (CUDA {m['torch_cuda']}), "
+           f"lightning {m['lightning']}, transformers {m['transformers']}; "
+           f"wall {fmt(report.get('wall_s'), '.0f')} s of a {report['budget_s']:.0f} s budget", ""]
     p = report.get("pytest") or {}
-    out += [f"**pytest -m cuda tests/cuda**: {p.get('status')}; {p.get('passed', '-')} passed, {p.get('failures', '-')} failed, "
+    out += [f"**pytest -m cuda tests/cuda**: {p.get('status')}; {p.get('passed', '-')} passed, "
+            f"{p.get('failures', '-')} failed, "
             f"{p.get('errors', '-')} errors, {p.get('skipped', '-')} skipped ({fmt(p.get('seconds'), '.0f')} s)", ""]
     rows = report.get("bytes_per_param")
     if rows:
         out += ["## Model-state bytes/param at the optimizer step (AdamW)", "",
                 "| recipe | CUDA allocator | storages held | estimate_memory | FP32 params |", "|---|---|---|---|---|"]
-        out += [f"| {r['recipe']} | {fmt(r['allocated_bytes_per_param'], '.2f') if r['allocated_bytes_per_param'] is not None else NO_CUDA} | "
-                f"{fmt(r['held_bytes_per_param'], '.2f')} | {fmt(r['estimate_bytes_per_param'], '.2f')} | {r['fp32_params']} |"
+        def allocated(r: dict[str, Any]) -> str:
+            value = r["allocated_bytes_per_param"]
+            return fmt(value, ".2f") if value is not None else NO_CUDA
+
+        out += [f"| {r['recipe']} | {allocated(r)} | {fmt(r['held_bytes_per_param'], '.2f')} | "
+                f"{fmt(r['estimate_bytes_per_param'], '.2f')} | {r['fp32_params']} |"
                 for r in rows]
         out.append("")
     g = report.get("gpt2")
@@ -293,7 +301,8 @@ def markdown(report: dict[str, Any]) -> str:
             ctl = f"{fmt(c['median'])} ({fmt(c['min'])}-{fmt(c['max'])})" if c else "-"
             out.append(f"| {r['recipe']} | {fmt(r['ours_steps_per_s'], '.2f')} | {r['native']} | "
                        f"{fmt(r['native_steps_per_s'], '.2f')} | {fmt(r['step_time_ratio'])} ({fmt(r['ratio_min'])}-"
-                       f"{fmt(r['ratio_max'])}) | {ctl} | {fmt(r['ours_peak_mb'], '.0f')} | {fmt(r['native_peak_mb'], '.0f')} |")
+                       f"{fmt(r['ratio_max'])}) | {ctl} | {fmt(r['ours_peak_mb'], '.0f')} | "
+                       f"{fmt(r['native_peak_mb'], '.0f')} |")
         out.append("")
     lin = report.get("linear_fp8")
     if lin:
@@ -305,7 +314,8 @@ def markdown(report: dict[str, Any]) -> str:
         if report.get(key):
             out += [f"## {title}", ""] + [f"- {line}" for line in report[key]] + [""]
     if report.get("errors"):
-        out += ["## Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in report["errors"].items()] + [""]
+        out += ["## Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`"
+                                    for k, v in report["errors"].items()] + [""]
     return "\n".join(out)
 
 
@@ -315,11 +325,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU; CUDA parts skipped")
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall seconds before no round is added")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="most alternating rounds per timed section (default 5, fewer when the budget runs out; 1 with --cpu-dry-run)")
+                        help="most alternating rounds per timed section (default 5, fewer when the budget "
+                             "runs out; 1 with --cpu-dry-run)")
     parser.add_argument("--batch", type=int, default=None, help="GPT batch (default 16 on CUDA)")
     parser.add_argument("--pytest-timeout", type=float, default=150.0)
-    parser.add_argument("--no-hf", action="store_true", help="the built-in GPT twin even where transformers is installed")
-    parser.add_argument("--wheels", type=Path, nargs="*", default=[REPO / "shared" / "wheels", REPO / "benchmarks" / "wheels"])
+    parser.add_argument("--no-hf", action="store_true",
+                        help="the built-in GPT twin even where transformers is installed")
+    parser.add_argument("--wheels", type=Path, nargs="*",
+                        default=[REPO / "shared" / "wheels", REPO / "benchmarks" / "wheels"])
     return parser.parse_args(argv)
 
 

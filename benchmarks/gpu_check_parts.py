@@ -166,7 +166,8 @@ class _Window(pl.Callback):
             self.seconds = time.perf_counter() - self.t0
 
 
-def fit(plugin: Any, module: pl.LightningModule, batches: list, device: str, callbacks: Iterable[Any] = ()) -> pl.Trainer:
+def fit(plugin: Any, module: pl.LightningModule, batches: list, device: str,
+        callbacks: Iterable[Any] = ()) -> pl.Trainer:
     """``len(batches)`` steps of ``module`` under ``plugin`` on one ``device``, quiet."""
     trainer = pl.Trainer(accelerator=device, devices=1, plugins=[plugin], max_steps=len(batches), max_epochs=1,
                          callbacks=list(callbacks), logger=False, enable_checkpointing=False,
@@ -184,7 +185,8 @@ def release(device: str) -> None:
 
 
 def timed_variant(name: str, make_module: Callable[[], pl.LightningModule], batches: list, warmup: int,
-                  device: str, peaks: dict[str, list[tuple[float, float]]], errors: dict[str, str]) -> Callable[[], float]:
+                  device: str, peaks: dict[str, list[tuple[float, float]]],
+                  errors: dict[str, str]) -> Callable[[], float]:
     """A variant for ``common.alternate``: one fit, its seconds per timed step.  On CUDA its peak allocated MB
     (``torch.cuda.max_memory_allocated``) and the MB still allocated when it started (what earlier fits
     left; ~0 expected) go to ``peaks[name]``.  A fit that raises gives NaN and its error in
@@ -211,7 +213,8 @@ def timed_variant(name: str, make_module: Callable[[], pl.LightningModule], batc
     return once
 
 
-def rounds_within(variants: dict[str, Callable[[], float]], rounds: int, deadline: float) -> tuple[dict[str, list[float]], int]:
+def rounds_within(variants: dict[str, Callable[[], float]], rounds: int,
+                  deadline: float) -> tuple[dict[str, list[float]], int]:
     """Up to ``rounds`` rounds of ``common.alternate`` (A B C, then C B A, ...), stopping before a round
     that would end after ``deadline`` (``time.monotonic()``); at least one round runs."""
     times: dict[str, list[float]] = {n: [] for n in variants}
