@@ -42,25 +42,22 @@ in the cross-replica context; Keras 3's own optimizer checks per replica.
 """
 
 from .checkpoint import export_fp32, fp32_values, resume, save_model, save_weights
+from .forward_state import restore_on_skip
+from .global_policy import get_global_policy, get_global_recipe, resolve_policy, set_global_policy
+from .loading import SavedFileError, load_model, load_weights
 from .monitor import MixedPrecisionMonitor
 from .ops import KERAS_OPS, KerasOps
 from .optimizer import LossScaleOptimizer, master_optimizer
-from .policy import (
-    apply_policy,
-    get_global_policy,
-    get_global_recipe,
-    keras_dtype_policy,
-    layer_dtype_policies,
-    policy_report,
-    resolve_policy,
-    set_global_policy,
-)
+from .plan import keras_dtype_policy
+from .policy import apply_policy, layer_dtype_policies
+from .report import low_precision_share, policy_report
 
 __all__ = [
     "KERAS_OPS",
     "KerasOps",
     "LossScaleOptimizer",
     "MixedPrecisionMonitor",
+    "SavedFileError",
     "apply_policy",
     "export_fp32",
     "fp32_values",
@@ -68,9 +65,13 @@ __all__ = [
     "get_global_recipe",
     "keras_dtype_policy",
     "layer_dtype_policies",
+    "load_model",
+    "load_weights",
+    "low_precision_share",
     "master_optimizer",
     "policy_report",
     "resolve_policy",
+    "restore_on_skip",
     "resume",
     "save_model",
     "save_weights",
