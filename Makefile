@@ -13,8 +13,9 @@ QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || 
 $(STAMP): requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-test.txt $(QUIET)
+	sed -n 's/^# no-deps: //p' requirements-test.txt | xargs -r $(PY) -m pip install -q --no-deps $(QUIET)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . $(QUIET)
-	$(PY) -c "import torch, lightning, keras, tensorflow, mp_callbacks"
+	$(PY) -c "import torch, lightning, keras, tensorflow, keras_hub, mp_callbacks"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -97,10 +97,12 @@ def enable_fp8(layer: Any, recipe: FP8Recipe) -> Any:
     :func:`install` does to the low-precision ones; the side-by-side test uses it under ``float32``)."""
     if not _is_fp8_layer_class(layer):
         raise TypeError(f"FP8 matmuls are for Dense and EinsumDense layers, not {type(layer).__name__}")
+    if not isinstance(resolved_policy(layer), FP8Policy):  # saved with the layer (keras_ext.load_model)
+        layer.dtype_policy = FP8Policy(resolved_policy(layer).name, fp8=fp8_recipe_of(layer).to_dict()
+                                       if getattr(layer, _ATTR, None) is not None else recipe.to_dict())
     if getattr(layer, _ATTR, None) is not None:
         return layer
     object.__setattr__(layer, _ATTR, _LayerFP8(recipe))
-    layer.dtype_policy = FP8Policy(resolved_policy(layer).name, fp8=recipe.to_dict())  # saved with the layer
     if layer.built:
         _build_variables(layer)
     else:

@@ -38,11 +38,12 @@ from mp_callbacks.policy import PolicyError, PrecisionPolicy
 from mp_callbacks.recipes import Recipe
 
 from .casts import install_casts
+from .fp8 import install as install_fp8
 from .global_policy import RECIPE_ATTR, core_policy, resolve_policy
 from .guard import guard_compile
 from .layers import children, is_graph, own_variables, resolved_policy, walk
 from .plan import MATMUL_LAYERS, LayerPlan, make_plan
-from .policy_map import MODEL_OUTPUT, PolicyMap
+from .policy_map import MODEL_OUTPUT, FP8Policy, PolicyMap
 from .rebuild import has_own_constructor, is_clonable, rebuilt
 
 __all__ = ["apply_policy", "layer_dtype_policies", "owners"]
@@ -106,11 +107,9 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     for row in plan:
         _set_own_policy(row.layer, row.keras_policy)
         _set_model_output(row.layer, row.outputs if row.parent is None else None)
-    _install_owner_maps(model)
     if recipe is not None and recipe.fp8 is not None:
-        from .fp8 import install
-
-        install(model, recipe.fp8)
+        install_fp8(model, recipe.fp8)
+    _install_owner_maps(model)
     install_casts(model)
     _warn_if_nothing_low(plan, core)
     return guard_compile(model, recipe)
@@ -125,12 +124,14 @@ def _set_own_policy(layer: Any, kp: Any) -> None:
 
 
 def owners(model: Any) -> list[Any]:
-    """The layers whose config Keras saves and that build their sublayers themselves: keras_hub backbones
-    (graph models with a constructor of their own) and composites that a graph model connects."""
+    """The layers whose config Keras saves and that build their sublayers themselves (keras_hub backbones:
+    graph models with a constructor of their own; composites that a graph model connects), and the FP8
+    layers a graph model connects (Keras' ``Layer.from_config`` reduces a policy other than a map to its name)."""
     found: list[Any] = []
 
     def visit(layer: Any, top: bool) -> None:
-        if has_own_constructor(layer) or (top and not is_graph(layer) and children(layer)):
+        fp8 = top and isinstance(resolved_policy(layer), FP8Policy)
+        if has_own_constructor(layer) or (top and not is_graph(layer) and children(layer)) or fp8:
             found.append(layer)
         elif is_graph(layer):
             for child in children(layer):
@@ -153,7 +154,8 @@ def _install_owner_maps(model: Any) -> None:
     for owner in owners(model):
         own = resolved_policy(owner)
         subtree = [owner] + [sub for _, sub in walk(owner)]
-        if any(resolved_policy(sub) != own or MODEL_OUTPUT in sub.__dict__ for sub in subtree):
+        if isinstance(own, FP8Policy) or any(resolved_policy(sub) != own or MODEL_OUTPUT in sub.__dict__
+                                             for sub in subtree):
             _set_own_policy(owner, PolicyMap.of(owner))
 
 
