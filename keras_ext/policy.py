@@ -160,18 +160,20 @@ def _install_owner_maps(model: Any) -> None:
 
 
 def _warn_if_nothing_low(plan: list[LayerPlan], core: PrecisionPolicy) -> None:
-    """A low-precision policy that leaves every matmul layer in FP32 trains in FP32: say so, with counts."""
+    """A low-precision policy under which no matmul layer (no layer at all, besides passthroughs, when the
+    model has no matmul layer) computes in low precision trains in FP32: say so, with the counts."""
     if core.compute == "float32":
         return
-    matmuls = [r for r in plan if isinstance(r.layer, MATMUL_LAYERS)]
-    low = [r for r in matmuls if r.compute != "float32"]
-    if not low:
+    counted = [r for r in plan if isinstance(r.layer, MATMUL_LAYERS)] or \
+        [r for r in plan if "passthrough" not in r.why and not r.composite]
+    if counted and not any(r.compute != "float32" for r in counted):
+        kind = "matmul layers (Dense, EinsumDense, Conv)" if isinstance(counted[0].layer, MATMUL_LAYERS) else "layers"
         unknown = [r.path for r in plan if r.why.startswith("unknown ")]
         warnings.warn(
-            f"keras_ext.apply_policy: 0 of {len(matmuls)} matmul layers (Dense, EinsumDense, Conv) compute in "
-            f"{core.compute}; the model trains in float32. {len(unknown)} layers are unknown to the policy "
-            f"(FP32 unless declared){': ' + str(unknown[:5]) if unknown else ''}; declare them with module "
-            "rules (PrecisionPolicy(module_rules=...)) or low_precision_ops", UserWarning, stacklevel=3)
+            f"keras_ext.apply_policy: 0 of {len(counted)} {kind} compute in {core.compute}: the model trains in "
+            f"float32. {len(unknown)} layers are unknown to the policy (FP32 unless declared)"
+            f"{': ' + str(unknown[:5]) if unknown else ''}; declare them with module rules "
+            "(PrecisionPolicy(module_rules=...)) or low_precision_ops", UserWarning, stacklevel=3)
 
 
 def _is_float(v: Any) -> bool:
