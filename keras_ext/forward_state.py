@@ -4,13 +4,14 @@ The optimizer skips a step whose gradients are not finite (:class:`keras_ext.Los
 weights, masters and slots stay clean; but ``BatchNormalization`` updated its moving mean and variance in
 the forward pass of that step already, from the inf/NaN batch: the next eval would read them.
 
-:func:`restore_on_skip` wraps ``model.train_step``: before the step it reads the model's non-trainable
-floating variables (moving statistics, and anything else the forward may write), after it, when the
-inner optimizer's step count did not move (the step was skipped), it assigns them back.  A skipped step then leaves them equal to a
-run that never saw the batch.  The cost: one read per variable per step (TensorFlow copies a buffer
-only when the forward writes it: the moving statistics, a few floats per channel) and a ``cond``
-that writes only on skipped steps (``benchmarks/bench_keras_bn_skip.py`` measures it).  TensorFlow and
-torch backends; on JAX the forward's state is the trainer's returned state (not restored: a warning).
+:func:`restore_on_skip` wraps ``model.train_step``: before the step it takes a snapshot (``ops.copy``) of the
+model's non-trainable floating variables (moving statistics, and anything else the forward may write);
+after it, when the inner optimizer's step count did not move (the step was skipped), it assigns them
+back.  A skipped step then leaves them equal to a run that never saw the batch.  The cost per step: the
+snapshot (TensorFlow shares the buffer until the forward writes the variable, so only the written ones,
+the moving statistics, a few floats per channel, are copied) and a ``cond`` that writes only on skipped
+steps (``benchmarks/bench_keras_bn_skip.py`` measures it).  TensorFlow and torch backends; on JAX the
+forward's state is the trainer's returned state (not restored: a warning).
 
 :func:`keras_ext.apply_policy` / :func:`keras_ext.load_model` install it when the model is compiled with
 a :class:`keras_ext.LossScaleOptimizer` (the guard in :mod:`keras_ext.guard`).

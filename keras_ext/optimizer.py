@@ -244,7 +244,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
 
     @property
     def divergence(self) -> DivergenceRule:
-        """The :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule` (its limits; the streaks live on the device)."""
+        """The :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule` (its limits; the streaks live on
+        the device)."""
         return self._divergence.rule
 
     def check_divergence(self) -> None:

@@ -20,7 +20,8 @@ from .settings import ConfigError, StateDictError
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArrayOps", "ConfigError", "DivergenceError", "DivergenceRule", "DynamicLossScaler", "History", "METRICS", "MasterPlan",
+    "ArrayOps", "ConfigError", "DivergenceError", "DivergenceRule", "DynamicLossScaler", "History", "METRICS",
+    "MasterPlan",
     "MemoryEstimate", "NUMPY_OPS", "NumpyOps", "PRESETS", "PolicyError", "PrecisionPolicy",
     "RECIPE_NAMES", "Recipe", "RecipeError", "ScaleFloorError", "ScaleFloorWarning",
     "ScalerConfig", "ScalerState", "StateDictError", "StepStats", "bytes_per_param",

@@ -6,7 +6,8 @@ Each item answers some causes: ``"loss"`` (a non-finite loss: a forward problem)
 bfloat16 item is left out when the run already computes in another dtype.
 
 >>> checklist("overflow", compute="bfloat16")
-'lower the learning rate (or warm it up), clip gradients, keep more ops in FP32 (norms, softmax, losses, custom ops: PrecisionPolicy.with_fp32_modules)'
+'lower the learning rate (or warm it up), clip gradients, keep more ops in FP32 (norms, softmax, losses, '
+'custom ops: PrecisionPolicy.with_fp32_modules)'
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def presets(args: argparse.Namespace) -> int:
     flags = overflow_pattern(args.steps, args.seed, args.rate)
     print(f"Loss-scale trajectories over {args.steps} steps, {int(flags.sum())} injected overflows "
           f"(seed {args.seed}), growth_interval={args.growth_interval} for every preset:\n")
-    header = f"{'preset':<10} {'init':>8} {'final':>8} {'min':>8} {'max':>8} {'skipped':>7} {'growths':>7}  log2(scale) over time"
+    header = (f"{'preset':<10} {'init':>8} {'final':>8} {'min':>8} {'max':>8} {'skipped':>7} {'growths':>7}  "
+              "log2(scale) over time")
     print(header)
     print("-" * len(header))
     for name in PRESETS:

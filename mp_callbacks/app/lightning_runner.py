@@ -139,7 +139,8 @@ class _Recorder(pl.Callback):
 
     clocked = False  # True when a _Clock placed before other callbacks starts the step's timer
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if not self.clocked:
             self._t0, self._c0 = time.perf_counter(), time.process_time()
         fp8 = getattr(self.plugin, "fp8", None)

@@ -123,7 +123,8 @@ class FP8ScalingConfig(Settings):
         return dataclasses.replace(FP8_PRESETS[name], **fields)
 
     @classmethod
-    def from_name(cls, name: str | None, role: str = "forward", default: str = "transformer-engine") -> FP8ScalingConfig:
+    def from_name(cls, name: str | None, role: str = "forward",
+                  default: str = "transformer-engine") -> FP8ScalingConfig:
         """The preset ``name`` (``None``: ``default``) for ``role``."""
         return cls.preset(default if name is None else name, role)
 

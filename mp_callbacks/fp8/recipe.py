@@ -100,7 +100,7 @@ class FP8Recipe(Settings):
         if items.get("mode") == "current" and "history_len" not in items:
             items["history_len"] = 1
         object.__setattr__(self, "overrides", tuple(sorted(items.items())))
-        self.configs  # validates every field now (FP8ConfigError names the bad one)
+        _ = self.configs  # validates every field now (FP8ConfigError names the bad one)
 
     @property
     def configs(self) -> dict[str, FP8ScalingConfig]:

@@ -196,7 +196,8 @@ def bf16_to_f32(bits: Any) -> np.ndarray:
 
 
 class NumpyRoundingOps:
-    """Reference backend: float32 arrays, bf16 as ``uint16`` bit arrays, float16 as ``np.float16``, u32 as ``np.uint32``.
+    """Reference backend: float32 arrays, bf16 as ``uint16`` bit arrays, float16 as ``np.float16``, u32 as
+    ``np.uint32``.
 
     Each method does what the same-named :class:`RoundingOps` method documents.
     """

@@ -34,8 +34,8 @@ def native(policy: str) -> tuple:
 
 
 def kernel_sizes(model) -> dict[str, int]:
-    return {p: int(np.prod(layer.kernel.shape)) for p, layer in walk(model) if getattr(layer, "kernel", None) is not None
-            and isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))}
+    return {p: int(np.prod(layer.kernel.shape)) for p, layer in walk(model)
+            if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) and layer.built}
 
 
 def layer_policies(model) -> list[tuple]:
@@ -80,8 +80,8 @@ def test_every_recipe_trains_three_families_like_keras_own_policy(recipe):
     low = {"16-master": "float16"}.get(recipe, "bfloat16")
     if model.optimizer.master_weights or model.optimizer.update_rounding is not None:
         assert stores == {"float32", low}  # dense kernels in low precision, norms and embeddings FP32
-        dense = [l for _, l in walk(ours_bb["gpt2"]) if isinstance(l, (keras.layers.Dense, keras.layers.EinsumDense))]
-        assert {keras.backend.standardize_dtype(l.kernel.dtype) for l in dense} == {low}
+        dense = [x for _, x in walk(ours_bb["gpt2"]) if isinstance(x, (keras.layers.Dense, keras.layers.EinsumDense))]
+        assert {keras.backend.standardize_dtype(x.kernel.dtype) for x in dense} == {low}
     if recipe == "fp8-mixed":
         from keras_ext.fp8 import fp8_layers
 
@@ -99,7 +99,7 @@ def test_fp32_regions_hold_inside_composites_even_when_the_composite_is_declared
     keras.utils.set_random_seed(0)
     bb = keras_ext.apply_policy(hub.backbone("gpt2", dropout=0.1))
     rows = {r["path"]: r for r in keras_ext.policy_report(bb)}
-    dense = [p for p, l in walk(bb) if isinstance(l, (keras.layers.Dense, keras.layers.EinsumDense))]
+    dense = [p for p, x in walk(bb) if isinstance(x, (keras.layers.Dense, keras.layers.EinsumDense))]
     assert len(dense) == 6 and all(rows[p]["compute"] == rows[p]["storage"] == "bfloat16" for p in dense)
     softmax = next(p for p in rows if rows[p]["class"] == "Softmax")
     assert rows[softmax]["compute"] == "float32" and "outputs cast to bfloat16" in rows[softmax]["why"]
@@ -134,9 +134,9 @@ def test_a_master_recipe_trains_keras_hub_weights_in_low_precision_with_masters(
     model.optimizer.build(model.trainable_variables)
     masters = {id(v): m for v, m in zip(model.trainable_variables, model.optimizer.master_variables)}
     for bb in hub.backbones(model).values():
-        dense = [l for _, l in walk(bb) if isinstance(l, (keras.layers.Dense, keras.layers.EinsumDense))]
-        assert dense and all(keras.backend.standardize_dtype(l.kernel.dtype) == "bfloat16"
-                             and l.compute_dtype == "bfloat16" and masters[id(l.kernel)] is not None for l in dense)
+        dense = [x for _, x in walk(bb) if isinstance(x, (keras.layers.Dense, keras.layers.EinsumDense))]
+        assert dense and all(keras.backend.standardize_dtype(x.kernel.dtype) == "bfloat16"
+                             and x.compute_dtype == "bfloat16" and masters[id(x.kernel)] is not None for x in dense)
     for v, r in zip(model.trainable_variables, reference.trainable_variables, strict=True):
         exact = ops.convert_to_numpy(r)
         got = ops.convert_to_numpy(masters[id(v)] if masters[id(v)] is not None else v)

@@ -69,8 +69,8 @@ def test_bf16_master_stores_low_precision_params_and_fp32_for_kept_layers():
     assert [v.dtype for v in layers["norm"].weights] == ["float32", "float32"]
     assert [v.dtype for v in layers["custom"].weights] == ["float32"]
     assert layers["probs"].compute_dtype == "float32"
-    originals = {n: l for n, l in _by_name(model).items() if l.weights}
-    assert {n for n, l in layers.items() if l.weights} == set(originals)
+    originals = {n: x for n, x in _by_name(model).items() if x.weights}
+    assert {n for n, x in layers.items() if x.weights} == set(originals)
     for name in originals:  # a clone carries its original's weights, rounded to its storage dtype
         layer = layers[name]
         assert len(layer.weights) == len(originals[name].weights), name
@@ -94,7 +94,7 @@ def test_output_layer_and_activation_softmax_and_module_rules():
     plan = keras_ext.layer_dtype_policies(model, policy)
     assert plan["head"].name == "mixed_bfloat16" and plan["hidden"].name == "float32"
     model = keras_ext.apply_policy(model, "params=float32,compute=bfloat16,output=float32")
-    assert [l.dtype_policy.name for l in model.layers] == ["mixed_bfloat16", "float32", "float32"]
+    assert [x.dtype_policy.name for x in model.layers] == ["mixed_bfloat16", "float32", "float32"]
 
 
 def test_keras_dtype_policy_objects_are_accepted():
@@ -148,7 +148,7 @@ def test_a_model_built_under_the_global_policy_saves_and_loads_in_safe_mode(tmp_
     model.save(path)
     keras.config.set_dtype_policy("float32")
     loaded = keras.models.load_model(path, safe_mode=True)
-    assert [l.dtype_policy.name for l in loaded.layers] == ["mixed_float16", "float32"]
+    assert [x.dtype_policy.name for x in loaded.layers] == ["mixed_float16", "float32"]
     assert isinstance(loaded.optimizer, keras_ext.LossScaleOptimizer)
 
 

@@ -28,7 +28,8 @@ def _opt_values(opt):
 
 # bf16-master is slow-only here: tests/keras/test_checkpoint.py resumes bf16-master bit for bit through
 # model.save/load_model and keras_ext.resume (masters, slots, scaler state).
-@pytest.mark.parametrize("master", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fp32-vars", "bf16-master"])
+@pytest.mark.parametrize("master", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["fp32-vars", "bf16-master"])
 def test_save_load_resume_equals_uninterrupted(tmp_path, master):
     x, y = make_data()
     reference = _make(master)

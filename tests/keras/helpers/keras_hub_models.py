@@ -89,7 +89,8 @@ def optimizer(recipe: str) -> Any:
     inner = keras.optimizers.AdamW(1e-2)
     if recipe.startswith("native:"):
         return keras.optimizers.LossScaleOptimizer(inner, initial_scale=LOW_SCALE) if "float16" in recipe else inner
-    return keras_ext.master_optimizer(inner, recipe, scaler={"init_scale": LOW_SCALE} if recipe.startswith("16-") else None)
+    scaler = {"init_scale": LOW_SCALE} if recipe.startswith("16-") else None
+    return keras_ext.master_optimizer(inner, recipe, scaler=scaler)
 
 
 def train(recipe: str, steps: int = 2, seed: int = 0, families: tuple[str, ...] = FAMILIES) -> tuple[Any, dict]:
