@@ -112,6 +112,7 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     _install_owner_maps(model)
     install_casts(model)
     _warn_if_nothing_low(plan, core)
+    _warn_if_unbuilt(plan, core)
     return guard_compile(model, recipe)
 
 
@@ -157,6 +158,21 @@ def _install_owner_maps(model: Any) -> None:
         if isinstance(own, FP8Policy) or any(resolved_policy(sub) != own or MODEL_OUTPUT in sub.__dict__
                                              for sub in subtree):
             _set_own_policy(owner, PolicyMap.of(owner))
+
+
+def _warn_if_unbuilt(plan: list[LayerPlan], core: PrecisionPolicy) -> None:
+    """A layer not built yet that may build sublayers (attention, RNNs, unknown layers) gets them with its own
+    policy: the FP32 rules cannot reach them (a softmax inside an unbuilt attention computes in low precision)."""
+    if core.compute == "float32":
+        return
+    unbuilt = [r.path for r in plan if not r.layer.built and not children(r.layer)
+               and core.classify_op(core.op_kind(r.layer)) in ("unknown", "low")
+               and not isinstance(r.layer, MATMUL_LAYERS)]
+    if unbuilt:
+        warnings.warn(f"keras_ext.apply_policy: {unbuilt} are not built yet; if they build sublayers (attention, "
+                      "keras_hub blocks) those get these layers' policies, not their own (a softmax inside computes "
+                      f"in {core.compute}): build the model (call it on a batch) before apply_policy",
+                      UserWarning, stacklevel=3)
 
 
 def _warn_if_nothing_low(plan: list[LayerPlan], core: PrecisionPolicy) -> None:
