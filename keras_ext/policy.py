@@ -39,6 +39,7 @@ from mp_callbacks.recipes import Recipe
 
 from .casts import install_casts
 from .fp8 import install as install_fp8
+from .fp8 import is_fp8_variable
 from .global_policy import RECIPE_ATTR, core_policy, resolve_policy
 from .guard import guard_compile
 from .layers import children, is_graph, own_variables, resolved_policy, walk
@@ -62,8 +63,9 @@ def _recipe_of(policy: Any) -> Recipe | None:
 
 
 def _mismatched(layer: Any, kp: keras.DTypePolicy) -> bool:
+    """A built layer whose variables (its FP8 state aside: always float32) are not in ``kp``'s dtype."""
     return layer.built and any(keras.backend.standardize_dtype(v.dtype) != kp.variable_dtype
-                               for v in own_variables(layer) if _is_float(v))
+                               for v in own_variables(layer) if _is_float(v) and not is_fp8_variable(v))
 
 
 def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
