@@ -15,7 +15,7 @@ $(STAMP): requirements-test.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements-test.txt $(QUIET)
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt $(QUIET)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . $(QUIET)
-	$(PY) -c "import torch, lightning, keras, tensorflow, mp_callbacks"
+	$(PY) -c "import torch, lightning, keras, tensorflow, keras_hub, mp_callbacks"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -6,22 +6,36 @@
   ``get_scaled_loss``/``get_unscaled_gradients``, and optional FP32 master
   weights (``master_weights=True`` or :func:`master_optimizer`).
 * :func:`set_global_policy` / :func:`apply_policy`: the core's recipes and op
-  policy as Keras dtype policies (softmax, norms, output and custom layers in FP32);
-  :func:`policy_report`: what was decided per layer, and why.
+  policy as Keras dtype policies (softmax, norms, output and custom layers in FP32;
+  a layer holding sublayers, such as keras_hub's transformer blocks, computes what
+  they compute, and the FP32 ones inside hand their outputs back cast); new layers
+  draw FP32 initial values under every recipe; :func:`policy_report`: what was
+  decided per layer, and why; :func:`low_precision_share`: how much of the
+  matmul work runs in low precision.  ``compile`` then wraps (with a warning) an
+  optimizer that cannot honour the recipe, or refuses one that lacks its masters.
 * :class:`MixedPrecisionMonitor`: the shared diagnostics as a Keras callback.
 * :func:`save_model` / :func:`save_weights` (the FP32 masters as the saved weights),
-  :func:`export_fp32`, :func:`resume` (continue a saved run, also under another recipe).
+  :func:`load_model` / :func:`load_weights` (nested policies, FP8 state and the
+  optimizer state back, any number of round trips; :class:`SavedFileError` for
+  missing, truncated or foreign files), :func:`export_fp32`, :func:`resume`
+  (continue a saved run, also under another recipe or from Keras' own optimizers).
+* :func:`restore_on_skip`: a skipped step leaves BatchNorm's moving statistics as
+  they were (installed by ``compile`` with a :class:`LossScaleOptimizer`).
 * :class:`KerasOps`: the core's array-ops protocol over ``keras.ops``.
 
 Modules (the same files as ``lightning_ext`` for the same jobs): ``optimizer``
 (the Keras-facing :class:`LossScaleOptimizer`), ``scaler`` (the scaler state in
 Keras variables), ``divergence`` (the core's divergence rule in the traced step
-and its host check), ``masters`` (FP32 master weights), ``update_rounding``
-(with ``rounding_ops``: the core's rounding ops in ``keras.ops``), ``policy``,
-``attribution`` (which layer overflowed), ``monitor``, ``memory``, ``keras_ops``,
-``keras_meters``, ``checkpoint`` (saving the masters, resuming across recipes),
-``compare`` (the ``mpx compare`` runner).  No module keeps
-global state: the active policy rides on Keras' own global dtype policy.
+and its host check), ``masters`` (FP32 master weights), ``rounding``
+(with ``rounding_ops``: the core's rounding ops in ``keras.ops``), ``global_policy``
+(the recipe on Keras' global policy), ``plan`` (the per-layer decision), ``policy``
+(applying it), ``casts`` (at composite boundaries), ``policy_map`` (nested
+policies and FP8 settings in a saved model), ``rebuild``, ``report``, ``guard``
+(compile under a recipe), ``forward_state`` (skipped steps and BatchNorm),
+``attribution`` (which layer overflowed), ``monitor``, ``memory``, ``ops``,
+``meters``, ``checkpoint`` (saving the masters, resuming across recipes),
+``loading``.  No module keeps global state: the active policy rides on Keras'
+own global dtype policy.
 
 Typical use::
 
@@ -42,25 +56,22 @@ in the cross-replica context; Keras 3's own optimizer checks per replica.
 """
 
 from .checkpoint import export_fp32, fp32_values, resume, save_model, save_weights
+from .forward_state import restore_on_skip
+from .global_policy import get_global_policy, get_global_recipe, resolve_policy, set_global_policy
+from .loading import SavedFileError, load_model, load_weights
 from .monitor import MixedPrecisionMonitor
 from .ops import KERAS_OPS, KerasOps
 from .optimizer import LossScaleOptimizer, master_optimizer
-from .policy import (
-    apply_policy,
-    get_global_policy,
-    get_global_recipe,
-    keras_dtype_policy,
-    layer_dtype_policies,
-    policy_report,
-    resolve_policy,
-    set_global_policy,
-)
+from .plan import keras_dtype_policy
+from .policy import apply_policy, layer_dtype_policies
+from .report import low_precision_share, policy_report
 
 __all__ = [
     "KERAS_OPS",
     "KerasOps",
     "LossScaleOptimizer",
     "MixedPrecisionMonitor",
+    "SavedFileError",
     "apply_policy",
     "export_fp32",
     "fp32_values",
@@ -68,9 +79,13 @@ __all__ = [
     "get_global_recipe",
     "keras_dtype_policy",
     "layer_dtype_policies",
+    "load_model",
+    "load_weights",
+    "low_precision_share",
     "master_optimizer",
     "policy_report",
     "resolve_policy",
+    "restore_on_skip",
     "resume",
     "save_model",
     "save_weights",

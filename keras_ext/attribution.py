@@ -107,7 +107,7 @@ class LayerAttribution:
         self._generation = 0  # one per traced train function: indexes the name tables
         self._tables: dict[int, list[str]] = {}
         self._owners: dict[int, str] = {}
-        self._patched: list[tuple[Any, str]] = []
+        self._patched: list[tuple[Any, str, Any]] = []
 
     @property
     def generation(self) -> int:
@@ -121,21 +121,26 @@ class LayerAttribution:
         for path, layer in walk(model):
             for v in own_variables(layer):
                 self._owners[id(v)] = path  # children come later: the innermost layer owns
-            if "call" not in layer.__dict__:
-                self._patch(layer, "call", self._wrap_call(layer.call, path))
-        if "_compute_loss" not in model.__dict__ and hasattr(model, "_compute_loss"):
+            self._patch(layer, "call", self._wrap_call(layer.call, path))
+        if hasattr(model, "_compute_loss"):
             self._patch(model, "_compute_loss", self._wrap_loss(model._compute_loss))
-        if "train_step" not in model.__dict__:
-            self._patch(model, "train_step", self._wrap_train_step(model.train_step))
+        self._patch(model, "train_step", self._wrap_train_step(model.train_step))
 
     def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
+        """Wrap ``obj.name`` (an earlier instance wrapper too: a cast, an FP8 call, the skip's restore),
+        remembering what was there; installing twice wraps once."""
+        if any(o is obj and n == name for o, n, _ in self._patched):
+            return
+        self._patched.append((obj, name, obj.__dict__.get(name)))
         obj.__dict__[name] = wrapper
-        self._patched.append((obj, name))
 
     def uninstall(self) -> None:
-        """Remove every wrapper (idempotent)."""
-        for obj, name in self._patched:
-            obj.__dict__.pop(name, None)
+        """Remove every wrapper, putting back what each wrapped (idempotent)."""
+        for obj, name, before in reversed(self._patched):
+            if before is None:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = before
         self._patched = []
         self._trace = None
 

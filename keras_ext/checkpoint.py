@@ -41,9 +41,11 @@ from mp_callbacks.policy import PolicyError
 from mp_callbacks.recipes import ResumePlan, get_recipe, plan_resume
 from mp_callbacks.settings import StateDictError
 
-from .layers import policy_layers, walk
+from .global_policy import _RECIPE_OF_DTYPES, optimizer_recipe
+from .layers import policy_layers, resolved_policy, walk
+from .loading import load_model
 from .optimizer import LossScaleOptimizer
-from .policy import _RECIPE_OF_DTYPES, clone_with_policies, is_clonable, optimizer_recipe
+from .rebuild import clone_with_policies, is_clonable
 
 __all__ = ["export_fp32", "fp32_values", "resume", "save_model", "save_weights"]
 
@@ -90,20 +92,26 @@ class _MasterStore:
 
 @contextlib.contextmanager
 def _masters_as_weights(model: keras.Model) -> Iterator[None]:
+    """Within the block, each layer holding a variable with a master saves the master; afterwards every layer
+    has the ``save_own_variables`` it had (an FP8 layer keeps its own: its FP8 state is saved every time)."""
     masters = _masters_of(model)
     written: set[int] = set()
     patched = []
     try:
         for _, layer in walk(model):
             if any(id(v) in masters for v in getattr(layer, "_trainable_variables", [])):
+                before = layer.__dict__.get("save_own_variables")  # an instance override (FP8), or None
                 own = layer.save_own_variables
                 object.__setattr__(layer, "save_own_variables",
                                    lambda store, own=own: own(_MasterStore(store, masters, written)))
-                patched.append(layer)
+                patched.append((layer, before))
         yield
     finally:
-        for layer in patched:
-            object.__delattr__(layer, "save_own_variables")
+        for layer, before in patched:
+            if before is None:
+                object.__delattr__(layer, "save_own_variables")
+            else:
+                object.__setattr__(layer, "save_own_variables", before)
     missed = [v.path for v in model.trainable_variables if id(v) in masters and id(v) not in written]
     if missed:
         warnings.warn(f"keras_ext: {missed} were saved by their layers in their own dtype, not as their FP32 "
@@ -143,29 +151,51 @@ def export_fp32(model: keras.Model, filepath: str | os.PathLike[str] | None = No
 
 
 # ----------------------------------------------------------------- resuming
+def _layer_recipe(saved: keras.Model) -> str:
+    """The recipe of the saved layers' dtypes (``mixed_float16`` -> ``16-mixed``, ``bfloat16`` -> ``bf16-master``)."""
+    low = [(p.variable_dtype, p.compute_dtype) for p in (resolved_policy(layer) for _, layer in policy_layers(saved))
+           if p.compute_dtype != "float32"]
+    return _RECIPE_OF_DTYPES.get(low[0], "32-true") if low else "32-true"
+
+
 def _saved_recipe(saved: keras.Model, opt: LossScaleOptimizer) -> str:
     """The recipe a saved run used: the one its optimizer was given, else the one of its layers' dtypes."""
     if opt._recipe_given is not None:
         return opt.recipe.name
-    low = [(layer.dtype_policy.variable_dtype, layer.dtype_policy.compute_dtype) for _, layer in policy_layers(saved)
-           if layer.dtype_policy.compute_dtype != "float32"]
-    base = get_recipe(_RECIPE_OF_DTYPES.get(low[0], "32-true") if low else "32-true")
-    return optimizer_recipe(base, opt.scaler_config, opt.master_weights).name
+    return optimizer_recipe(get_recipe(_layer_recipe(saved)), opt.scaler_config, opt.master_weights).name
+
+
+def _inner(opt: Any) -> Any:
+    """The optimizer holding the slots: a loss-scale optimizer's inner one (Keras' or ours), else ``opt``."""
+    return opt.inner_optimizer if isinstance(opt, keras.optimizers.LossScaleOptimizer) else opt
 
 
 def _shapes(variables: Any) -> list[tuple[int, ...]]:
     return [tuple(v.shape) for v in variables]
 
 
-def _check_same_run(saved: keras.Model, saved_opt: LossScaleOptimizer, model: keras.Model,
-                    opt: LossScaleOptimizer) -> None:
+def _check_same_run(saved: keras.Model, saved_opt: Any, model: keras.Model, opt: LossScaleOptimizer) -> None:
     if _shapes(saved.weights) != _shapes(model.weights):
         raise StateDictError(f"the saved model's weights have shapes {_shapes(saved.weights)}; this model's "
                              f"{_shapes(model.weights)}")
-    a, b = saved_opt.inner_optimizer, opt.inner_optimizer
+    a, b = _inner(saved_opt), opt.inner_optimizer
     if type(a) is not type(b) or _shapes(a.variables) != _shapes(b.variables):
         raise StateDictError(f"the saved run's optimizer is a {type(a).__name__} with {len(a.variables)} variables; "
                              f"this model's is a {type(b).__name__} with {len(b.variables)}")
+
+
+def _native_plan(saved: keras.Model, saved_opt: Any, opt: LossScaleOptimizer, where: str,
+                 allow_recipe_change: bool) -> ResumePlan:
+    """A checkpoint of Keras' own optimizers (``keras.optimizers.LossScaleOptimizer``, or a plain one): always a
+    recipe change (their scaler state is not keras_ext's); opt-in, like any other."""
+    kind = type(saved_opt).__name__
+    name = _layer_recipe(saved)
+    if not allow_recipe_change:
+        raise StateDictError(f"{where} was saved with Keras' own {kind} (layers: recipe {name!r}); this model uses "
+                             f"keras_ext's recipe {opt.recipe.name!r}. Pass allow_recipe_change=True to continue under "
+                             f"{opt.recipe.name!r}: weights, optimizer slots and step count carried over, the loss "
+                             "scaler restarts from its config.")
+    return ResumePlan(f"{name} (Keras {kind})", opt.recipe.name, False, False, False)
 
 
 def resume(model: keras.Model, source: keras.Model | str | os.PathLike[str],
@@ -178,24 +208,28 @@ def resume(model: keras.Model, source: keras.Model | str | os.PathLike[str],
     recipe, with ``allow_recipe_change=True`` (else :class:`~mp_callbacks.loss_scale.scaler.StateDictError` naming
     both): the weights from the saved FP32 values (masters where the saved run kept them), this
     optimizer's masters from those values, the inner optimizer's variables (slots, step count, learning
-    rate) carried over, the scaler restarted from its config (a warning says so).  The divergence
-    streaks start at 0.  The model's architecture and the inner optimizer's class must be the saved
-    ones; ``model``'s dtype policies are its own (apply the recipe's before).  A path is loaded with
-    ``keras.models.load_model(source, safe_mode=True)`` (a second copy of the model while resuming).
+    rate) carried over, the scaler restarted from its config (a warning says so).  A checkpoint of Keras'
+    own optimizers (``keras.optimizers.LossScaleOptimizer`` or a plain optimizer) resumes the same way,
+    opted in: its scaler state is Keras'.  The divergence streaks start at 0.  The model's architecture and
+    the inner optimizer's class must be the saved ones; ``model``'s dtype policies are its own (apply the
+    recipe's before).  A path is loaded with :func:`keras_ext.load_model` (a second copy of the model while
+    resuming; a truncated or foreign file is a :class:`~keras_ext.loading.SavedFileError`).
     """
     opt = getattr(model, "optimizer", None)
     if not isinstance(opt, LossScaleOptimizer):
         raise TypeError(f"resume needs a model compiled with keras_ext.LossScaleOptimizer, not {type(opt).__name__}")
-    saved = source if isinstance(source, keras.Model) else keras.models.load_model(source, safe_mode=True)
-    saved_opt = saved.optimizer
-    if not isinstance(saved_opt, LossScaleOptimizer) or not saved_opt.built:
-        where = "the given model" if isinstance(source, keras.Model) else os.fspath(source)
-        raise StateDictError(f"{where} holds no state of a keras_ext.LossScaleOptimizer (its optimizer: "
-                             f"{type(saved_opt).__name__}, built: {getattr(saved_opt, 'built', False)}); this model "
-                             f"uses recipe {opt.recipe.name!r}")
-    name = _saved_recipe(saved, saved_opt)
-    plan = plan_resume(name, opt.recipe, allow_recipe_change,
-                       f"keras.models.load_model(path) continues it under {name!r}. ")
+    saved = source if isinstance(source, keras.Model) else load_model(source)
+    saved_opt = getattr(saved, "optimizer", None)
+    where = "the given model" if isinstance(source, keras.Model) else os.fspath(source)
+    if saved_opt is None or not saved_opt.built or not _inner(saved_opt).built:
+        raise StateDictError(f"{where} holds no optimizer state (its optimizer: {type(saved_opt).__name__}, built: "
+                             f"{getattr(saved_opt, 'built', False)}); this model uses recipe {opt.recipe.name!r}")
+    if isinstance(saved_opt, LossScaleOptimizer):
+        name = _saved_recipe(saved, saved_opt)
+        plan = plan_resume(name, opt.recipe, allow_recipe_change,
+                           f"keras_ext.load_model(path) continues it under {name!r}. ")
+    else:
+        plan = _native_plan(saved, saved_opt, opt, where, allow_recipe_change)
     if not opt.built:
         opt.build(model.trainable_variables)
     _check_same_run(saved, saved_opt, model, opt)
@@ -206,7 +240,7 @@ def resume(model: keras.Model, source: keras.Model | str | os.PathLike[str],
         variable.assign(ops.cast(value, variable.dtype))
         if id(variable) in masters:
             masters[id(variable)].assign(value)
-    for mine, theirs in zip(opt.inner_optimizer.variables, saved_opt.inner_optimizer.variables, strict=True):
+    for mine, theirs in zip(opt.inner_optimizer.variables, _inner(saved_opt).variables, strict=True):
         mine.assign(ops.cast(theirs.value, mine.dtype))
     if plan.load_scaler:
         opt.load_scaler_state_dict(saved_opt.scaler_state_dict())

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import keras
 
+from .casts import install_casts
+from .global_policy import keep_layer_in_fp32
 from .layers import own_variables, walk
-from .policy import keep_layer_in_fp32
 
 __all__ = ["blocked_message", "move_layer_to_fp32"]
 
@@ -22,16 +23,17 @@ def move_layer_to_fp32(model: keras.Model, path: str) -> list[str] | None:
     """Give layer ``path`` of ``model`` and its sub-layers the float32 policy (and keep it there on
     rebuilds); returns ``[]`` when moved, the paths of its low-precision variables when they block
     the move (nothing changed), None when ``model`` has no such layer."""
-    layer = next((l for p, l in walk(model) if p == path), None)
+    layer = next((sub for p, sub in walk(model) if p == path), None)
     if layer is None:
         return None
-    layers = [layer] + [l for _, l in walk(layer)]
-    low = [v.path for l in layers for v in own_variables(l)
+    layers = [layer] + [sub for _, sub in walk(layer)]
+    low = [v.path for sub in layers for v in own_variables(sub)
            if keras.backend.standardize_dtype(v.dtype) in ("float16", "bfloat16")]
     if low:
         return low
-    for l in layers:
-        l.dtype_policy = keras.DTypePolicy("float32")
+    for sub in layers:
+        sub.dtype_policy = keras.DTypePolicy("float32")
+    install_casts(model)  # inside a low-precision composite its outputs go back in the composite's dtype
     keep_layer_in_fp32(path)
     return []
 

@@ -49,11 +49,12 @@ from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe
 from mp_callbacks.fp8.scaling import FP8State, next_fp8_state
 
 from .fp8_blocks import block_matmul, block_qdq, contracted_axes
-from .layers import policy_layers
+from .layers import policy_layers, resolved_policy
 from .ops import KERAS_OPS, is_tf
+from .policy_map import FP8Policy
 
 __all__ = ["FP8_VARIABLE_FIELDS", "enable_fp8", "fp8_layers", "fp8_recipe_of", "fp8_state", "host_metrics", "install",
-           "is_fp8_variable"]
+           "is_fp8_variable", "restore"]
 
 FP8_VARIABLE_FIELDS = ("amax_history", "scale", "scale_inv", "nonfinite", "stats")
 """The variables of one tensor role, ``fp8_<role>_<field>``: the state, the non-finite flag, and the
@@ -102,6 +103,9 @@ def enable_fp8(layer: Any, recipe: FP8Recipe) -> Any:
     :func:`install` does to the low-precision ones; the side-by-side test uses it under ``float32``)."""
     if not _is_fp8_layer_class(layer):
         raise TypeError(f"FP8 matmuls are for Dense and EinsumDense layers, not {type(layer).__name__}")
+    if not isinstance(resolved_policy(layer), FP8Policy):  # saved with the layer (keras_ext.load_model)
+        layer.dtype_policy = FP8Policy(resolved_policy(layer).name, fp8=fp8_recipe_of(layer).to_dict()
+                                       if getattr(layer, _ATTR, None) is not None else recipe.to_dict())
     if getattr(layer, _ATTR, None) is not None:
         return layer
     object.__setattr__(layer, _ATTR, _LayerFP8(recipe))
@@ -119,6 +123,18 @@ def enable_fp8(layer: Any, recipe: FP8Recipe) -> Any:
     layer.call = functools.partial(_fp8_call, layer)
     _save_and_load_fp8(layer)
     return layer
+
+
+def restore(model: Any) -> list[str]:
+    """Give the FP8 call back to every layer of a loaded ``model`` whose policy is an
+    :class:`~keras_ext.policy_map.FP8Policy` (:func:`keras_ext.load_model`); returns their paths."""
+    paths = []
+    for path, layer in policy_layers(model):
+        policy = resolved_policy(layer)
+        if isinstance(policy, FP8Policy) and getattr(layer, _ATTR, None) is None:
+            enable_fp8(layer, FP8Recipe.from_dict(policy.fp8))
+            paths.append(path)
+    return paths
 
 
 def _fp8_variables(layer: Any) -> list[Any]:
@@ -360,8 +376,8 @@ def host_metrics(model: Any) -> dict[str, float] | None:
     names = [p for p, _ in layers]
     amax, scale, counts = {}, {}, {}
     for role in FP8_ROLES:
-        stats = [np.asarray(ops.convert_to_numpy(getattr(l, _ATTR).variables[role]["stats"])) for _, l in layers]
+        stats = [np.asarray(ops.convert_to_numpy(getattr(x, _ATTR).variables[role]["stats"])) for _, x in layers]
         amax[role] = [float(s[0]) for s in stats]
         counts[role] = [tuple(float(v) for v in s[1:]) for s in stats]
-        scale[role] = [float(ops.convert_to_numpy(getattr(l, _ATTR).variables[role]["scale"])) for _, l in layers]
+        scale[role] = [float(ops.convert_to_numpy(getattr(x, _ATTR).variables[role]["scale"])) for _, x in layers]
     return fp8_metrics(names, FP8_ROLES, amax, scale, counts)

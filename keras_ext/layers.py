@@ -2,9 +2,13 @@
 
 * :func:`walk`: ``(dotted path, layer)`` of every layer below ``layer``, depth first, in the
   order Keras tracks them (nested models and layers that hold sublayers included);
+* :func:`walk_tree`: the same with each layer's *composite* parent (the layer whose ``call``
+  runs it, or None when a graph model connects it);
 * :func:`policy_layers`: the layers a dtype policy applies to (no nested models, no inputs);
 * :func:`own_variables`: the variables a layer holds itself (not those of its sublayers);
-* :func:`is_container`: a nested model (its layers carry the policies, not the model).
+* :func:`is_container`: a nested model (its layers carry the policies, not the model itself);
+* :func:`is_graph`: a Functional or Sequential model (its layers are connected by their calls);
+* :func:`resolved_policy`: a layer's own dtype policy (its entry when it holds a ``DTypePolicyMap``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from typing import Any
 
 import keras
 
-__all__ = ["is_container", "own_variables", "policy_layers", "walk"]
+__all__ = ["children", "is_container", "is_graph", "own_variables", "policy_layers", "resolved_policy", "walk",
+           "walk_tree"]
+
+
+def children(layer: Any) -> list[Any]:
+    """The layers ``layer`` tracks directly (input layers excluded)."""
+    return [c for c in layer._flatten_layers(include_self=False, recursive=False)
+            if not isinstance(c, keras.layers.InputLayer)]
 
 
 def walk(layer: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -30,6 +41,29 @@ def is_container(layer: Any) -> bool:
     return isinstance(layer, keras.Model)
 
 
+def is_graph(layer: Any) -> bool:
+    """True for a Functional or Sequential model (subclasses such as keras_hub backbones included): its
+    layers meet through their own calls, which cast their inputs; a subclassed model's ``call`` does not."""
+    if isinstance(layer, keras.Sequential):
+        return True
+    try:
+        from keras.src.models.functional import Functional
+    except Exception:  # pragma: no cover - other Keras layouts
+        return type(layer).__name__ == "Functional"
+    return isinstance(layer, Functional)
+
+
+def walk_tree(model: Any, prefix: str = "", parent: Any = None) -> Iterator[tuple[str, Any, Any]]:
+    """``(path, layer, composite parent)`` for every layer below ``model`` (input layers excluded); the
+    parent is the nearest enclosing layer that is not a graph model (``model`` itself when it is a
+    subclassed model), None for a layer that a graph model connects."""
+    here = parent if is_graph(model) else model
+    for child in children(model):
+        path = f"{prefix}.{child.name}" if prefix else child.name
+        yield path, child, here
+        yield from walk_tree(child, path, here)
+
+
 def policy_layers(model: Any) -> Iterator[tuple[str, Any]]:
     """``(path, layer)`` of every layer a dtype policy applies to (no nested models, no inputs)."""
     return ((p, layer) for p, layer in walk(model)
@@ -39,3 +73,13 @@ def policy_layers(model: Any) -> Iterator[tuple[str, Any]]:
 def own_variables(layer: Any) -> list[Any]:
     """The trainable then non-trainable variables ``layer`` holds itself (its sublayers' excluded)."""
     return list(getattr(layer, "_trainable_variables", [])) + list(getattr(layer, "_non_trainable_variables", []))
+
+
+def resolved_policy(layer: Any) -> Any:
+    """The dtype policy ``layer`` computes with: its own, or its entry in the ``DTypePolicyMap`` it holds."""
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and layer.path:
+        return policy[layer.path]
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy.default_policy
+    return policy

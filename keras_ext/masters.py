@@ -8,7 +8,9 @@ low-precision variable.  Variables kept in FP32 are their own master.  In Keras:
 
 * :meth:`MasterWeights.build` creates the masters as optimizer variables (saved
   and restored with the optimizer, mirrored under ``tf.distribute``),
-  initialized from the variable's value when they are created, and returns
+  initialized from the variable's value when they are created (from the FP32 value
+  it was rounded from, when :func:`keras_ext.apply_policy` kept it and the variable
+  still holds its rounding: a master starts where an FP32 run starts), and returns
   what the inner optimizer is built on;
 * :meth:`MasterWeights.targets` gives, for one step, what the inner optimizer
   updates and the gradients it gets (FP32 for a master);
@@ -28,6 +30,7 @@ other backends) the whole FP32 gradient list exists first: 18 B/param.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -35,8 +38,9 @@ import keras
 from keras import ops
 
 from .ops import dtype_name, is_tf
+from .rebuild import FP32_SOURCE
 
-__all__ = ["LOW_PRECISION", "MasterWeights", "widened_in_update", "widens_in_update"]
+__all__ = ["LOW_PRECISION", "MasterWeights", "check_variables", "widened_in_update", "widens_in_update"]
 
 LOW_PRECISION = ("float16", "bfloat16")
 """Storage dtypes that get an FP32 master."""
@@ -108,6 +112,24 @@ class MasterWeights:
                 v.assign(ops.cast(master, v.dtype))
 
 
+def check_variables(variables: Sequence[Any], recipe: Any, masters: bool, rounding: bool) -> None:
+    """At the optimizer's build: warn when low-precision variables get neither masters nor rounding, or when
+    a recipe keeping masters finds no low-precision variable to keep them for (the policy was not applied)."""
+    low = [v for v in variables if dtype_name(v) in LOW_PRECISION]
+    if low and not masters and not rounding:
+        dtype = dtype_name(low[0])
+        fix = "16-master" if dtype == "float16" else "bf16-master"
+        warnings.warn(f"keras_ext.LossScaleOptimizer ({recipe.name!r}): {len(low)} of {len(variables)} trainable "
+                      f"variables are stored in {dtype} and have neither an FP32 master nor update rounding: "
+                      f"their updates round to {dtype}; use keras_ext.master_optimizer(inner, {fix!r}) (or store "
+                      "them in float32)", UserWarning, stacklevel=3)
+    elif masters and variables and not low:
+        warnings.warn(f"keras_ext.LossScaleOptimizer ({recipe.name!r}): 0 of {len(variables)} trainable variables "
+                      "are stored in low precision, so no FP32 master is kept and the model trains with FP32 "
+                      "weights; call keras_ext.apply_policy(model) (after keras_ext.set_global_policy) before "
+                      "compile", UserWarning, stacklevel=3)
+
+
 def widens_in_update(optimizer: keras.optimizers.Optimizer) -> bool:
     """Whether :func:`widened_in_update` applies to ``optimizer``: the TensorFlow backend, and Keras'
     own TF update loop hands each gradient untouched to ``update_step`` (no clipping, gradient
@@ -164,6 +186,15 @@ class _CopyOf(keras.initializers.Initializer):
 
     def _read(self, dtype: Any) -> Any:
         value = ops.convert_to_tensor(self.source.value if hasattr(self.source, "value") else self.source)
+        fp32 = self.source.__dict__.pop(FP32_SOURCE, None) if hasattr(self.source, "__dict__") else None
+        if fp32 is not None and fp32.shape == tuple(value.shape):
+            exact = ops.convert_to_tensor(fp32, "float32")
+            try:
+                same = bool(ops.convert_to_numpy(ops.all(ops.equal(ops.cast(exact, value.dtype), value))))
+            except Exception:  # a traced value (no host read): the variable's own value
+                same = False
+            if same:  # the variable still holds its rounding
+                return ops.cast(exact, dtype or "float32")
         return ops.cast(value, dtype or "float32")
 
 

@@ -29,7 +29,8 @@ from mp_callbacks.diagnostics.meters import fraction, sample_stride
 from mp_callbacks.dtypes import FORMATS, canonical_dtype
 
 __all__ = [
-    "SwampMeter", "grad_norm", "sample", "grad_underflow_fraction", "swamped_counts", "underflow_counts", "update_swamped_fraction",
+    "SwampMeter", "grad_norm", "sample", "grad_underflow_fraction", "swamped_counts", "underflow_counts",
+    "update_swamped_fraction",
 ]
 
 

@@ -65,7 +65,7 @@ from .memory import memory_report
 from .meters import SwampMeter
 from .ops import is_tf
 from .optimizer import LossScaleOptimizer
-from .policy import policy_report
+from .report import policy_report
 from .swamping import swamp_counts, swamp_targets
 
 __all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]

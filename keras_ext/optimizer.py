@@ -45,19 +45,16 @@ from mp_callbacks.recipes import Recipe, get_recipe
 
 from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
+from .global_policy import coerce_recipe, optimizer_recipe
 from .jax_support import StepStateOwner, run_if, stateless_apply
-from .masters import MasterWeights, widened_in_update
+from .masters import MasterWeights, check_variables, widened_in_update
 from .ops import is_tf
-from .policy import coerce_recipe, optimizer_recipe
 from .rounding import UpdateRounding, weight_store
 from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
 
 __all__ = ["LossScaleOptimizer", "master_optimizer"]
 
-try:  # Keras' own helper that keeps TF's auto-tracking away from build-time lists.
-    from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
-except Exception:  # pragma: no cover - older/newer Keras layouts
-    def _no_tracking(fn: Callable) -> Callable: return fn  # noqa: E704
+from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking  # keeps TF's tracking out
 
 
 @keras.saving.register_keras_serializable(package="keras_ext")
@@ -176,6 +173,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
     def build(self, var_list: Sequence[Any]) -> None:
         """Create the scaler variables (and master copies), then build the inner optimizer."""
         var_list = list(var_list)
+        check_variables(var_list, self._recipe, self.master_weights, self.update_rounding is not None)
         self._scaler.build(self)
         self._divergence.build(self)
         self.inner_optimizer.build(self._masters.build(self, var_list))
@@ -246,7 +244,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
 
     @property
     def divergence(self) -> DivergenceRule:
-        """The :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule` (its limits; the streaks live on the device)."""
+        """The :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule` (its limits; the streaks live on
+        the device)."""
         return self._divergence.rule
 
     def check_divergence(self) -> None:

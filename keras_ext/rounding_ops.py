@@ -1,4 +1,5 @@
-"""The core's rounding ops (:class:`mp_callbacks.rounding.rules.RoundingOps`) over ``keras.ops``, and the element layout.
+"""The core's rounding ops (:class:`mp_callbacks.rounding.rules.RoundingOps`) over ``keras.ops``, and the element
+layout.
 
 What :mod:`keras_ext.rounding` evaluates the core's Kahan and
 stochastic-rounding rules with: bit for bit the NumPy reference's numbers and
@@ -84,7 +85,8 @@ KERAS_ROUNDING_OPS = KerasRoundingOps()
 
 def element_index(shape: Sequence[int], to_canonical: tuple[int, ...] | None = None) -> Any:
     """int32 (u32 bits) canonical flat indices of a stored array of ``shape`` (broadcast ``arange``s with
-    :func:`~mp_callbacks.rounding.random_source.index_strides`; equals :func:`~mp_callbacks.rounding.random_source.layout_index`)."""
+    :func:`~mp_callbacks.rounding.random_source.index_strides`; equals
+    :func:`~mp_callbacks.rounding.random_source.layout_index`)."""
     shape = tuple(int(n) for n in shape)
     index = ops.zeros(shape, dtype="int32")
     for axis, (n, stride) in enumerate(zip(shape, index_strides(shape, to_canonical))):

@@ -112,7 +112,8 @@ class KerasLossScaler(ScalerCounters):
         return bool(self._vars)
 
     def build(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """Create the state variables on ``optimizer`` (in :data:`~mp_callbacks.loss_scale.scaler.STATE_FIELDS` order)."""
+        """Create the state variables on ``optimizer`` (in :data:`~mp_callbacks.loss_scale.scaler.STATE_FIELDS`
+        order)."""
         init = initial_state(self.config)
         self._vars = {
             field: optimizer.add_variable(

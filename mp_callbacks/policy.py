@@ -14,6 +14,17 @@ For an op kind: in ``low_precision_ops`` -> the compute dtype; in
 ``fp32_ops`` -> float32; in ``passthrough_ops`` (elementwise activations,
 dropout, reshapes) -> the compute dtype (they follow their input); otherwise
 unknown -> float32.  Unknown or custom ops run in FP32 unless declared.
+
+A *composite* (a module that holds submodules, e.g. a transformer block) is
+decided by :meth:`PrecisionPolicy.explain_composite`: a module rule on it, else
+its own op kind when known (``MultiHeadAttention``), else it computes what it
+holds: the compute dtype when one of its submodules does, float32 otherwise.
+Its submodules keep their own decisions (a softmax or a norm inside stays
+FP32), except that an FP32 module rule on a composite holds for its whole
+subtree, and a passthrough submodule follows its composite.  Where a
+submodule computes in another dtype than its composite, its outputs are cast
+to the composite's dtype (:func:`boundary_cast`): every tensor that meets
+another inside the composite has one dtype, as under autocast.
 """
 
 from __future__ import annotations
@@ -207,6 +218,17 @@ class PrecisionPolicy:
             return "float32", f"{kind}{origin}: FP32 op"
         return "float32", f"unknown {names[0]}: FP32 unless declared"
 
+    def explain_composite(self, op_or_module: Any, path: str, inner: Iterable[str]) -> tuple[str, str]:
+        """``(compute dtype, why)`` of a module holding submodules whose compute dtypes are ``inner``
+        (see the module docstring): a module rule, else its known op kind, else what it holds."""
+        names = class_names(op_or_module)
+        rule = self.match_module_rule(names, path)
+        if rule is not None or self.classify_op(self.op_kind(op_or_module)) != "unknown":
+            return self.explain(op_or_module, path)
+        if self.compute != "float32" and self.compute in set(inner):
+            return self.compute, f"{names[0]} holds sublayers computing in {self.compute}: computes like them"
+        return "float32", f"{names[0]} holds only FP32 sublayers"
+
     def resolve(self, op_or_module: Any, path: str = "") -> str:
         """The dtype ``op_or_module`` computes in (``path``: its dotted name in the model)."""
         return self.explain(op_or_module, path)[0]
@@ -236,6 +258,12 @@ class PrecisionPolicy:
         if "module_rules" in kwargs:
             kwargs["module_rules"] = tuple(tuple(r) for r in kwargs["module_rules"])
         return cls(**kwargs)
+
+
+def boundary_cast(inner: str, outer: str | None) -> str | None:
+    """The dtype a submodule computing in ``inner`` casts its outputs to inside a composite computing in
+    ``outer`` (None: no cast; ``outer`` None: not inside a composite)."""
+    return outer if outer is not None and outer != inner else None
 
 
 def added_fp32_rules(saved: Any, current: PrecisionPolicy) -> list[str]:

@@ -48,11 +48,12 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_ext import policy as _policy
 from keras_ext.fp8 import host_metrics as fp8_host_metrics
 from keras_ext.fp8 import is_fp8_variable
+from keras_ext.global_policy import set_global_policy
 from keras_ext.memory import nbytes
 from keras_ext.optimizer import LossScaleOptimizer, master_optimizer
+from keras_ext.policy import apply_policy
 
 from ..diagnostics.metrics import History, StepStats
 from ..memory.estimate import estimate_memory, is_optimizer_state
@@ -243,8 +244,8 @@ def fit_once(
         keras.utils.set_random_seed(spec.seed)
         keras.config.set_dtype_policy("float32")
         model = mlp(spec.hidden, spec.depth)
-        _policy.set_global_policy(name)
-        model = _policy.apply_policy(model)
+        set_global_policy(name)
+        model = apply_policy(model)
     finally:
         keras.config.set_dtype_policy(keras_before)
     inner = keras.optimizers.AdamW(learning_rate=spec.lr)

@@ -1,7 +1,8 @@
 """How ``mpx compare`` measures a run: step-time windows, peak anonymous memory, a process per run.
 
 Framework-free and shared by both runners (:mod:`mp_callbacks.app.lightning_runner`,
-:mod:`mp_callbacks.app.keras_runner`) and the benchmarks; :mod:`mp_callbacks.app.compare` re-exports everything here.
+:mod:`mp_callbacks.app.keras_runner`) and
+the benchmarks; :mod:`mp_callbacks.app.compare` re-exports everything here.
 
 How it measures (the same for every run, so that no figure depends on run order):
 

@@ -113,6 +113,22 @@ def test_invalid_policy_strings(text, message):
         PrecisionPolicy.parse(text)
 
 
+def test_a_composite_computes_what_it_holds_and_casts_meet_at_its_boundary():
+    from mp_callbacks.policy import boundary_cast
+
+    p = PrecisionPolicy(params="float32", compute="bfloat16", output="float32")
+    assert p.explain_composite("TransformerDecoder", "block", ["bfloat16", "float32"]) == (
+        "bfloat16", "TransformerDecoder holds sublayers computing in bfloat16: computes like them")
+    assert p.explain_composite("Block", "block", ["float32"]) == ("float32", "Block holds only FP32 sublayers")
+    assert p.explain_composite("MultiHeadAttention", "mha", []) == ("bfloat16", "attention: low-precision op")
+    ruled = p.with_fp32_modules("block")
+    assert ruled.explain_composite("Block", "block", ["bfloat16"]) == ("float32", "module rule 'block'")
+    fp32 = PrecisionPolicy()
+    assert fp32.explain_composite("Block", "b", ["float32"])[0] == "float32"
+    assert boundary_cast("float32", "bfloat16") == "bfloat16"  # an FP32 softmax hands bf16 back
+    assert boundary_cast("bfloat16", "bfloat16") is None and boundary_cast("float32", None) is None
+
+
 def test_invalid_policy_rules():
     with pytest.raises(PolicyError, match="in both"):
         PrecisionPolicy(low_precision_ops={"softmax"})

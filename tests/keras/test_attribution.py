@@ -56,13 +56,13 @@ def test_install_wraps_every_layer_once_and_uninstall_restores_them():
     attribution = LayerAttribution()
     attribution.install(model)
     attribution.install(model)  # already wrapped: not wrapped twice
-    wrapped = [l.name for l in model._flatten_layers(include_self=False)
-               if "call" in l.__dict__ and not isinstance(l, keras.layers.InputLayer)]
+    wrapped = [x.name for x in model._flatten_layers(include_self=False)
+               if "call" in x.__dict__ and not isinstance(x, keras.layers.InputLayer)]
     assert wrapped == ["dense", "amplify", "relu", "head"] and "train_step" in model.__dict__
     assert attribution.current() is None  # outside a train step
     model(np.ones((2, 8), "float32"))  # calls outside a train step run the original code
     attribution.uninstall()
     attribution.uninstall()  # idempotent
-    assert not any({"call", "train_step", "_compute_loss"} & set(l.__dict__)
-                   for l in [model, *model._flatten_layers(include_self=False)])
+    assert not any({"call", "train_step", "_compute_loss"} & set(x.__dict__)
+                   for x in [model, *model._flatten_layers(include_self=False)])
     assert attribution.name(-1, attribution.generation) is None and attribution.name(0, 99) is None

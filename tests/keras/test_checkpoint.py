@@ -97,7 +97,7 @@ def test_without_the_opt_in_a_recipe_change_names_both_recipes_and_changes_nothi
     model.optimizer.build(model.trainable_variables)
     before = [_np(v) for v in model.weights + model.optimizer.variables]
     with pytest.raises(StateDictError, match="saved with recipe '16-mixed'; this run uses 'bf16-mixed'. "
-                                             r"keras.models.load_model\(path\) continues it under '16-mixed'. "
+                                             r"keras_ext.load_model\(path\) continues it under '16-mixed'. "
                                              "Pass allow_recipe_change=True"):
         keras_ext.resume(model, tmp_path / "a.keras")
     for a, b in zip(before, [_np(v) for v in model.weights + model.optimizer.variables]):
@@ -200,8 +200,12 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path):
     bare = _build("bf16-mixed")
     bare.compile(keras.optimizers.Adam(), "mse")
     _fit(bare, _data())
-    with pytest.raises(StateDictError, match="holds no state of a keras_ext.LossScaleOptimizer"):
-        keras_ext.resume(_build("bf16-mixed"), bare)
+    with pytest.raises(StateDictError, match="saved with Keras' own Adam.*Pass allow_recipe_change=True"):
+        keras_ext.resume(_build("bf16-mixed"), bare)  # Keras' own optimizers: opt-in (their scaler is not ours)
+    unbuilt = _build("bf16-mixed")
+    unbuilt.compile(keras.optimizers.Adam(), "mse")
+    with pytest.raises(StateDictError, match="holds no optimizer state"):
+        keras_ext.resume(_build("bf16-mixed"), unbuilt)
 
 
 def test_export_needs_a_model_keras_can_clone():

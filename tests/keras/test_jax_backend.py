@@ -128,7 +128,8 @@ def test_divergence_rule_stops_on_jax_as_on_tensorflow(on_jax, on_tf, case):
 @pytest.mark.slow
 def test_backend_agnostic_tests_pass_on_jax():
     proc = run_pytest("test_optimizer.py", "test_scaler.py", "test_masters.py", "test_saving.py", "test_policy.py",
-                      "test_checkpoint.py", "test_divergence.py", "test_keras_own_suite.py", env={"KERAS_BACKEND": "jax"},
+                      "test_checkpoint.py", "test_divergence.py", "test_keras_own_suite.py",
+                      env={"KERAS_BACKEND": "jax"},
                       timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "test_optimizer.py::test_fit_matches_stock_keras PASSED" in proc.stdout

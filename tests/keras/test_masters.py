@@ -48,7 +48,8 @@ def test_bf16_master_beats_pure_bf16_on_swamping():
     np.testing.assert_allclose(master, w32, atol=1e-5)
     assert np.all(np.abs(wm - w32) <= BF16_HALF_ULP_BELOW_ONE)
     assert master_model.weights[0].dtype == "bfloat16" and opt.master_variables[0].dtype == "float32"
-    np.testing.assert_array_equal(wm, master.astype(np.float32).astype(ops.convert_to_numpy(master_model.weights[0]).dtype))
+    stored = ops.convert_to_numpy(master_model.weights[0]).dtype
+    np.testing.assert_array_equal(wm, master.astype(np.float32).astype(stored))
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="XLA: TensorFlow backend")
@@ -102,7 +103,8 @@ def test_master_weights_only_for_low_precision_variables_and_write_back_rounds()
     index = {id(low): 0, id(full): 1}.__getitem__
     grads, updated = masters.targets([ops.ones((2,), dtype="bfloat16"), ops.ones((3,))], [low, full],
                                      lambda v: index(id(v)))
-    assert all(a is b for a, b in zip(updated, targets)) and keras.backend.standardize_dtype(grads[0].dtype) == "float32"
+    assert all(a is b for a, b in zip(updated, targets))
+    assert keras.backend.standardize_dtype(grads[0].dtype) == "float32"
     targets[0].assign(np.array([1.0 + 2.0**-12, 1.5], "float32"))  # below half a bf16 ulp, and exact
     masters.write_back([low, full], lambda v: index(id(v)))
     np.testing.assert_array_equal(ops.convert_to_numpy(ops.cast(low, "float32")), [1.0, 1.5])

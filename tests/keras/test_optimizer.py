@@ -353,7 +353,7 @@ def test_fit_matches_stock_keras_jit_compile():
 def test_one_replica_overflow_makes_every_replica_skip():
     proc = run_script("mirrored", "ours", "fit", "fit_master", "fit_bf16", "diverge")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
 
     loop = result["ours"]

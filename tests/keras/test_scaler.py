@@ -34,7 +34,8 @@ def _step(scaler, bad):
 def test_counters_read_the_initial_state_before_build_and_the_variables_after():
     config = ScalerConfig.preset("megatron", init_scale=2.0**10)
     scaler = KerasLossScaler(config)
-    assert not scaler.built and scaler.current_scale == 2.0**10 and scaler.steps == 0 and scaler.variable("scale") is None
+    assert not scaler.built and scaler.current_scale == 2.0**10 and scaler.steps == 0
+    assert scaler.variable("scale") is None
     scaler.build(keras.optimizers.SGD())
     assert [v.name for v in (scaler.variable(f) for f in STATE_FIELDS)] == \
         ["dynamic_scale"] + [f"scaler_{f}" for f in STATE_FIELDS[1:]]

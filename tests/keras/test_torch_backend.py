@@ -27,7 +27,8 @@ def test_backend_agnostic_tests_pass_on_torch():
     assert "test_optimizer.py::test_fit_matches_stock_keras PASSED" in proc.stdout
     assert "test_masters.py::test_bf16_master_beats_pure_bf16_on_swamping PASSED" in proc.stdout
     assert "test_saving.py::test_save_load_resume_equals_uninterrupted[fp32-vars] PASSED" in proc.stdout
-    assert "test_checkpoint.py::test_a_master_checkpoint_resumes_bit_for_bit_under_its_recipe[bf16-master-resume] PASSED" \
+    assert "test_checkpoint.py::test_a_master_checkpoint_resumes_bit_for_bit_under_its_recipe" \
+        "[bf16-master-resume] PASSED" \
         in proc.stdout
     assert "test_divergence.py::test_nan_every_step_stops_within_ten_steps_with_nothing_applied[16-master] PASSED" \
         in proc.stdout

@@ -161,7 +161,7 @@ def test_the_wrapped_optimizer_is_the_optimizer_on_fp32_copies(recipe, optimizer
             continue
         applied += 1
         assert (counter1, iters1) == (applied, applied)
-        for s, v, w, c, g in zip(shadow, tvs, w0, c0, grads):
+        for s, v, w, c, _ in zip(shadow, tvs, w0, c0, grads):
             value = w if v.dtype == "float32" else bf16_to_f32(w) + (bf16_to_f32(c) if c is not None else 0)
             s.assign(value.astype(np.float32))
         ref_fn([None if g is None else ops.cast(g, "float32") for g in grads])

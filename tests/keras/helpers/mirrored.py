@@ -70,14 +70,17 @@ def run(kind):
     data = batches()
     before_bad = {}
     for i, per_replica in enumerate(data):
-        xs = strategy.experimental_distribute_values_from_function(lambda ctx: per_replica[ctx.replica_id_in_sync_group][0])
-        ys = strategy.experimental_distribute_values_from_function(lambda ctx: per_replica[ctx.replica_id_in_sync_group][1])
+        xs = strategy.experimental_distribute_values_from_function(
+            lambda ctx, per_replica=per_replica: per_replica[ctx.replica_id_in_sync_group][0])
+        ys = strategy.experimental_distribute_values_from_function(
+            lambda ctx, per_replica=per_replica: per_replica[ctx.replica_id_in_sync_group][1])
         if i in BAD_STEPS:
             before_bad[i] = [np.array(v.numpy()) for v in model.trainable_variables]
         train_step(xs, ys)
         if i in BAD_STEPS:
             after = [np.array(v.numpy()) for v in model.trainable_variables]
-            record.setdefault("unchanged_on_bad", []).append(all(np.array_equal(a, b) for a, b in zip(before_bad[i], after)))
+            record.setdefault("unchanged_on_bad", []).append(
+                all(np.array_equal(a, b) for a, b in zip(before_bad[i], after)))
         record["scales"].append(float(np.asarray(opt.dynamic_scale.numpy())))
         for v in model.trainable_variables:
             tv = v.value if hasattr(v, "value") else v

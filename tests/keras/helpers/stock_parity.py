@@ -56,7 +56,8 @@ def run(kind: str, epochs: int = 1, jit_compile: bool = False):
         "scales": scales,
         "iterations": iters,
         "weights": [ops.convert_to_numpy(w).astype("float64").tolist() for w in model.weights],
-        "inner_slots": [ops.convert_to_numpy(v).astype("float64").tolist() for v in model.optimizer.inner_optimizer.variables],
+        "inner_slots": [ops.convert_to_numpy(v).astype("float64").tolist()
+                        for v in model.optimizer.inner_optimizer.variables],
     }
     if kind == "ours":
         o = model.optimizer

@@ -1,0 +1,146 @@
+"""What a saved model needs keras_ext for: the policies of nested layers and the FP8 settings of a layer.
+
+Keras saves one dtype policy per layer config; a layer that builds its sublayers itself (keras_hub's
+``TransformerDecoder``, ``MultiHeadAttention``, a keras_hub backbone) hands them its own policy, so
+their policies are lost on a round trip (LayerNorms came back ``mixed_bfloat16``).  Such a layer
+(an *owner*) holds a :class:`PolicyMap`: Keras' ``DTypePolicyMap`` (its sublayers created from it
+find their entry by ``layer.path`` and get the saved variable dtypes) that also lists every sublayer
+in walk order, those without a path (``Softmax``, ``Dropout``) included, and the cast of the owner's
+outputs.  It is live: saved, it reports the owner's current policies (a fallback's moves included).
+
+:class:`FP8Policy` is a layer's policy under ``fp8-mixed``: its dtypes plus the FP8 settings.
+
+Both are registered (``keras_ext>PolicyMap``, ``keras_ext>FP8Policy``) and load only through
+:func:`keras_ext.load_model` (or ``keras_ext``'s own clones: :func:`loading_scope`), which also
+installs what Keras cannot rebuild: the casts at region boundaries and the FP8 calls.  Keras'
+``load_model`` of such a file raises an error that names it instead of failing later (the residual
+add of mixed dtypes, ``expected 2 variables, but received 17``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import keras
+
+from mp_callbacks.policy import PolicyError
+
+from .layers import resolved_policy, walk
+
+__all__ = ["MODEL_OUTPUT", "FP8Policy", "PolicyMap", "loading_scope"]
+
+MODEL_OUTPUT = "_mp_model_output_dtype"
+"""Attribute of a composite producing a model output: the dtype its outputs are cast to (``output=``)."""
+
+_HOW = ("load it with keras_ext.load_model(path) (keras_ext installs the casts between FP32 regions and "
+        "low-precision layers and the FP8 matmuls, which Keras cannot rebuild)")
+
+
+@keras.saving.register_keras_serializable(package="keras_ext")
+class FP8Policy(keras.DTypePolicy):
+    """A dtype policy (``name``: ``"bfloat16"``...) whose layer runs FP8 matmuls with settings ``fp8``
+    (:meth:`mp_callbacks.fp8.recipe.FP8Recipe.to_dict`)."""
+
+    def __init__(self, name: str | None = None, fp8: Mapping[str, Any] | None = None) -> None:
+        super().__init__(name)
+        self.fp8 = dict(fp8 or {})
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.name, "fp8": dict(self.fp8)}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> FP8Policy:
+        if not _permitted():
+            raise PolicyError(f"this model was saved with keras_ext's FP8 matmuls (fp8-mixed): {_HOW}")
+        return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package="keras_ext")
+class PolicyMap(keras.dtype_policies.DTypePolicyMap):
+    """The dtype policies of an owner's sublayers (see the module docstring).
+
+    ``layers``: ``[dotted path relative to the owner, class name, policy, model-output cast]`` per sublayer
+    in walk order; ``outputs``: the :data:`MODEL_OUTPUT` cast of the owner itself (None: none).
+    """
+
+    def __init__(self, default_policy: Any = None, policy_map: dict[str, Any] | None = None,
+                 layers: list[Any] | None = None, outputs: str | None = None) -> None:
+        super().__init__(default_policy, policy_map)
+        self.layers = [(p, c, keras.dtype_policies.get(kp), out) for p, c, kp, out in (layers or [])]
+        self.outputs = outputs
+        self._owner: Any = None
+
+    @classmethod
+    def of(cls, owner: Any) -> PolicyMap:
+        """A map holding the current policies of ``owner``'s sublayers, bound to it (not installed)."""
+        made = cls(resolved_policy(owner))
+        made.bind(owner)
+        made._refresh()
+        return made
+
+    def bind(self, owner: Any) -> None:
+        """Report ``owner``'s current policies from now on."""
+        self._owner = weakref.ref(owner)
+
+    @property
+    def owner(self) -> Any:
+        return self._owner() if self._owner is not None else None
+
+    def _refresh(self) -> None:
+        owner = self.owner
+        if owner is None:
+            return
+        self._default_policy_arg = self._default_policy = _plain(owner)
+        self._policy_map = {layer.path: resolved_policy(layer) for _, layer in walk(owner) if layer.path}
+        self.layers = [(p, type(layer).__name__, resolved_policy(layer), layer.__dict__.get(MODEL_OUTPUT))
+                       for p, layer in walk(owner)]
+        self.outputs = owner.__dict__.get(MODEL_OUTPUT)
+
+    def get_config(self) -> dict[str, Any]:
+        self._refresh()
+        ser = keras.dtype_policies.serialize
+        return {"default_policy": ser(self._default_policy), "policy_map": {k: ser(v) for k, v in
+                                                                             self._policy_map.items()},
+                "layers": [[p, c, ser(kp), out] for p, c, kp, out in self.layers], "outputs": self.outputs}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], custom_objects: Any = None) -> PolicyMap:
+        if not _permitted():
+            raise PolicyError(f"this model holds layers whose sublayers compute in other dtypes: {_HOW}")
+        get = keras.dtype_policies.get
+        return cls(get(config["default_policy"]), {k: get(v) for k, v in config["policy_map"].items()},
+                   config.get("layers", []), config.get("outputs"))
+
+
+def _plain(owner: Any) -> Any:
+    """The owner's own policy (its entry in the map it holds, else the map's default)."""
+    policy = owner._dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy[owner.path] if owner.path and owner.path in policy else policy.default_policy
+    return policy
+
+
+_LOADING = "keras_ext_loading"  # Keras' global_state attribute: keras_ext is deserializing
+
+
+def _permitted() -> bool:
+    from keras.src.backend.common import global_state
+
+    return bool(global_state.get_global_attribute(_LOADING, False))
+
+
+@contextlib.contextmanager
+def loading_scope() -> Iterator[None]:
+    """Within the block Keras deserializes :class:`PolicyMap` and :class:`FP8Policy` (keras_ext's loaders and
+    clones use it; the flag lives in Keras' own thread-local global state, not in this module)."""
+    from keras.src.backend.common import global_state
+
+    before = global_state.get_global_attribute(_LOADING, False)
+    global_state.set_global_attribute(_LOADING, True)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute(_LOADING, before)
