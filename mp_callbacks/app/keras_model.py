@@ -27,8 +27,8 @@ import keras
 import numpy as np
 from keras import ops
 
+import keras_ext as keras_policy  # the public face: set_global_policy, apply_policy
 from keras_ext import MixedPrecisionMonitor
-from keras_ext import policy as keras_policy
 from keras_ext.fp8 import is_fp8_variable
 from keras_ext.optimizer import master_optimizer
 
