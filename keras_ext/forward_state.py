@@ -10,8 +10,9 @@ after it, when the inner optimizer's step count did not move (the step was skipp
 back.  A skipped step then leaves them equal to a run that never saw the batch.  The cost per step: the
 snapshot (TensorFlow shares the buffer until the forward writes the variable, so only the written ones,
 the moving statistics, a few floats per channel, are copied) and a ``cond`` that writes only on skipped
-steps (``benchmarks/bench_keras_bn_skip.py`` measures it).  TensorFlow and torch backends; on JAX the
-forward's state is the trainer's returned state (not restored: a warning).
+steps (``benchmarks/bench_keras_bn_skip.py`` measures it).  On JAX the trainer's ``train_step(state, data)``
+is functional: the wrap compares the inner optimizer's step count in the state it was given and the state
+it returns, and where it did not move returns the given values of those variables (``where``, no host read).
 
 :func:`keras_ext.apply_policy` / :func:`keras_ext.load_model` install it when the model is compiled with
 a :class:`keras_ext.LossScaleOptimizer` (the guard in :mod:`keras_ext.guard`).
@@ -19,13 +20,12 @@ a :class:`keras_ext.LossScaleOptimizer` (the guard in :mod:`keras_ext.guard`).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import keras
 from keras import ops
 
-from .jax_support import is_jax, run_if
+from .jax_support import is_jax, run_if, tree_where
 
 __all__ = ["forward_state", "restore_on_skip"]
 
@@ -47,8 +47,8 @@ def _iterations(model: Any) -> Any:
 
 def restore_on_skip(model: Any, enabled: bool = True) -> bool:
     """Wrap ``model.train_step`` so that a step the optimizer skips leaves :func:`forward_state` as it was
-    (``enabled=False`` removes the wrap); returns whether it is installed (False without such state or on
-    JAX).  Takes effect when Keras next builds the train function (``compile`` resets it)."""
+    (``enabled=False`` removes the wrap); returns whether it is installed (False without such state).
+    Takes effect when Keras next builds the train function (``compile`` resets it)."""
     if _ORIGINAL in model.__dict__:
         before = model.__dict__.pop(_ORIGINAL)
         if before is None:
@@ -57,12 +57,10 @@ def restore_on_skip(model: Any, enabled: bool = True) -> bool:
             object.__setattr__(model, "train_step", before)
     if not enabled or not forward_state(model):
         return False
-    if is_jax():
-        warnings.warn("keras_ext.restore_on_skip: on JAX the forward's state (BatchNorm statistics) is the "
-                      "trainer's returned state and is not restored on a skipped step", UserWarning, stacklevel=2)
-        return False
     original = model.__dict__.get("train_step")
     step = model.train_step
+    if is_jax():
+        return _install(model, original, _stateless_train_step(model, step))
 
     def train_step(data: Any) -> Any:
         state = forward_state(model)
@@ -80,7 +78,30 @@ def restore_on_skip(model: Any, enabled: bool = True) -> bool:
         run_if(ops.equal(ops.convert_to_tensor(applied.value), applied_before), restore, state)
         return logs
 
+    return _install(model, original, train_step)
+
+
+def _install(model: Any, original: Any, train_step: Any) -> bool:
     object.__setattr__(model, _ORIGINAL, original)
     object.__setattr__(model, "train_step", train_step)
     model.train_function = None
     return True
+
+
+def _stateless_train_step(model: Any, step: Any) -> Any:
+    """JAX: ``train_step(state, data) -> (logs, state)``; state = (trainable, non-trainable, optimizer,
+    metrics) values in the order of the model's and the optimizer's variable lists."""
+
+    def train_step(state: Any, data: Any) -> Any:
+        logs, new_state = step(state, data)
+        applied = _iterations(model)
+        where = [i for i, v in enumerate(model.optimizer.variables) if v is applied]
+        if not where:
+            return logs, new_state
+        skipped = ops.equal(new_state[2][where[0]], state[2][where[0]])
+        restored = {id(v) for v in forward_state(model)}
+        non_trainable = [tree_where(skipped, old, new) if id(v) in restored else new
+                         for v, old, new in zip(model.non_trainable_variables, state[1], new_state[1])]
+        return logs, (new_state[0], non_trainable, *new_state[2:])
+
+    return train_step

@@ -11,8 +11,6 @@ from keras import ops  # noqa: E402
 
 import keras_ext  # noqa: E402
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() == "jax", reason="the forward's state is the JAX trainer's")
-
 
 def _model(recipe, eager, restore=True):
     keras_ext.set_global_policy(recipe)
