@@ -29,6 +29,7 @@ The global state is Keras' own (:mod:`keras_ext.global_policy`).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -114,7 +115,7 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     _install_owner_maps(model)
     install_casts(model)
     _warn_if_nothing_low(plan, core)
-    _warn_if_unbuilt(plan, core)
+    _defer_unbuilt(model, plan, core, policy)
     return guard_compile(model, recipe)
 
 
@@ -162,19 +163,39 @@ def _install_owner_maps(model: Any) -> None:
             _set_own_policy(owner, PolicyMap.of(owner))
 
 
-def _warn_if_unbuilt(plan: list[LayerPlan], core: PrecisionPolicy) -> None:
-    """A layer not built yet that may build sublayers (attention, RNNs, unknown layers) gets them with its own
-    policy: the FP32 rules cannot reach them (a softmax inside an unbuilt attention computes in low precision)."""
+_DEFERRED = "_mp_policy_after_build"
+
+
+def _defer_unbuilt(model: Any, plan: list[LayerPlan], core: PrecisionPolicy, policy: Any) -> None:
+    """A layer not built yet that may build sublayers (attention, RNNs, unknown layers) creates them with
+    its own policy, out of the rules' reach (a softmax inside an unbuilt attention would compute in low
+    precision): such a layer's ``build`` applies the policy to ``model`` again, in place, once it has
+    built (before its first call computes).  A sublayer built there with variables of another dtype
+    cannot change them: that apply raises :class:`PolicyError` (build the model before apply_policy)."""
     if core.compute == "float32":
         return
-    unbuilt = [r.path for r in plan if not r.layer.built and not children(r.layer)
-               and core.classify_op(core.op_kind(r.layer)) in ("unknown", "low")
-               and not isinstance(r.layer, MATMUL_LAYERS)]
-    if unbuilt:
-        warnings.warn(f"keras_ext.apply_policy: {unbuilt} are not built yet; if they build sublayers (attention, "
-                      "keras_hub blocks) those get these layers' policies, not their own (a softmax inside computes "
-                      f"in {core.compute}): build the model (call it on a batch) before apply_policy",
-                      UserWarning, stacklevel=3)
+    for row in plan:
+        layer = row.layer
+        if (layer.built or children(layer) or _DEFERRED in layer.__dict__ or isinstance(layer, MATMUL_LAYERS)
+                or core.classify_op(core.op_kind(layer)) not in ("unknown", "low")):
+            continue
+        object.__setattr__(layer, _DEFERRED, True)
+        object.__setattr__(layer, "build", _build_then_apply(layer, model, policy))
+
+
+def _build_then_apply(layer: Any, model: Any, policy: Any) -> Any:
+    """``layer.build`` (same signature: Keras reads its argument names), then, once, the policy again."""
+    build = layer.build
+
+    @functools.wraps(build)
+    def build_then_apply(*args: Any, **kwargs: Any) -> Any:
+        result = build(*args, **kwargs)
+        object.__setattr__(layer, "build", build)
+        if children(layer):
+            apply_policy(model, policy)
+        return result
+
+    return build_then_apply
 
 
 def _warn_if_nothing_low(plan: list[LayerPlan], core: PrecisionPolicy) -> None:

@@ -12,6 +12,7 @@ from keras import ops
 
 import keras_ext
 from keras_ext.global_policy import POLICY_ATTR, RECIPE_ATTR
+from keras_ext.layers import walk
 from mp_callbacks import PolicyError, PrecisionPolicy, get_recipe
 from mp_callbacks.policy import format_report
 
@@ -213,3 +214,41 @@ def test_the_monitor_prints_the_report_at_train_start(capsys):
     assert "mixed-precision policy:" in out and "dense (a Dense): low-precision op" in out
     event = next(e for e in monitor.history.events if e["kind"] == "policy")
     assert event["step"] == 0 and [r["storage"] for r in event["modules"]][:2] == ["bfloat16", "float32"]
+
+
+class AttentionBlockModel(keras.Model):
+    """A subclassed model whose attention builds its sublayers (query/key/value, softmax) at the first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = keras.layers.Embedding(20, 8)
+        self.attention = keras.layers.MultiHeadAttention(2, 4)
+        self.norm = keras.layers.LayerNormalization()
+        self.head = keras.layers.Dense(20)
+
+    def call(self, x):
+        h = self.embedding(x)
+        return self.head(self.norm(h + self.attention(h, h)))
+
+
+@pytest.mark.parametrize("recipe", ["bf16-mixed", "bf16-master"])
+def test_an_unbuilt_attention_gets_the_policy_when_it_builds(recipe):
+    """apply_policy before the model is built: the attention's sublayers, created in its build, get the rules'
+    policies then (the softmax computes in FP32): every layer holds what the policy asks of the built model."""
+    keras_ext.set_global_policy(recipe)
+    x = np.random.default_rng(0).integers(0, 20, (4, 5))
+    late = keras_ext.apply_policy(AttentionBlockModel())
+    late(x)
+    wanted = keras_ext.layer_dtype_policies(late)  # what the rules ask of the model as built now
+    layers = dict(walk(late))
+    assert sum(isinstance(layers.get(path), keras.layers.Softmax) for path in wanted) == 1
+    for path, kp in wanted.items():
+        if path:
+            assert (layers[path].compute_dtype, layers[path].variable_dtype) == \
+                (kp.compute_dtype, kp.variable_dtype), path
+    softmax = late.attention._softmax
+    assert softmax.compute_dtype == "float32" and late.attention.compute_dtype == "bfloat16"
+    late.compile(keras_ext.master_optimizer(keras.optimizers.Adam(1e-3), recipe),
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = late.fit(x, x, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
