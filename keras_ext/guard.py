@@ -10,6 +10,10 @@ model: ``model.compile(optimizer=...)`` then checks the optimizer against the re
   optimizer does what the recipe asks and is left alone.
 * A :class:`keras_ext.LossScaleOptimizer` without what the recipe needs (no masters under ``bf16-master``)
   is a :class:`~mp_callbacks.policy.PolicyError` that names the fix.
+* A model compiled *before* ``apply_policy`` (or given its optimizer any other way than through the guarded
+  ``compile``) keeps that optimizer: when it lacks what the recipe needs, the first ``fit`` warns with
+  the fix (compile again after ``apply_policy``; compiling again then is what the warning asks, so
+  ``apply_policy`` itself says nothing).
 
 After compiling with a :class:`keras_ext.LossScaleOptimizer` it installs
 :func:`keras_ext.forward_state.restore_on_skip` (BatchNorm statistics survive a skipped step).
@@ -33,9 +37,10 @@ from mp_callbacks.recipes import Recipe
 from .forward_state import restore_on_skip
 from .optimizer import LossScaleOptimizer, master_optimizer
 
-__all__ = ["guard_compile", "recipe_optimizer"]
+__all__ = ["check_compiled", "guard_compile", "lacking", "recipe_optimizer"]
 
 _GUARDED = "_mp_compile_recipe"
+_WARNED = "_mp_warned_optimizer"  # id of the compiled optimizer check_compiled warned about
 
 
 def _rounds(recipe: Recipe) -> bool:
@@ -54,16 +59,31 @@ def _needs(recipe: Recipe) -> list[str]:
     return needs
 
 
+def _missing(optimizer: LossScaleOptimizer, recipe: Recipe) -> list[str]:
+    """What ``recipe`` needs that a :class:`keras_ext.LossScaleOptimizer` does not do."""
+    missing = []
+    if recipe.master.master_weights and not optimizer.master_weights:
+        missing.append("FP32 master weights")
+    if _rounds(recipe) and optimizer.update_rounding is None:
+        missing.append("update rounding")
+    return missing
+
+
+def lacking(optimizer: Any, recipe: Recipe) -> list[str]:
+    """What ``recipe`` needs that ``optimizer`` (a compiled model's) does not do; ``[]``: nothing."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, LossScaleOptimizer):
+        return _missing(optimizer, recipe)
+    return _needs(recipe)
+
+
 def recipe_optimizer(optimizer: Any, recipe: Recipe) -> Any:
     """``optimizer`` if it can honour ``recipe``, else ``master_optimizer(inner, recipe)`` (warned); a
     :class:`keras_ext.LossScaleOptimizer` lacking what the recipe needs raises :class:`PolicyError`."""
     needs = _needs(recipe)
     if isinstance(optimizer, LossScaleOptimizer):
-        missing = []
-        if recipe.master.master_weights and not optimizer.master_weights:
-            missing.append("FP32 master weights")
-        if _rounds(recipe) and optimizer.update_rounding is None:
-            missing.append("update rounding")
+        missing = _missing(optimizer, recipe)
         if missing:
             raise PolicyError(
                 f"the model is set up for recipe {recipe.name!r}, which needs {', '.join(missing)}; its "
@@ -83,15 +103,44 @@ def recipe_optimizer(optimizer: Any, recipe: Recipe) -> Any:
     return wrapped
 
 
+def check_compiled(model: Any, recipe: Recipe, stacklevel: int = 3) -> None:
+    """Warn (once per optimizer) when ``model`` was compiled with an optimizer lacking what ``recipe`` needs."""
+    optimizer = getattr(model, "optimizer", None)
+    missing = lacking(optimizer, recipe)
+    if not missing or model.__dict__.get(_WARNED) == id(optimizer):
+        return
+    object.__setattr__(model, _WARNED, id(optimizer))
+    inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
+    inner_name = type(inner).__name__
+    warnings.warn(
+        f"keras_ext: the model is set up for recipe {recipe.name!r}, which needs {', '.join(missing)}, but it was "
+        f"compiled with {type(optimizer).__name__}, which does not do them (it was compiled before "
+        f"keras_ext.apply_policy): it trains the low-precision weights directly and loses the updates they "
+        f"cannot hold. Compile again after apply_policy: model.compile(keras_ext.master_optimizer("
+        f"{inner_name}(...), {recipe.name!r}), ...) (a plain optimizer given to compile() then is wrapped)",
+        UserWarning, stacklevel=stacklevel)
+
+
 def guard_compile(model: Any, recipe: Recipe | None) -> Any:
     """From now on ``model.compile`` passes its optimizer through :func:`recipe_optimizer` for ``recipe``
-    (None: no guard; installing again replaces the recipe)."""
+    (None: no guard; installing again replaces the recipe), and ``model.fit`` warns once
+    (:func:`check_compiled`) when the model is already compiled with an optimizer that cannot honour it."""
     if recipe is None:
         model.__dict__.pop(_GUARDED, None)
         return model
     first = _GUARDED not in model.__dict__
     object.__setattr__(model, _GUARDED, recipe)
     if first:
+        fit_fn = model.fit
+
+        @functools.wraps(fit_fn)
+        def fit(*args: Any, **kwargs: Any) -> Any:
+            current = model.__dict__.get(_GUARDED)
+            if current is not None:
+                check_compiled(model, current)
+            return fit_fn(*args, **kwargs)
+
+        object.__setattr__(model, "fit", fit)
         compile_fn = model.compile
 
         @functools.wraps(compile_fn)

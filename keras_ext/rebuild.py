@@ -20,7 +20,7 @@ from keras import ops
 
 from mp_callbacks.policy import PolicyError
 
-from .layers import is_graph, own_variables, walk
+from .layers import children, is_graph, own_variables, walk
 from .policy_map import PolicyMap, loading_scope
 
 __all__ = ["FP32_SOURCE", "clone_with_policies", "copy_weights", "has_own_constructor", "is_clonable",
@@ -45,8 +45,15 @@ def has_own_constructor(model: Any) -> bool:
 
 
 def _map_for(layer: Any, by_id: Mapping[int, Any]) -> PolicyMap:
-    """A map with ``by_id``'s policies for ``layer``'s sublayers (by their Keras path), ``layer``'s as default."""
-    entries = {sub.path: by_id[id(sub)] for _, sub in walk(layer) if sub.path and id(sub) in by_id}
+    """A map with ``by_id``'s policies for ``layer``'s sublayers, ``layer``'s as default.  A sublayer is found
+    by its Keras path (set where it was first built) and by the path it gets when built inside ``layer``: a
+    sublayer the graph called before its owner (a tied embedding) may be built at the other one in the copy."""
+    entries: dict[str, Any] = {}
+    for rel, sub in walk(layer):
+        if id(sub) in by_id:
+            for key in (sub.path, "/".join([layer.path or layer.name, *rel.split(".")])):
+                if key:
+                    entries.setdefault(key, by_id[id(sub)])
     return PolicyMap(by_id.get(id(layer), layer.dtype_policy), entries)
 
 
@@ -64,21 +71,42 @@ def _from_config(layer: Any, dtype: Any) -> Any:
 
 def clone_with_policies(model: keras.Model, by_id: Mapping[int, Any], default: Any) -> keras.Model:
     """A copy of a graph ``model`` whose layers get ``by_id[id(layer)]`` as dtype policy (layers not in it keep
-    theirs; ``default``: Keras' global policy while building); weights not copied."""
+    theirs; ``default``: Keras' global policy while building); weights not copied.  A layer shared between a
+    layer built again from its config and the graph (a tied LM head: the graph calls the backbone's token
+    embedding) stays shared: the graph gets the rebuilt owner's sublayer, not a second copy."""
+    with _keras_policy(default), loading_scope():
+        return _clone(model, by_id, {})
+
+
+def _clone(model: keras.Model, by_id: Mapping[int, Any], done: dict[int, Any]) -> keras.Model:
+    """:func:`clone_with_policies` with ``done``: the clone of each layer cloned so far, by the original's id."""
+
+    def rebuild(layer: Any, dtype: Any) -> Any:
+        new = _from_config(layer, dtype)
+        for (_, old_sub), (_, new_sub) in zip(walk(layer), walk(new)):
+            done.setdefault(id(old_sub), new_sub)
+        return new
 
     def clone_layer(layer: Any) -> Any:
+        if id(layer) in done:
+            return done[id(layer)]
         if not isinstance(layer, keras.layers.Layer):  # an op of the graph (``x * y`` of KerasTensors)
-            return layer.__class__.from_config(layer.get_config())
-        if isinstance(layer, keras.Model) and not has_own_constructor(layer):
-            return clone_with_policies(layer, by_id, default)
-        if isinstance(layer, keras.Model) or list(walk(layer)):
-            return _from_config(layer, _map_for(layer, by_id))
-        return _from_config(layer, by_id.get(id(layer), layer.dtype_policy))
+            new = layer.__class__.from_config(layer.get_config())
+        elif isinstance(layer, keras.Model) and not has_own_constructor(layer):
+            new = _clone(layer, by_id, done)
+        elif isinstance(layer, keras.Model) or list(walk(layer)):
+            new = rebuild(layer, _map_for(layer, by_id))
+        else:
+            new = _from_config(layer, by_id.get(id(layer), layer.dtype_policy))
+        done[id(layer)] = new
+        return new
 
-    with _keras_policy(default), loading_scope():
-        if has_own_constructor(model):
-            return _from_config(model, _map_for(model, by_id))
-        return keras.models.clone_model(model, clone_function=clone_layer, recursive=False)
+    if has_own_constructor(model):
+        return rebuild(model, _map_for(model, by_id))
+    for child in children(model):  # owners first: the graph may call one of their sublayers before them
+        if has_own_constructor(child) or (not is_graph(child) and list(walk(child))):
+            clone_layer(child)
+    return keras.models.clone_model(model, clone_function=clone_layer, recursive=False)
 
 
 def copy_weights(source: keras.Model, target: keras.Model, keep_fp32: bool) -> None:

@@ -19,6 +19,7 @@ FSDPStrategy), ``distributed`` (the recipe's ``comm_dtype`` as a DDP communicati
 """
 
 from .attribution import OverflowTracer
+from .checkpoint import CheckedCheckpointIO, CheckpointFileError
 from .distributed import CommCounter
 from .fabric import MixedPrecision as FabricMixedPrecision
 from .fabric_monitor import FabricMonitor
@@ -34,7 +35,7 @@ from .rounding_ops import TorchRoundingOps
 from .scaler import OptState, TorchLossScaler
 from .support import check_strategy
 
-__all__ = ["CommCounter", "FSDPMixedPrecision", "FabricMixedPrecision", "FabricMonitor", "MasterWeights",
-           "MixedPrecision", "MixedPrecisionMonitor", "OptState", "OverflowTracer", "TorchLossScaler", "TorchOps",
-           "TorchRoundingOps", "UpdateRounding", "apply_module_policy", "cast_module_storage", "check_strategy",
-           "fully_shard_model", "weight_store"]
+__all__ = ["CheckedCheckpointIO", "CheckpointFileError", "CommCounter", "FSDPMixedPrecision", "FabricMixedPrecision",
+           "FabricMonitor", "MasterWeights", "MixedPrecision", "MixedPrecisionMonitor", "OptState", "OverflowTracer",
+           "TorchLossScaler", "TorchOps", "TorchRoundingOps", "UpdateRounding", "apply_module_policy",
+           "cast_module_storage", "check_strategy", "fully_shard_model", "weight_store"]

@@ -11,6 +11,13 @@ the masters where both keep them, and the scaler restarts with a warning.
 A ``*-master`` checkpoint's model weights are the FP32 masters
 (:func:`masters_as_weights`), so an FP32 model loads them exactly.
 
+The file itself is checked before torch reads it (:func:`check_checkpoint_file`, and
+:class:`CheckedCheckpointIO` for the Trainer and Fabric): a missing, truncated or foreign file is a
+:class:`CheckpointFileError` naming the file, what is wrong and what to do, not torch's
+``PytorchStreamReader failed reading zip archive``.  A checkpoint without the plugin's state (a run
+without it, or Lightning's native ``bf16-mixed``/``32-true``) starts the plugin's state fresh with a
+warning (:func:`missing_state_warning`).
+
 These functions read and write plain data and the parts they are given (the
 loss scaler, the weight store, the FP8 state); what a restore changes in the
 plugin itself (its recipe, FP32 moves) is the plugin's own
@@ -19,8 +26,12 @@ plugin itself (its recipe, FP32 moves) is the plugin's own
 
 from __future__ import annotations
 
+import os
+import zipfile
 from collections.abc import Mapping
 from typing import Any
+
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from mp_callbacks.loss_scale.record import check_state_dict
 from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
@@ -30,7 +41,8 @@ from mp_callbacks.settings import StateDictError
 from .masters import MasterWeights
 from .rounding import rounding_record
 
-__all__ = ["PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "check_scaler_record", "load_parts", "masters_as_weights",
+__all__ = ["PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "CheckedCheckpointIO", "CheckpointFileError",
+           "check_checkpoint_file", "check_scaler_record", "load_parts", "masters_as_weights", "missing_state_warning",
            "plugin_record", "resume_plan", "saved_fp32_rules"]
 
 PLUGIN_SCHEMA = "lightning_ext.MixedPrecision"
@@ -55,11 +67,73 @@ def _check_schema(state_dict: Any, here: str) -> None:
         else:
             keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
             saved = f"an unknown precision-plugin state ({keys})"
-        raise StateDictError(f"the checkpoint holds {saved}; this trainer uses {here}")
+        raise StateDictError(f"the checkpoint holds {saved}; this trainer uses {here}: resume it with the plugin "
+                             "that wrote it, or start lightning_ext's state fresh from it (the model and optimizer "
+                             f"still resume) by deleting the precision-plugin entry: {_DROP}")
     version = state_dict.get("schema_version")
     if version != PLUGIN_SCHEMA_VERSION:
         raise StateDictError(f"the checkpoint holds plugin schema v{version!r} (recipe {state_dict.get('recipe')!r}); "
                              f"this trainer uses {here}")
+
+
+_DROP = "ckpt = torch.load(path); del ckpt['MixedPrecision']; torch.save(ckpt, path)"
+_EARLIER = ("resume from an earlier checkpoint (ModelCheckpoint keeps last.ckpt and the top-k), or save this one "
+            "again")
+
+
+class CheckpointFileError(ValueError):
+    """A checkpoint file that cannot be loaded: missing, truncated, or not a torch checkpoint."""
+
+
+def check_checkpoint_file(path: str | os.PathLike[str]) -> None:
+    """:class:`CheckpointFileError` unless ``path`` is a complete ``torch.save`` file (a zip archive holding
+    ``data.pkl``, or the legacy pickle format); a directory (a sharded checkpoint) or a remote URL is left to
+    its loader."""
+    path = os.fspath(path)
+    if "://" in path or os.path.isdir(path):
+        return
+    if not os.path.exists(path):
+        raise CheckpointFileError(f"{path}: no such checkpoint file (check the path, or ModelCheckpoint's dirpath)")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except zipfile.BadZipFile as exc:
+            raise CheckpointFileError(f"{path} ({size} bytes) is a truncated or damaged checkpoint: it starts as "
+                                      f"torch.save's zip archive but cannot be read ({exc}; was the save "
+                                      f"interrupted?); {_EARLIER}") from None
+        if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+            raise CheckpointFileError(f"{path} is a zip archive but not a torch checkpoint (it holds {names[:6]}, no "
+                                      "data.pkl); pass the .ckpt file Lightning saved")
+    elif not head.startswith(b"\x80"):  # neither zip nor the legacy pickle format
+        kind = "an HDF5 file (Keras weights?)" if head.startswith(b"\x89HDF") else f"starts with {head!r}"
+        what = "empty" if size == 0 else f"not a torch checkpoint: {kind}"
+        raise CheckpointFileError(f"{path} ({size} bytes) is {what}; {_EARLIER}")
+
+
+class CheckedCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` that checks the file first (:func:`check_checkpoint_file`):
+    ``Trainer(plugins=[MixedPrecision(...), CheckedCheckpointIO()])`` or ``Fabric(plugins=[...])``."""
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        check_checkpoint_file(path)
+        try:
+            return super().load_checkpoint(path, *args, **kwargs)
+        except (RuntimeError, EOFError, OSError) as exc:  # torch's reader: damaged past the checks above
+            raise CheckpointFileError(f"{os.fspath(path)} cannot be read as a torch checkpoint "
+                                      f"({type(exc).__name__}: {str(exc).splitlines()[0]}); {_EARLIER}") from exc
+
+
+def missing_state_warning(path: Any, recipe: Recipe) -> str:
+    """The warning of a checkpoint at ``path`` without the plugin's state: what restarts and what resumes."""
+    where = f"the checkpoint {os.fspath(path)}" if path else "the checkpoint"
+    return (f"lightning_ext.MixedPrecision({recipe.name!r}): {where} holds no lightning_ext.MixedPrecision state "
+            "(saved by a run without the plugin, or by Lightning's native bf16-mixed / 32-true): the model weights "
+            "and optimizer resume from it; the loss scale, its counters and any FP32 masters, rounding or FP8 "
+            "state start fresh (masters from the loaded weights)")
 
 
 def resume_plan(state_dict: Any, recipe: Recipe, allow_recipe_change: bool) -> ResumePlan:

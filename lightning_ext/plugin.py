@@ -20,7 +20,8 @@ optimizer state, step count or step-interval schedule), then updates the scale.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -29,7 +30,9 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, masters_as_weights
+from mp_callbacks.settings import StateDictError
+
+from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, masters_as_weights, missing_state_warning
 from .distributed import register_comm_hook
 from .external_scaler import ExternalScaler, optimizer_unscales_in_step
 from .fabric import MixedPrecision as FabricMixedPrecision
@@ -142,6 +145,25 @@ class MixedPrecision(Precision, FabricMixedPrecision):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The checkpoint's model weights are the FP32 masters (``*-master``): what an FP32 model loads."""
         masters_as_weights(self.masters, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint without the plugin's state (a run without it): that state starts fresh, with a warning."""
+        if type(self).__qualname__ not in checkpoint:
+            warnings.warn(missing_state_warning(self._ckpt_path(), self.recipe), stacklevel=2)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """The Fabric plugin's, with the checkpoint file the Trainer resumes from named in an error."""
+        try:
+            super().load_state_dict(state_dict)
+        except StateDictError as exc:
+            path = self._ckpt_path()
+            if path is not None:
+                exc.args = (f"{path}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+            raise
+
+    def _ckpt_path(self) -> Any:
+        trainer = getattr(self.root_module, "_trainer", None)
+        return getattr(trainer, "ckpt_path", None)
 
     # --------------------------------------------------------------- teardown
     def teardown(self) -> None:

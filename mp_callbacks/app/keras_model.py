@@ -18,7 +18,6 @@ an uncompiled model; trained by ``fit`` on the prepared batches with
 
 from __future__ import annotations
 
-import math
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -32,13 +31,12 @@ from keras_ext import MixedPrecisionMonitor
 from keras_ext.fp8 import is_fp8_variable
 from keras_ext.optimizer import master_optimizer
 
-from ..diagnostics.metrics import FP8_SATURATED_FRAC, FP8_UNDERFLOW_FRAC
-from ..memory.estimate import estimate_memory, optimizer_kind
 from ..recipes import get_recipe
 from ..recommend import higher_is_better
 from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, load_factory, timing_fields
 from .keras_runner import _Recorder, graph_options, set_threads, state_bytes
 from .measurement import PeakRSS, error_summary
+from .run_stats import estimate_per_param, loss_tail, run_diagnostics, standard_error
 
 __all__ = ["prepare", "run"]
 
@@ -180,16 +178,6 @@ def _stack(batches: list[Batch]) -> tuple[Any, ...]:
                  for i in range(len(batches[0])))
 
 
-def _mean(values: list[Any]) -> float | None:
-    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    return float(np.mean(finite)) if finite else None
-
-
-def _se(values: list[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return float(np.std(finite, ddof=1) / math.sqrt(len(finite))) if len(finite) > 1 else float("nan")
-
-
 def _validate(model: keras.Model, batches: list[Batch], wanted: str | None) -> tuple[str, float, float]:
     per_batch: dict[str, list[float]] = {}
     for batch in batches:
@@ -201,7 +189,7 @@ def _validate(model: keras.Model, batches: list[Batch], wanted: str | None) -> t
     if name not in per_batch:
         raise ModelSetupError(f"metric {name!r} is not one the model computes; it computes {sorted(per_batch)}")
     values = per_batch[name]
-    return f"val_{name}", float(np.mean(values)), _se(values)
+    return f"val_{name}", float(np.mean(values)), standard_error(values)
 
 
 def _run(recipe: str, build_model: Callable[[], Any], prepared: PreparedData, spec: ModelSpec,
@@ -217,9 +205,8 @@ def _run(recipe: str, build_model: Callable[[], Any], prepared: PreparedData, sp
     with graph_options(), PeakRSS() as rss:
         model.fit(*data[:2], sample_weight=data[2] if len(data) > 2 else None, batch_size=prepared.batch_size,
                   epochs=1, shuffle=False, verbose=0, callbacks=[recorder, monitor])
-    losses = [s.loss for s in recorder.history if s.loss is not None and math.isfinite(s.loss)]
-    tail = losses[-10:] or [float("nan")]
-    metric_name, metric, metric_se = "loss", float(np.mean(tail)), _se(tail)
+    tail = loss_tail(recorder.history)
+    metric_name, metric, metric_se = "loss", float(np.mean(tail)), standard_error(tail)
     if prepared.val:
         with graph_options():
             metric_name, metric, metric_se = _validate(model, prepared.val, spec.metric)
@@ -228,25 +215,14 @@ def _run(recipe: str, build_model: Callable[[], Any], prepared: PreparedData, sp
     n_params = sum(int(np.prod(v.shape)) for v in trainables)
     storage = [(int(np.prod(v.shape)), keras.backend.standardize_dtype(v.dtype)) for v in trainables]
     inner = opt.inner_optimizer
-    try:
-        estimate = estimate_memory(get_recipe(name).master, optimizer_kind(type(inner).__name__,
-                                                                           getattr(inner, "momentum", 0)),
-                                   storage, fp32_master_grads=bool(opt.fp32_master_grads)).bytes_per_param
-    except ValueError:  # an optimizer the estimate does not know
-        estimate = float("nan")
+    estimate = estimate_per_param(name, type(inner).__name__, getattr(inner, "momentum", 0), storage,
+                                  fp32_master_grads=bool(opt.fp32_master_grads))
     times = [t for b, t in enumerate(recorder.times) if (b + 1) % every] or recorder.times  # monitor steps out
-    diagnostics = {
-        "update_swamped_frac": _mean([s.update_swamped_frac for s in monitor.history]),
-        "grad_underflow_frac": _mean([s.grad_underflow_frac for s in monitor.history]),
-        "fp8_saturated_frac": _mean([s.fp8.get(FP8_SATURATED_FRAC) for s in recorder.history if s.fp8]),
-        "fp8_underflow_frac": _mean([s.fp8.get(FP8_UNDERFLOW_FRAC) for s in recorder.history if s.fp8]),
-        "low_precision_params": sum(n for n, dtype in storage if dtype != "float32") / n_params,
-    }
     return RunResult(
         framework="keras", recipe=name, params=n_params, **timing_fields(times, prepared.batch_size),
         peak_rss_mb=rss.peak_mb, state_bytes_per_param=state_bytes(model, opt) / n_params,
         estimate_bytes_per_param=estimate, final_loss=float(np.mean(tail)), accuracy=float("nan"),
         overflows=opt.overflows, skipped=opt.skipped, history=recorder.history, metric_name=metric_name,
         metric=metric, metric_se=metric_se, higher_is_better=higher,
-        diagnostics={k: v for k, v in diagnostics.items() if v is not None},
+        diagnostics=run_diagnostics(monitor.history, recorder.history, storage),
     )

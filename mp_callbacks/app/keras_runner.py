@@ -70,6 +70,7 @@ from .compare import (
 )
 from .fp8_report import FP8_SAMPLE_EVERY
 from .measurement import PeakRSS
+from .run_stats import loss_tail
 
 __all__ = ["fit_once", "mlp", "run", "set_threads", "state_bytes"]
 
@@ -276,8 +277,7 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     name = get_recipe(recipe).name
     estimate = estimate_memory(get_recipe(name).master, "adamw", storage,
                                fp32_master_grads=bool(getattr(opt, "fp32_master_grads", True)))
-    losses = [s.loss for s in recorder.history if s.loss is not None and np.isfinite(s.loss)]
-    tail = losses[-10:] or [float("nan")]
+    tail = loss_tail(recorder.history)
     return RunResult(
         framework="keras", recipe=name, params=n_params,
         **timing_fields(recorder.times, spec.batch_size), peak_rss_mb=rss.peak_mb,

@@ -12,7 +12,6 @@ failed :class:`~mp_callbacks.app.compare.RunResult`.
 
 from __future__ import annotations
 
-import math
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -24,13 +23,12 @@ from torch.utils.data import DataLoader
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 
-from ..diagnostics.metrics import FP8_SATURATED_FRAC, FP8_UNDERFLOW_FRAC
-from ..memory.estimate import estimate_memory, optimizer_kind
 from ..recipes import get_recipe
 from ..recommend import higher_is_better
 from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, timing_fields
 from .lightning_runner import _Batches, _Clock, _Recorder
 from .measurement import PeakRSS, error_summary
+from .run_stats import estimate_per_param, loss_tail, run_diagnostics, standard_error
 
 __all__ = ["prepare", "run"]
 
@@ -137,16 +135,6 @@ def _pick_metric(names: list[str], wanted: str | None) -> str:
     return next((n for n in names if "loss" in n.lower()), names[0])
 
 
-def _se(values: list[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return float(np.std(finite, ddof=1) / math.sqrt(len(finite))) if len(finite) > 1 else float("nan")
-
-
-def _mean(values: list[Any]) -> float | None:
-    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    return float(np.mean(finite)) if finite else None
-
-
 def run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, spec: ModelSpec,
         progress: Callable[[int], None] | None = None) -> RunResult:
     """Train the prepared module under ``recipe`` and measure it; a failure is a failed result."""
@@ -174,9 +162,8 @@ def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, sp
                          limit_val_batches=0)
     with PeakRSS() as rss:
         trainer.fit(module, train_dataloaders=DataLoader(_Batches(prepared.train), batch_size=None))
-    losses = [s.loss for s in recorder.history if s.loss is not None and math.isfinite(s.loss)]
-    tail = losses[-10:] or [float("nan")]
-    metric_name, metric, metric_se = "loss", float(np.mean(tail)), _se(tail)
+    tail = loss_tail(recorder.history)
+    metric_name, metric, metric_se = "loss", float(np.mean(tail)), standard_error(tail)
     if prepared.val:
         capture = _LogCapture(module)
         trainer.limit_val_batches = len(prepared.val)
@@ -185,26 +172,15 @@ def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, sp
         names = sorted(logged[0]) if logged and logged[0] else []
         if names:
             metric_name = _pick_metric(names, spec.metric)
-            metric, metric_se = float(logged[0][metric_name]), _se(capture.values.get(metric_name, []))
+            metric, metric_se = float(logged[0][metric_name]), standard_error(capture.values.get(metric_name, []))
     higher = spec.higher_is_better if spec.higher_is_better is not None else bool(higher_is_better(metric_name))
     raw = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
     n_params = sum(p.numel() for p in module.parameters())
     storage = [(p.numel(), str(p.dtype).replace("torch.", "")) for p in module.parameters()]
     momentum = raw.param_groups[0].get("momentum", 0) if raw.param_groups else 0
-    try:
-        estimate = estimate_memory(get_recipe(name).master, optimizer_kind(type(raw).__name__, momentum), storage,
-                                   fp32_master_grads=True, weights_released=plugin.free_weights_during_step
-                                   ).bytes_per_param
-    except ValueError:  # an optimizer the estimate does not know
-        estimate = float("nan")
+    estimate = estimate_per_param(name, type(raw).__name__, momentum, storage, fp32_master_grads=True,
+                                  weights_released=plugin.free_weights_during_step)
     times = [t for b, t in enumerate(recorder.times) if (b + 1) % every] or recorder.times  # monitor steps out
-    diagnostics = {
-        "update_swamped_frac": _mean([s.update_swamped_frac for s in monitor.history]),
-        "grad_underflow_frac": _mean([s.grad_underflow_frac for s in monitor.history]),
-        "fp8_saturated_frac": _mean([s.fp8.get(FP8_SATURATED_FRAC) for s in recorder.history if s.fp8]),
-        "fp8_underflow_frac": _mean([s.fp8.get(FP8_UNDERFLOW_FRAC) for s in recorder.history if s.fp8]),
-        "low_precision_params": sum(n for n, dtype in storage if dtype != "float32") / n_params,
-    }
     view = plugin.loss_scaler
     return RunResult(
         framework="lightning", recipe=name, params=n_params, **timing_fields(times, prepared.batch_size),
@@ -213,5 +189,5 @@ def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, sp
         estimate_bytes_per_param=estimate, final_loss=float(np.mean(tail)), accuracy=float("nan"),
         overflows=view.overflows, skipped=view.skipped, history=recorder.history, metric_name=metric_name,
         metric=metric, metric_se=metric_se, higher_is_better=higher,
-        diagnostics={k: v for k, v in diagnostics.items() if v is not None},
+        diagnostics=run_diagnostics(monitor.history, recorder.history, storage),
     )

@@ -37,6 +37,7 @@ from .compare import (
 )
 from .fp8_report import FP8_SAMPLE_EVERY
 from .measurement import PeakRSS
+from .run_stats import loss_tail
 
 __all__ = ["fit_once", "mlp", "run", "state_bytes"]
 
@@ -270,8 +271,7 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     storage = [(p.numel(), str(p.dtype).replace("torch.", "")) for p in module.parameters()]
     estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage, fp32_master_grads=True,
                                weights_released=plugin.free_weights_during_step)
-    losses = [s.loss for s in recorder.history if s.loss is not None and np.isfinite(s.loss)]
-    tail = losses[-10:] or [float("nan")]
+    tail = loss_tail(recorder.history)
     view = plugin.scaler
     return RunResult(
         framework="lightning", recipe=get_recipe(recipe).name, params=n_params,

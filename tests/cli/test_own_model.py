@@ -83,10 +83,9 @@ def test_hf_gpt2_every_recipe_through_the_lightning_path(tmp_path):
     assert max(first.values()) - min(first.values()) < 0.02, first  # step 0: only the rounding differs
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open: since the composite-layer policy (#23), apply_policy's rebuild of this example's functional GPT-2 with a "
-    "tied LM head under bf16-master finds 21 weights for the model's 20 (PolicyError); the run is a failed row"))
 def test_keras_hub_gpt2_through_the_keras_path(tmp_path):
+    """bf16-master rebuilds the functional GPT-2 whose LM head is its backbone's token embedding (tied): the
+    rebuilt model keeps it tied (20 weights, not 21) and trains like 32-true."""
     pytest.importorskip("keras_hub")
     out = tmp_path
     proc = _mpx(*KERAS_HUB, "--recipes", "bf16-master", "--steps", "6", "--threads", "1", "--quiet",

@@ -78,6 +78,65 @@ def test_a_loss_scale_optimizer_without_the_recipe_s_masters_is_refused_at_compi
         rounding.compile(keras_ext.master_optimizer(keras.optimizers.SGD(), "bf16-master"), "mse")
 
 
+def _compiled_then_applied(recipe, optimizer, quiet=True):
+    """The model built under ``recipe`` and compiled with ``optimizer`` *before* apply_policy (the model it
+    returns, rebuilt or not, is compiled with such an optimizer)."""
+    keras_ext.set_global_policy(recipe)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="hidden"), keras.layers.Dense(1)])
+    model.compile(optimizer, "mse")
+    with warnings.catch_warnings():
+        if quiet:  # compiling again after it is the fix: apply_policy itself says nothing
+            warnings.simplefilter("error", UserWarning)
+        model = keras_ext.apply_policy(model)
+    assert model.compiled and isinstance(model.optimizer, type(optimizer) if isinstance(
+        optimizer, keras_ext.LossScaleOptimizer) else keras.optimizers.Optimizer)  # a clone: compiled from config
+    return model
+
+
+@pytest.mark.parametrize("recipe", WRAPPED)
+def test_a_plain_optimizer_compiled_before_apply_policy_warns_at_the_first_fit(recipe):
+    model = _compiled_then_applied(recipe, keras.optimizers.AdamW(1e-2))
+    x, y = _xy()
+    # what the guard makes of a plain optimizer compiled after apply_policy: the recipe's needs, named
+    reference = _mlp(recipe)
+    with pytest.warns(UserWarning, match=f"recipe '{recipe}' needs ") as wrapped:
+        reference.compile(keras.optimizers.AdamW(1e-2), "mse")
+    needs = str(wrapped[0].message).split(" needs ")[1].split(", which")[0]
+    said = (f"recipe '{recipe}', which needs {needs}, but it was compiled with (AdamW|LossScaleOptimizer).*Compile "
+            rf"again after apply_policy: model.compile\(keras_ext.master_optimizer\(AdamW\(...\), '{recipe}'\)")
+    with pytest.warns(UserWarning, match=said):
+        if recipe == "fp8-mixed":  # the FP8 state apply_policy added is unknown to that optimizer: Keras fails next
+            with pytest.raises(ValueError, match="Unknown variable"):
+                model.fit(x, y, epochs=1, verbose=0)
+            return
+        model.fit(x, y, epochs=1, verbose=0)
+    assert not isinstance(model.optimizer, keras_ext.LossScaleOptimizer)  # what the warning is about: no masters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, epochs=1, verbose=0)  # said once
+    with pytest.warns(UserWarning, match="compiling with keras_ext.master_optimizer"):
+        model.compile(keras.optimizers.AdamW(1e-2), "mse")  # the fix: through the guard
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, epochs=1, verbose=0)
+    assert isinstance(model.optimizer, keras_ext.LossScaleOptimizer)
+
+
+def test_a_compiled_optimizer_that_does_what_the_recipe_asks_fits_quietly():
+    for recipe, opt in [("32-true", keras.optimizers.AdamW()),
+                        ("bf16-master", keras_ext.master_optimizer(keras.optimizers.AdamW(), "bf16-master"))]:
+        model = _compiled_then_applied(recipe, opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            model.fit(*_xy(), epochs=1, verbose=0)
+    unmastered = _compiled_then_applied("bf16-master", keras_ext.LossScaleOptimizer(
+        keras.optimizers.SGD(), recipe="bf16-mixed"), quiet=False)  # its own build check warns too
+    with pytest.warns(UserWarning, match=r"needs FP32 master weights, but it was compiled with LossScaleOptimizer.*"
+                                         r"master_optimizer\(SGD"):
+        unmastered.fit(*_xy(), epochs=1, verbose=0)
+
+
 def test_the_optimizer_warns_where_no_guard_sees_it():
     """No apply_policy: a master recipe over FP32 variables keeps no master; bf16 variables without masters
     or rounding lose their small updates."""
