@@ -39,7 +39,10 @@ class ForwardState:
         """Keep the buffers of ``root``'s training-mode modules, unless this step already did."""
         if self._armed or root is None or not root.training:
             return
-        buffers = [b for m in root.modules() if m.training for b in m.buffers(recurse=False) if b is not None]
+        buffers: list[Tensor] = []
+        for m in root.modules():  # a module's own buffers, read directly (``m.buffers()`` walks per module)
+            if m.training and m._buffers:
+                buffers.extend(dict.fromkeys(b for b in m._buffers.values() if b is not None))
         if len(buffers) != len(self._buffers) or any(a is not b for a, b in zip(buffers, self._buffers)):
             self._buffers = buffers
             self._kept = [torch.empty_like(b) for b in buffers]

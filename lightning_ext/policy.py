@@ -46,9 +46,17 @@ def torch_dtype(name: str) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
+# torch.nn classes whose own forward runs none of autocast's low-precision ops (matmul, linear, conv,
+# attention) on any device: autocast's fp32 list or no list, so with FP32 inputs autocast on or off
+# computes the same.  As FP32 regions they need their inputs cast, not autocast left and re-entered.
+_AUTOCAST_NEUTRAL: frozenset[type] = frozenset({
+    nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+    nn.Embedding, nn.Softmax, nn.LogSoftmax})
+
+
 def _to_fp32(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() and value.dtype != torch.float32 else value
+        return value.float() if value.dtype != torch.float32 and value.is_floating_point() else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(_to_fp32(v) for v in value))
     if isinstance(value, (list, tuple)):
@@ -85,18 +93,26 @@ class ModulePolicyHandle:
 
         The module's ``forward`` is wrapped (an instance attribute, removed by
         :meth:`remove`) in a ``torch.autocast(enabled=False)`` block, which
-        ``torch.compile`` traces like any other code.  A path that already is
-        one is left alone.
+        ``torch.compile`` traces like any other code.  A torch module of an
+        autocast-neutral class (norms, embeddings, softmax: no op autocast
+        lowers), unsubclassed, only gets its inputs cast: the same numbers
+        without leaving and re-entering autocast.  A path that already is one is left alone.
         """
         if path in self.paths:
             return
         previous = module.__dict__.get("forward")
         inner = module.forward
+        if type(module) in _AUTOCAST_NEUTRAL and getattr(inner, "__func__", None) is type(module).forward:
 
-        @functools.wraps(inner)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device_type, enabled=False):
-                return inner(*_to_fp32(args), **_to_fp32(kwargs))
+            @functools.wraps(inner)
+            def forward(*args: Any, **kwargs: Any) -> Any:  # a neutral torch module: FP32 inputs suffice
+                return inner(*_to_fp32(args), **(_to_fp32(kwargs) if kwargs else kwargs))
+        else:
+
+            @functools.wraps(inner)
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                with torch.autocast(device_type, enabled=False):
+                    return inner(*_to_fp32(args), **(_to_fp32(kwargs) if kwargs else kwargs))
 
         module.forward = forward  # type: ignore[method-assign]
         self._wrapped.append((module, previous))

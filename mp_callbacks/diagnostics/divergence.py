@@ -92,7 +92,10 @@ class DivergenceRule:
     def observe(self, step: int, overflow: bool, loss_finite: bool = True, scale: float = 1.0,
                 module: str | None = None) -> None:
         """Feed one step (``overflow``: it was skipped for non-finite gradients); raises
-        :class:`~mp_callbacks.diagnostics.meters.DivergenceError` when a streak reaches its limit."""
+        :class:`~mp_callbacks.diagnostics.meters.DivergenceError` when a streak reaches its limit.
+        An applied step with no streak running changes nothing (limits are >= 1): no transition evaluated."""
+        if not overflow and not self.loss_streak and not self.overflow_streak:
+            return
         state = DivergenceState(np.int32(self.loss_streak), np.int32(self.overflow_streak))
         new, stop = next_divergence_state(self, state, overflow, loss_finite, scale)
         self.loss_streak, self.overflow_streak = int(new.loss_streak), int(new.overflow_streak)
