@@ -90,7 +90,7 @@ def training_difference(steps: int, hidden: int, depth: int = 3, batch: int = 25
     a, b = np.array(out[False]), np.array(out[True])
     first = int(np.argmax(a != b)) if np.any(a != b) else steps
     rel = np.abs(b - a) / np.abs(a)
-    master_rel = max(float(((masters[True][k] - masters[False][k]).norm() / masters[False][k].norm()))
+    master_rel = max(float((masters[True][k] - masters[False][k]).norm() / masters[False][k].norm())
                      for k in masters[False])
     return {"steps": steps, "hidden": hidden, "depth": depth, "weights_per_step": elements / steps,
             "tie_rate_per_weight_step": tie_rate, "ties_total": ties, "first_step_losses_differ": first,
