@@ -135,3 +135,22 @@ def test_fourteen_bytes_per_param_estimated_and_held():
         storages = {id(p.untyped_storage()): p.untyped_storage().nbytes() for p in model.parameters()}
         assert all(n > 0 for n in storages.values())
     assert held == {False: 4.0, True: 2.0}
+
+
+def test_trainer_checkpoint_weights_are_the_fp32_masters(tmp_path):
+    """The Trainer plugin: a saved checkpoint's model weights are the joined FP32 masters (an FP32 model loads
+    them exactly), and overflow steps are skipped as under the FP32 copy."""
+    import lightning.pytorch as pl
+
+    from lightning_ext import MixedPrecision as TrainerMixedPrecision
+    from tests.lightning.helpers.models import TinyRegressor, trainer_kwargs
+
+    plugin = TrainerMixedPrecision("bf16-master", master_remainders=True, scaler={"init_scale": 2.0**8})
+    trainer = pl.Trainer(max_steps=6, plugins=[plugin], **trainer_kwargs())
+    model = TinyRegressor(inf_steps={2})
+    trainer.fit(model, loader())
+    trainer.save_checkpoint(tmp_path / "t.ckpt")
+    weights = torch.load(tmp_path / "t.ckpt", weights_only=True)["state_dict"]
+    masters = plugin.master_state_dict()
+    assert masters and all(weights[k].dtype == torch.float32 and torch.equal(weights[k], v) for k, v in masters.items())
+    assert plugin.loss_scaler.skipped == 1
