@@ -129,6 +129,9 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
         config = scaler_config(scaler, given, initial_scale, dynamic_growth_steps)
         recipe_obj = optimizer_recipe(given, config, master_weights)
         recipe_obj = recipe_obj.with_comm_dtype(given.comm_dtype) if given is not None else recipe_obj
+        if master_weights and recipe_obj.master.master_remainders:
+            raise NotImplementedError(f"recipe {recipe_obj.name!r} with master_remainders=True: Keras keeps FP32 "
+                                      "master copies (the bf16 + remainder masters are Lightning's so far)")
         masters = weight_store(recipe_obj, master_weights, seed)  # FP32 masters, or update rounding
         scaler_state = KerasLossScaler(config)
         super().__init__(inner_optimizer, initial_scale=scaler_state.current_scale,

@@ -183,4 +183,4 @@ def masters_as_weights(masters: MasterWeights | None, checkpoint: dict[str, Any]
     if masters is not None and isinstance(weights, dict):
         for entry in masters.entries():
             if entry.name in weights:
-                weights[entry.name] = entry.master.detach().clone()
+                weights[entry.name] = masters.value(entry).clone()

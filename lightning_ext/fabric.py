@@ -106,6 +106,9 @@ class MixedPrecision(Precision):
       fp8: ``fp8-mixed`` only: the FP8 scaling settings (a preset name, ``"transformer-engine"``
         default, ``"keras"``, ``"torchao"``, or a dict such as ``{"mode": "current"}``:
         :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).
+      master_remainders: ``bf16-master``/``fp8-mixed``: hold each FP32 master as its bf16 weight plus a
+        16-bit remainder between steps (:mod:`mp_callbacks.remainders`: the same exact masters, 2 B/param
+        less; the forward weight rounds ties away from zero); None: the recipe's default.
       restore_forward_state: on a skipped step, put back the buffers the forward wrote (BatchNorm
         running statistics...: :mod:`lightning_ext.forward_state`); False saves a copy per step.
 
@@ -119,10 +122,10 @@ class MixedPrecision(Precision):
         policy: PrecisionPolicy | str | Mapping[str, Any] | None = None, count_overflows: bool | None = None,
         free_weights_during_step: bool = True, allow_recipe_change: bool = False, divergence: Any = None,
         state_dtype: str | None = None, seed: int = 0, comm_dtype: str | None = None, fp8: Any = None,
-        restore_forward_state: bool = True,
+        restore_forward_state: bool = True, master_remainders: bool | None = None,
     ) -> None:
         self.recipe: Recipe = get_recipe(recipe_name(precision), policy=policy, state_dtype=state_dtype,
-                                         comm_dtype=comm_dtype).with_fp8(fp8)
+                                         comm_dtype=comm_dtype).with_fp8(fp8).with_master_remainders(master_remainders)
         self.precision = self.recipe.name  # type: ignore[assignment]
         known = isinstance(device, (str, torch.device))
         self.device = str(device) if known else device  # another object (a test double) is kept as given

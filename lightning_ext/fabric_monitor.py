@@ -215,7 +215,9 @@ class FabricMonitor(MonitorFacade):
                                                          self.meter_samples)
             if self.measure_swamping:
                 with torch.no_grad():  # only the sampled elements are kept and compared
-                    pending.before = [(p, sample(p, self.meter_samples).clone()) for p in params if p.requires_grad]
+                    read = plugin.masters.value_of if plugin.masters is not None else torch.Tensor.detach
+                    pending.before = [(p, sample(read(p), self.meter_samples).clone()) for p in params
+                                      if p.requires_grad]
                 if plugin.rounding is not None:  # bf16-kahan/-sr: the optimizer's FP32 update, before rounding
                     plugin.rounding.request_update_samples(self.meter_samples)
         self._pending = pending
@@ -253,7 +255,8 @@ class FabricMonitor(MonitorFacade):
             with torch.no_grad():
                 storage = storage_dtypes(plugin, loop.module, loop.optimizers)
                 rounded = plugin.rounding.update_samples if plugin.rounding is not None else {}
-                updates = [rounded[id(p)] if id(p) in rounded else sample(p, self.meter_samples) - b
+                read = plugin.masters.value_of if plugin.masters is not None else torch.Tensor.detach
+                updates = [rounded[id(p)] if id(p) in rounded else sample(read(p), self.meter_samples) - b
                            for p, b in pending.before]
                 lost, total = swamped_counts([b for _, b in pending.before], updates,
                                              [storage.get(id(p), ("float32", "float32"))[1] for p, _ in pending.before])

@@ -20,6 +20,14 @@ their own master.  :class:`MasterWeights` is that rule in torch:
   from the masters, also when the step raises;
 * :meth:`state_dict` / :meth:`load_state_dict`: ``{parameter name: master}``.
 
+``remainders=True`` (``master_remainders``, :mod:`mp_callbacks.remainders`): between steps
+each master is held as its bf16 weight plus an int16 remainder (the master
+parameter keeps its shape, its storage is released).  :meth:`updating` rebuilds
+the exact FP32 master of each parameter in place of its remainder (and weight)
+for the step and splits it back after; :meth:`value` / :meth:`value_of` read a
+master at any time (joined), so checkpoints, meters and FP32 moves see the FP32
+master.  A parameter whose bf16 weight is not contiguous keeps an FP32 copy.
+
 It is one of the plugin's two weight stores (:func:`lightning_ext.rounding.weight_store`):
 :class:`~lightning_ext.rounding.UpdateRounding` has the same interface
 (``record_originals``, ``install``, ``collect_grads``, ``step``, ``store_fp32``,
@@ -39,6 +47,7 @@ from torch.optim import Optimizer
 from mp_callbacks.settings import StateDictError
 
 from .fused_step import fused_implementation
+from .remainders import join_into, joined, split_into
 
 __all__ = ["MasterEntry", "MasterWeights"]
 
@@ -59,14 +68,21 @@ class MasterWeights:
         while the optimizer steps (see :meth:`updating`).
       fused_step: step the masters with torch's fused kernel where the user left
         the implementation to torch (:func:`~lightning_ext.fused_step.fused_implementation`).
+      remainders: hold each master as bf16 weight + int16 remainder between steps
+        (the same exact FP32 master, 2 B/param less; see the module docstring).
     """
 
     keeps_masters = True
     """FP32 copies of the weights (under FSDP2 the sharded FP32 parameters are the masters: not installed)."""
 
-    def __init__(self, free_weights_during_step: bool = True, fused_step: bool = True) -> None:
+    def __init__(self, free_weights_during_step: bool = True, fused_step: bool = True,
+                 remainders: bool = False) -> None:
         self.free_weights_during_step = bool(free_weights_during_step)
         self.fused_step = bool(fused_step)
+        self.remainders = bool(remainders)
+        self._rems: dict[int, Tensor] = {}  # id(master) -> int16 remainder (remainders only)
+        self._held: set[int] = set()  # id(master) of masters held as remainders now (storage released)
+        self._low_of: dict[int, Tensor] = {}  # id(master) -> its low-precision weight (remainders only)
         self._entries: dict[int, MasterEntry] = {}  # id(low-precision param) -> entry
         self._by_optimizer: dict[int, tuple[Any, list[MasterEntry]]] = {}
         self._originals: dict[str, Tensor] = {}
@@ -87,6 +103,24 @@ class MasterWeights:
         entry = self._entries.get(id(param))
         return entry.master if entry is not None and entry.low is param else None
 
+    def value(self, entry: MasterEntry) -> Tensor:
+        """The FP32 master of ``entry`` (joined from weight + remainder while it is held as one)."""
+        if id(entry.master) in self._held:
+            return joined(entry.low, self._rems[id(entry.master)])
+        return entry.master.detach()
+
+    def value_of(self, param: Tensor) -> Tensor:
+        """The FP32 value of an optimizer parameter: its joined master, or the parameter itself."""
+        if id(param) in self._held:
+            return joined(self._low_of[id(param)], self._rems[id(param)])
+        return param.detach()
+
+    def held_nbytes(self, param: Tensor) -> int:
+        """Bytes an optimizer parameter holds now: a remainder master's remainder, else its own."""
+        if id(param) in self._held:
+            return self._rems[id(param)].nbytes
+        return param.nbytes
+
     # -------------------------------------------------------------- install
     def record_originals(self, module: nn.Module, originals: Mapping[str, Tensor]) -> None:
         """Remember the FP32 values of parameters whose storage was just cast (``{name: fp32 value}``).
@@ -97,13 +131,22 @@ class MasterWeights:
         named = dict(module.named_parameters())
         for name, fp32 in originals.items():
             param = named.get(name)
-            master = self.master_of(param) if param is not None else None
-            if master is not None and torch.equal(master.detach().to(param.dtype), param.detach()):
-                fp32 = master.detach().clone()
+            entry = self._entries.get(id(param)) if param is not None else None
+            if entry is not None and entry.low is param and self._rounds_to(entry, param):
+                fp32 = self.value(entry).clone()
             self._originals[name] = fp32
+
+    def _rounds_to(self, entry: MasterEntry, param: Tensor) -> bool:
+        """Whether ``param`` holds the forward weight of ``entry``'s master (the user did not change it)."""
+        if id(entry.master) in self._held:  # the weight is the forward half itself
+            low = torch.empty_like(param)
+            split_into(self.value(entry), low, torch.empty(param.shape, dtype=torch.int16, device=param.device))
+            return torch.equal(low, param.detach())
+        return torch.equal(entry.master.detach().to(param.dtype), param.detach())
 
     def install(self, root: nn.Module, optimizers: Iterable[Optimizer]) -> None:
         """Put an FP32 master in place of every low-precision parameter of the optimizers' param groups."""
+        self._rebuild(list(self._entries.values()))  # a later fit: masters in FP32 while installing
         names = {id(p): n for n, p in root.named_parameters()}
         pending = self._pending or {}
         for opt in optimizers:
@@ -134,7 +177,7 @@ class MasterWeights:
             with torch.no_grad():  # DDP broadcast rank 0's weights: the masters follow rank 0 too
                 for entry in self._entries.values():
                     dist.broadcast(entry.master.data, src=0)
-        self.copy_to_params(self._entries.values())
+        self._write_back(list(self._entries.values()))
 
     def _new_entry(self, name: str, p: nn.Parameter, pending: Mapping[str, Tensor]) -> MasterEntry:
         original = self._originals.pop(name, None)
@@ -142,7 +185,9 @@ class MasterWeights:
         if value is None:
             value = p.detach().float()
         value = value.detach().to(device=p.device, dtype=torch.float32)
-        if value is not original:
+        if self.remainders and p.is_contiguous():  # its own contiguous storage: released between steps
+            value = value.clone(memory_format=torch.contiguous_format)
+        elif value is not original:
             value = value.clone()
         return MasterEntry(name, p, nn.Parameter(value, requires_grad=p.requires_grad))
 
@@ -206,7 +251,11 @@ class MasterWeights:
         The weights come back from the masters also when the step raises.
         """
         entries = self.for_optimizer(optimizer)
-        released = _release(entries) if self.free_weights_during_step else []
+        released = []
+        for entry in entries:  # one parameter at a time: the rebuilt master replaces remainder and weight
+            self._rebuild([entry])
+            if self.free_weights_during_step:
+                released += _release([entry])
         try:
             with fused_implementation(optimizer) if self.fused_step else contextlib.nullcontext():
                 yield
@@ -216,15 +265,49 @@ class MasterWeights:
                     entry.master.grad = None
                 for storage, nbytes in released:
                     storage.resize_(nbytes)
+            self._write_back(entries)
+
+    def _rebuild(self, entries: Iterable[MasterEntry]) -> None:
+        """Remainders: each master held as weight + remainder becomes FP32 again (the remainder is released)."""
+        for entry in entries:
+            key = id(entry.master)
+            if key in self._held:
+                rem = self._rems[key]
+                entry.master.untyped_storage().resize_(entry.master.numel() * 4)
+                join_into(entry.low.detach(), rem, entry.master.detach())
+                rem.untyped_storage().resize_(0)
+                self._held.discard(key)
+
+    def _write_back(self, entries: list[MasterEntry]) -> None:
+        """The masters into the weights: rounded (FP32 copies), or split into weight + remainder and released."""
+        if not self.remainders:
             self.copy_to_params(entries)
+            return
+        copies = []
+        for entry in entries:
+            low, master = entry.low, entry.master
+            if not (low.is_contiguous() and master.is_contiguous() and master.untyped_storage().resizable()):
+                copies.append(entry)  # keeps its FP32 copy
+                continue
+            rem = self._rems.get(id(master))
+            if rem is None:
+                rem = self._rems[id(master)] = torch.empty(low.shape, dtype=torch.int16, device=low.device)
+            rem.untyped_storage().resize_(rem.numel() * 2)
+            self._low_of[id(master)] = low
+            with torch.no_grad():
+                split_into(master.detach(), low.detach(), rem)
+            master.untyped_storage().resize_(0)
+            self._held.add(id(master))
+        self.copy_to_params(copies)
 
     def store_fp32(self, module: nn.Module) -> None:
         """Re-store ``module``'s low-precision parameters and buffers in FP32 (parameters from their masters)."""
         with torch.no_grad():
             for param in module.parameters():
                 if param.is_floating_point() and param.dtype != torch.float32:
-                    master = self.master_of(param)
-                    param.data = (master if master is not None else param).detach().to(torch.float32, copy=True)
+                    entry = self._entries.get(id(param))
+                    value = self.value(entry) if entry is not None and entry.low is param else param.detach()
+                    param.data = value.to(torch.float32, copy=True)
             for sub in module.modules():
                 for name, buf in sub.named_buffers(recurse=False):
                     if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
@@ -232,8 +315,8 @@ class MasterWeights:
 
     # --------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Tensor]:
-        """``{parameter name: FP32 master}``."""
-        return {e.name: e.master.detach() for e in self._entries.values()}
+        """``{parameter name: FP32 master}`` (remainders: joined, new tensors)."""
+        return {e.name: self.value(e) for e in self._entries.values()}
 
     def load_state_dict(self, masters: Any) -> None:
         """Restore masters (and round them into the weights); before :meth:`install` they wait for it."""
@@ -253,8 +336,12 @@ class MasterWeights:
                 if not isinstance(value, Tensor) or value.shape != entry.master.shape:
                     raise StateDictError(f"master weight {name!r} has shape {getattr(value, 'shape', None)}, "
                                          f"the model's is {tuple(entry.master.shape)}")
-                entry.master.copy_(value)
-                entry.low.copy_(entry.master)
+                if id(entry.master) in self._held:
+                    split_into(value.detach().to(entry.low.device, torch.float32).contiguous(), entry.low,
+                               self._rems[id(entry.master)])
+                else:
+                    entry.master.copy_(value)
+                    entry.low.copy_(entry.master)
 
     def clear_cache(self) -> None:
         """Forget the per-optimizer entry lists (after a fit)."""

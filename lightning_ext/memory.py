@@ -82,7 +82,7 @@ def memory_report(plugin: MixedPrecision, module: nn.Module, optimizers: Sequenc
         raw = unwrap_optimizer(opt)
         for p in optimizer_params(raw):
             if id(p) not in own:
-                masters += p.nbytes
+                masters += plugin.masters.held_nbytes(p) if plugin.masters is not None else p.nbytes
                 grads += p.grad.nbytes if p.grad is not None else 0
         for slot in raw.state.values():
             state += sum(v.nbytes for v in tensors_in(slot) if is_optimizer_state(v.shape))

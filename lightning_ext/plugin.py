@@ -48,7 +48,8 @@ class MixedPrecision(Precision, FabricMixedPrecision):
 
     Takes the arguments of :class:`lightning_ext.fabric.MixedPrecision` (``precision``, ``device``,
     ``scaler``, ``policy``, ``count_overflows``, ``free_weights_during_step``, ``allow_recipe_change``,
-    ``divergence``, ``state_dtype``, ``seed``, ``comm_dtype``, ``fp8``).
+    ``divergence``, ``state_dtype``, ``seed``, ``comm_dtype``, ``fp8``, ``restore_forward_state``,
+    ``master_remainders``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -380,5 +380,5 @@ def weight_store(recipe: Recipe, seed: int = 0,
     (``*-master``, ``fp8-mixed``), :class:`UpdateRounding` (``bf16-kahan``, ``bf16-sr``), None (the optimizer
     updates the parameters as they are)."""
     if recipe.master.master_weights:
-        return MasterWeights(free_weights_during_step)
+        return MasterWeights(free_weights_during_step, remainders=recipe.master.master_remainders)
     return UpdateRounding.for_recipe(recipe, seed)

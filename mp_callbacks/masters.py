@@ -34,12 +34,17 @@ class MasterPlan:
         ``nearest`` (the dtype's rounding; with masters: the master),
         ``kahan`` (a compensation buffer in ``param_dtype``) or
         ``stochastic`` (bf16 only).
+      master_remainders: keep each FP32 master as its bf16 weight plus a 16-bit
+        remainder (:mod:`mp_callbacks.remainders`: the same exact FP32 master, 2 B
+        less per parameter; the forward weight rounds ties away from zero);
+        bf16 masters only.
     """
 
     param_dtype: str = "float32"
     master_weights: bool = False
     state_dtype: str = "float32"
     update_rounding: str = "nearest"
+    master_remainders: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype, "param_dtype"))
@@ -52,6 +57,11 @@ class MasterPlan:
                              f"master copies (param_dtype float16/bfloat16, master_weights=False)")
         if self.update_rounding == "stochastic" and self.param_dtype != "bfloat16":
             raise ValueError("update_rounding='stochastic' rounds FP32 to bfloat16: param_dtype must be bfloat16")
+        if not isinstance(self.master_remainders, bool):
+            raise ValueError(f"master_remainders must be True or False, not {self.master_remainders!r}")
+        if self.master_remainders and not (self.master_weights and self.param_dtype == "bfloat16"):
+            raise ValueError("master_remainders=True splits FP32 masters into bf16 weight + 16-bit remainder: it "
+                             "needs master_weights=True and param_dtype bfloat16 (bf16-master, fp8-mixed)")
         if self.state_dtype != "float32" and not self.rounds_updates:
             raise ValueError(f"state_dtype={self.state_dtype!r} is only offered with update_rounding 'kahan' or "
                              f"'stochastic' (bf16-kahan, bf16-sr); other recipes keep FP32 optimizer states")
@@ -69,14 +79,22 @@ class MasterPlan:
         """True when a parameter stored in ``storage_dtype`` gets a Kahan compensation buffer."""
         return self.update_rounding == "kahan" and canonical_dtype(storage_dtype) != "float32"
 
+    def master_bytes(self, storage_dtype: str) -> int:
+        """Bytes per element of the master of a parameter stored in ``storage_dtype`` held between steps:
+        4 (FP32 copy), 2 (remainder), 0 (no master)."""
+        if not self.needs_master(storage_dtype):
+            return 0
+        return 2 if self.master_remainders else 4
+
     def state_bytes(self, storage_dtype: str) -> int:
         """Bytes per element of one optimizer state of a parameter stored in ``storage_dtype``."""
         return 4 if canonical_dtype(storage_dtype) == "float32" else dtype_bytes(self.state_dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"param_dtype", "master_weights", "state_dtype", "update_rounding"}``."""
+        """Plain data: ``{"param_dtype", "master_weights", "state_dtype", "update_rounding", "master_remainders"}``."""
         return {"param_dtype": self.param_dtype, "master_weights": self.master_weights,
-                "state_dtype": self.state_dtype, "update_rounding": self.update_rounding}
+                "state_dtype": self.state_dtype, "update_rounding": self.update_rounding,
+                "master_remainders": self.master_remainders}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MasterPlan:

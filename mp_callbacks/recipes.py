@@ -127,6 +127,16 @@ class Recipe:
         except ValueError as exc:
             raise RecipeError(f"recipe {self.name!r}: {exc}") from None
 
+    def with_master_remainders(self, master_remainders: bool | None) -> Recipe:
+        """A copy keeping FP32 masters as bf16 weight + 16-bit remainder (``bf16-master``, ``fp8-mixed``;
+        :mod:`mp_callbacks.remainders`); None keeps the recipe's."""
+        if master_remainders is None:
+            return self
+        try:
+            return replace(self, master=replace(self.master, master_remainders=master_remainders))
+        except ValueError as exc:
+            raise RecipeError(f"recipe {self.name!r}: {exc}") from None
+
     def with_fp8(self, fp8: FP8Recipe | str | Mapping[str, Any] | None) -> Recipe:
         """A copy with other FP8 settings (``fp8-mixed`` only; a preset name or a dict of
         :class:`~mp_callbacks.fp8.recipe.FP8Recipe` settings); None keeps them."""
@@ -200,10 +210,16 @@ def canonical_recipe_name(name: Any) -> str:
 
 
 def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype: str | None = None,
-               comm_dtype: str | None = None, fp8: Any = None) -> Recipe:
+               comm_dtype: str | None = None, fp8: Any = None, master_remainders: bool | None = None) -> Recipe:
     """The named recipe, optionally with another scaler config/preset, policy, (``bf16-kahan``,
-    ``bf16-sr``) optimizer-state dtype, communication dtype (:attr:`Recipe.comm_dtype`) or
-    (``fp8-mixed``) FP8 settings (:class:`~mp_callbacks.fp8.recipe.FP8Recipe`)."""
+    ``bf16-sr``) optimizer-state dtype, communication dtype (:attr:`Recipe.comm_dtype`),
+    (``fp8-mixed``) FP8 settings (:class:`~mp_callbacks.fp8.recipe.FP8Recipe`) or (bf16 masters)
+    ``master_remainders`` (:meth:`Recipe.with_master_remainders`)."""
+    return _named_recipe(name, scaler, policy, state_dtype, comm_dtype, fp8).with_master_remainders(master_remainders)
+
+
+def _named_recipe(name: str, scaler: Any, policy: Any, state_dtype: str | None, comm_dtype: str | None,
+                  fp8: Any) -> Recipe:
     name = canonical_recipe_name(name)
     if name == "fp8-mixed":  # bf16-master + FP8 matmuls; per-tensor FP8 scaling instead of loss scaling
         recipe = Recipe(name, PrecisionPolicy(params="bfloat16", compute="bfloat16", output="float32"),

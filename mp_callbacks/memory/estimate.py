@@ -22,6 +22,15 @@ adapter may release them for its duration (the Lightning plugin does):
 ``weights_released=True`` counts them as 0 at the step, 4 + 4 + 4 + 4 = 16
 B/param for AdamW, the same peak as the end of the backward pass.
 
+``master_remainders`` (:mod:`mp_callbacks.remainders`) holds each FP32
+master as the bf16 weight plus a 2-byte remainder: AdamW under
+``bf16-master`` 2 + 2 + 2 + 4 + 4 = 14 B/param, the same exact masters.  The
+step rebuilds the FP32 masters for the optimizer (in place of the weight and
+remainder, which the Lightning plugin releases for the step), so the counts
+at the step (``fp32_master_grads=True``) are those of an FP32 copy: 16 with
+``weights_released``; the 2 B/param are saved between steps, where the
+forward and backward passes add their activations.
+
 Update rounding without masters (``bf16-kahan``, ``bf16-sr``,
 :mod:`mp_callbacks.rounding`): weights and gradients stay in the storage
 dtype, ``bf16-kahan`` adds a compensation buffer in the storage dtype, the
@@ -160,7 +169,7 @@ def estimate_memory(
         n += numel
         if plan.needs_master(dtype):
             w += 0 if weights_released else numel * size
-            m += numel * 4
+            m += numel * (4 if fp32_master_grads else plan.master_bytes(dtype))  # the step rebuilds FP32 masters
             g += numel * (4 if fp32_master_grads else size)
         else:
             w += numel * size
