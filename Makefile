@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=30
 
 # The documentation site (mkdocs.yml; guides in docs/guides, API pages from the docstrings in docs/api).
 # --strict: a broken link or anchor, an unresolved reference or an unparsable docstring fails the build.
