@@ -68,6 +68,13 @@ class MasterWeights:
         """Create a master on ``optimizer`` for each low-precision variable; return what the inner
         optimizer is built on (the master, or the variable itself)."""
         self._masters = []
+        built_in_trace = [_label(v) for v in var_list if self.enabled and dtype_name(v) in LOW_PRECISION
+                          and _created_in_trace(v)]
+        if built_in_trace:
+            raise ValueError(
+                f"keras_ext: the model was built inside its first traced train step ({built_in_trace[:3]}), so "
+                "their FP32 masters cannot be created from them; build the model before fit: give it a "
+                "keras.Input (Sequential), call model.build(input_shape), or call it on one batch")
         with _outside_trace():
             for v in var_list:
                 master = None
@@ -207,6 +214,12 @@ def _outside_trace() -> Any:
     import tensorflow as tf
 
     return tf.init_scope()
+
+
+def _created_in_trace(v: Any) -> bool:
+    """TF: a variable created inside a ``tf.function`` (a model without a known input shape that Keras builds
+    in its first traced step): its initial value exists only in that trace."""
+    return is_tf() and type(getattr(v, "value", v)).__name__ == "UnliftedInitializerVariable"
 
 
 def _label(v: Any) -> str:

@@ -185,3 +185,24 @@ def test_bf16_master_memory_measured_by_the_allocator_matches_the_estimate():
     assert got["between"] <= got["held"] < got["between"] + n  # (an FP32 copy left behind: + 4 n)
     wide = estimate_memory(plan, "adam", [(n - 256, "bfloat16"), (256, "float32")], fp32_master_grads=True).total
     assert got["estimate"] <= got["peak"] < wide
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow builds an unbuilt model in the trace")
+def test_a_model_built_in_its_first_traced_step_is_a_clear_error_and_building_first_trains():
+    """A Sequential without an Input is built inside the first traced step: its variables exist only there, so
+    no FP32 master can start from them; the error says how to build first, and building first trains."""
+    keras_ext.set_global_policy("bf16-master")
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+
+    def model():
+        m = keras_ext.apply_policy(keras.Sequential([keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]))
+        m.compile(keras_ext.master_optimizer(keras.optimizers.Adam(1e-3), "bf16-master"), "mse")
+        return m
+
+    with pytest.raises(ValueError, match="build the model before fit"):
+        model().fit(x, x[:, :1], batch_size=16, verbose=0)
+    built = model()
+    built.build((None, 8))
+    built.fit(x, x[:, :1], batch_size=16, verbose=0)
+    masters = [m for m in built.optimizer.master_variables if m is not None]
+    assert int(built.optimizer.iterations) == 2 and len(masters) == 2
