@@ -1,0 +1,189 @@
+"""One rounded parameter's update in cache-sized chunks: the step of ``bf16-kahan`` and ``bf16-sr`` in torch.
+
+The rule (what :class:`~lightning_ext.rounding.UpdateRounding` computes): the user's optimizer updates an FP32
+value ``t`` of the bf16 weight (``f32(w) + f32(c)`` under Kahan, ``f32(w)`` under SR) from the FP32 gradient
+and FP32 state, with torch's fused kernel where the user left the implementation to torch
+(:func:`~lightning_ext.fused_step.fused_implementation`, as under ``bf16-master``); the core's rule writes the
+result back (:func:`~mp_callbacks.rounding.rules.kahan_apply`, :func:`~mp_callbacks.rounding.rules.stochastic_round`).
+
+How: an optimizer whose update is elementwise (:data:`ELEMENTWISE`) runs on :data:`CHUNK` elements at a time:
+``t`` and the FP32 gradient of a chunk live in :class:`Scratch` buffers reused every step, the chunk's state is
+a view of the parameter's FP32 state (``state_dtype`` ``bfloat16``: an FP32 scratch copy, written back rounded
+to nearest), and the rule writes the chunk back while it is in cache.  No step allocates a full-size tensor; the
+results are the whole tensor's bit for bit (chunks are multiples of 64 elements, so a vectorized kernel's tail
+falls where it falls on the whole tensor).  Other optimizers (and non-contiguous weights) get a full-size FP32
+copy of the parameter, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from mp_callbacks.diagnostics.meters import sample_stride
+from mp_callbacks.rounding.rules import kahan_apply, stochastic_round
+
+from .fused_step import fused_implementation
+from .rounding_ops import TORCH_ROUNDING_OPS
+
+__all__ = ["CHUNK", "ELEMENTWISE", "Scratch", "is_elementwise", "update_parameter"]
+
+CHUNK = 1 << 18
+"""Elements updated at a time (a multiple of 64): the chunk's FP32 buffers stay about 1 MB each."""
+
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,
+               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta)
+"""torch optimizers whose update of an element reads only that element (and scalars): they run chunk by chunk.
+A subclass that makes the update non-elementwise sets ``elementwise_update = False``."""
+
+
+def is_elementwise(optimizer: Optimizer) -> bool:
+    """True when ``optimizer`` may update a parameter chunk by chunk (:data:`ELEMENTWISE`)."""
+    return isinstance(optimizer, ELEMENTWISE) and getattr(optimizer, "elementwise_update", True)
+
+
+class Scratch:
+    """Reused buffers by name: each grows to the largest size asked for (at most :data:`CHUNK` elements)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A flat buffer of ``n`` elements (its contents are whatever the last user left)."""
+        key = (name, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.empty(-(-n // 64) * 64, dtype=dtype, device=device)
+        return buf[:n]
+
+    def clear(self) -> None:
+        """Release every buffer."""
+        self._buffers.clear()
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
+
+
+def _slices(n: int, chunk: int) -> list[tuple[int, int]]:
+    chunk = max(64, chunk // 64 * 64)
+    return [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+
+
+def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: Tensor, comp: Tensor | None,
+                     key: int | None, state_dtype: torch.dtype, scratch: Scratch, chunk: int = CHUNK,
+                     samples: tuple[int | None] | None = None) -> Tensor | None:
+    """Update bf16 ``p`` (compensation ``comp`` under Kahan, SR key ``key`` otherwise) with the optimizer's
+    unhooked step ``inner`` on FP32 values, and write it back by the core's rule (see the module docstring).
+
+    ``group`` is ``p``'s param group, emptied by the caller.  Returns the FP32 update ``t_new - t`` on
+    :func:`~lightning_ext.meters.sample`'s elements when ``samples`` is given (the swamping meter's input).
+    """
+    n, grad, state = p.numel(), p.grad, opt.state
+    whole = not (p.is_contiguous() and grad.is_contiguous() and (comp is None or comp.is_contiguous())) or (
+        n > chunk and not is_elementwise(opt))
+    slices = [(0, n)] if whole else _slices(n, chunk)
+    full = state.get(p)  # None before the parameter's first update: every chunk starts from no state
+    first = full is None
+    scalars = {} if full is None else {k: v for k, v in full.items() if not (isinstance(v, Tensor) and v.dim())}
+    pf, gf = p.detach().view(-1) if not whole else p.detach(), grad.view(-1) if not whole else grad
+    cf = None if comp is None else (comp.view(-1) if not whole else comp)
+    diffs, before = [], None
+    for a, b in slices:
+        m, shape = b - a, p.shape if len(slices) == 1 else (b - a,)
+        if whole:
+            t = pf.to(torch.float32) if cf is None else pf.to(torch.float32).add_(cf)
+            t.grad = gf.to(torch.float32)
+        else:
+            t = scratch.get("t", m, torch.float32, p.device).view(shape)
+            t.copy_(pf[a:b].view(shape))
+            if cf is not None:
+                t.add_(cf[a:b].view(shape))
+            t.grad = scratch.get("g", m, torch.float32, p.device).view(shape)
+            t.grad.copy_(gf[a:b].view(shape))
+        _chunk_state(state, t, None if first else full, scalars, a, b, n, whole, scratch)
+        if samples is not None:
+            before = _sample_part(t, a, n, samples[0]).clone()
+        group["params"] = [t]
+        try:
+            with fused_implementation(opt):
+                inner(opt)
+        finally:
+            group["params"] = []
+            done = state.pop(t, {})
+        full = _merge(state, p, full, done, a, b, n, whole, state_dtype)
+        t.grad = None
+        if samples is not None:
+            diffs.append(_sample_part(t, a, n, samples[0]) - before)
+        _write_back(pf[a:b] if not whole else pf, None if cf is None else (cf[a:b] if not whole else cf),
+                    t.view(-1) if not whole else t, key, a)
+    p.grad = None  # spent
+    if samples is None:
+        return None
+    return torch.cat(diffs)
+
+
+def _sample_part(t: Tensor, a: int, n: int, samples: int | None) -> Tensor:
+    """The elements of ``t`` (global flat offset ``a`` of ``n``) that :func:`sample` reads from the whole tensor."""
+    stride = sample_stride(n, samples)
+    flat = t.detach().reshape(-1)
+    return flat[(-a) % stride::stride]
+
+
+def _chunk_state(state: Any, t: Tensor, full: dict | None, scalars: dict, a: int, b: int, n: int, whole: bool,
+                 scratch: Scratch) -> None:
+    """Give ``t`` its state: slices of the parameter's (FP32 scratch copies of the non-FP32 ones)."""
+    if full is None:
+        return
+    chunk_state = {}
+    for k, v in full.items():
+        if not (isinstance(v, Tensor) and v.dim()):
+            v = scalars[k]
+            chunk_state[k] = v.clone() if isinstance(v, Tensor) else v
+        elif v.numel() != n or not v.is_floating_point():
+            chunk_state[k] = v.to(torch.float32) if v.is_floating_point() else v
+        else:
+            part = (v if whole else v.view(-1)[a:b]).view(t.shape)
+            if part.dtype != torch.float32:
+                buf = scratch.get(f"state:{k}", b - a, torch.float32, t.device).view(t.shape)
+                part = buf.copy_(part)
+            chunk_state[k] = part
+    state[t] = chunk_state
+
+
+def _merge(state: Any, p: Tensor, full: dict | None, done: dict, a: int, b: int, n: int, whole: bool,
+           state_dtype: torch.dtype) -> dict:
+    """Fold the chunk's state into the parameter's, in the state dtype (allocated at its first update)."""
+    out = {} if full is None else full
+    for k, v in done.items():
+        if not (isinstance(v, Tensor) and v.dim()):
+            out[k] = v  # step counts: every chunk ends at the same value
+        elif v.numel() != b - a or not v.is_floating_point():  # not elementwise state: kept whole
+            out[k] = v.to(state_dtype) if v.is_floating_point() else v
+        elif not isinstance(out.get(k), Tensor) and b - a == n and v.dtype == state_dtype:
+            out[k] = v.view(p.shape)  # created by the optimizer for the whole parameter: kept
+        else:
+            if not isinstance(out.get(k), Tensor):
+                out[k] = torch.empty(p.shape, dtype=state_dtype, device=p.device)
+            target = out[k] if whole else out[k].view(-1)[a:b]
+            if v.data_ptr() != target.data_ptr() or v.dtype != target.dtype:  # not a view of the state: copy
+                target.copy_(v.view(target.shape))
+    state[p] = out
+    return out
+
+
+def _write_back(pf: Tensor, cf: Tensor | None, tf: Tensor, key: int | None, offset: int) -> None:
+    """The core's rule on one chunk: ``p, c <- kahan_apply(p, c, t)`` or ``p <- stochastic_round(t)`` with the
+    elements' flat indices (``offset`` onwards)."""
+    ops = TORCH_ROUNDING_OPS
+    if cf is not None:
+        new, c = kahan_apply(pf, cf, tf, ops)
+        cf.copy_(c)
+    else:
+        index = torch.arange(offset, offset + tf.numel(), dtype=torch.int32, device=tf.device).view(tf.shape)
+        new = stochastic_round(tf, key, ops, index=index)
+    pf.copy_(new)
