@@ -23,11 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import _to_scalar
 
 from mp_callbacks.diagnostics.meters import sample_stride
-from mp_callbacks.rounding.rules import kahan_apply, stochastic_round
+from mp_callbacks.rounding.random_source import MIX_MUL1, MIX_MUL2, s32
+from mp_callbacks.rounding.rules import BF16_NAN_BITS, kahan_apply, stochastic_round
 
-from .fused_step import fused_implementation
+from .fused_step import _fused_devices, fused_implementation
 from .rounding_ops import TORCH_ROUNDING_OPS
 
 __all__ = ["CHUNK", "ELEMENTWISE", "Scratch", "is_elementwise", "update_parameter"]
@@ -51,6 +53,7 @@ class Scratch:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+        self._aranges: dict[torch.device, Tensor] = {}
 
     def get(self, name: str, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A flat buffer of ``n`` elements (its contents are whatever the last user left)."""
@@ -63,10 +66,19 @@ class Scratch:
     def clear(self) -> None:
         """Release every buffer."""
         self._buffers.clear()
+        self._aranges.clear()
+
+    def arange(self, n: int, device: torch.device) -> Tensor:
+        """int32 ``0 .. n-1`` (kept)."""
+        buf = self._aranges.get(device)
+        if buf is None or buf.numel() < n:
+            buf = self._aranges[device] = torch.arange(-(-n // 64) * 64, dtype=torch.int32, device=device)
+        return buf[:n]
 
     def nbytes(self) -> int:
         """Bytes held."""
-        return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
+        bufs = [*self._buffers.values(), *self._aranges.values()]
+        return sum(b.untyped_storage().nbytes() for b in bufs)
 
 
 def _slices(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -93,6 +105,7 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
     pf, gf = p.detach().view(-1) if not whole else p.detach(), grad.view(-1) if not whole else grad
     cf = None if comp is None else (comp.view(-1) if not whole else comp)
     diffs, before = [], None
+    kernel = not first and not whole and _direct_adam(opt, group, full)
     for a, b in slices:
         m, shape = b - a, p.shape if len(slices) == 1 else (b - a,)
         if whole:
@@ -105,13 +118,16 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
                 t.add_(cf[a:b].view(shape))
             t.grad = scratch.get("g", m, torch.float32, p.device).view(shape)
             t.grad.copy_(gf[a:b].view(shape))
+            if cf is not None:  # the compensated value before the update: u = t_new - t
+                scratch.get("t0", m, torch.float32, p.device).copy_(t.view(-1))
         _chunk_state(state, t, None if first else full, scalars, a, b, n, whole, scratch)
         if samples is not None:
             before = _sample_part(t, a, n, samples[0]).clone()
         group["params"] = [t]
         try:
-            with fused_implementation(opt):
-                inner(opt)
+            if not (kernel and _fused_adam_kernel(group, t, state[t])):
+                with fused_implementation(opt):
+                    inner(opt)
         finally:
             group["params"] = []
             done = state.pop(t, {})
@@ -119,12 +135,44 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
         t.grad = None
         if samples is not None:
             diffs.append(_sample_part(t, a, n, samples[0]) - before)
-        _write_back(pf[a:b] if not whole else pf, None if cf is None else (cf[a:b] if not whole else cf),
-                    t.view(-1) if not whole else t, key, a)
+        if whole:
+            _write_back(pf, cf, t, key)
+        elif cf is not None:
+            _kahan_chunk(pf[a:b], cf[a:b], t.view(-1), scratch)
+        else:
+            _sr_chunk(pf[a:b], t.view(-1), key, a, scratch)
     p.grad = None  # spent
     if samples is None:
         return None
     return torch.cat(diffs)
+
+
+def _direct_adam(opt: Optimizer, group: dict, full: dict) -> bool:
+    """True when ``opt``'s step on ``group`` is torch's fused Adam/AdamW kernel, called here without torch's
+    per-call bookkeeping (:func:`_fused_adam_kernel`): exact ``Adam``/``AdamW``, the implementation left to
+    torch (or ``fused=True``), the state already in the fused kernel's form."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or group.get("foreach"):
+        return False
+    if group.get("fused") is False or group.get("differentiable") or group.get("capturable"):
+        return False
+    keys = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+    step = full.get("step")
+    return (list(full) == keys and isinstance(step, Tensor) and step.dtype == torch.float32
+            and full["exp_avg"].device.type in _fused_devices())
+
+
+def _fused_adam_kernel(group: dict, t: Tensor, st: dict) -> bool:
+    """One Adam/AdamW update of ``t`` with state ``st``: what ``torch.optim.adam._fused_adam`` does for one
+    tensor (count the step, then ``torch._fused_adam(w)_``).  True when it ran."""
+    step = st["step"]
+    step.add_(1)
+    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
+    beta1, beta2 = (_to_scalar(b) for b in group["betas"])
+    amsgrad = bool(group.get("amsgrad"))
+    kernel([t], [t.grad], [st["exp_avg"]], [st["exp_avg_sq"]], [st["max_exp_avg_sq"]] if amsgrad else [], [step],
+           amsgrad=amsgrad, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+           eps=group["eps"], maximize=bool(group.get("maximize")), grad_scale=None, found_inf=None)
+    return True
 
 
 def _sample_part(t: Tensor, a: int, n: int, samples: int | None) -> Tensor:
@@ -176,14 +224,42 @@ def _merge(state: Any, p: Tensor, full: dict | None, done: dict, a: int, b: int,
     return out
 
 
-def _write_back(pf: Tensor, cf: Tensor | None, tf: Tensor, key: int | None, offset: int) -> None:
-    """The core's rule on one chunk: ``p, c <- kahan_apply(p, c, t)`` or ``p <- stochastic_round(t)`` with the
-    elements' flat indices (``offset`` onwards)."""
-    ops = TORCH_ROUNDING_OPS
-    if cf is not None:
-        new, c = kahan_apply(pf, cf, tf, ops)
-        cf.copy_(c)
+def _write_back(p: Tensor, c: Tensor | None, t: Tensor, key: int | None) -> None:
+    """The core's rule on a whole parameter: ``p, c <- kahan_apply(p, c, t)`` or ``p <- stochastic_round(t)``."""
+    if c is not None:
+        new, c_new = kahan_apply(p, c, t, TORCH_ROUNDING_OPS)
+        c.copy_(c_new)
     else:
-        index = torch.arange(offset, offset + tf.numel(), dtype=torch.int32, device=tf.device).view(tf.shape)
-        new = stochastic_round(tf, key, ops, index=index)
-    pf.copy_(new)
+        new = stochastic_round(t, key, TORCH_ROUNDING_OPS)
+    p.copy_(new)
+
+
+# The rules on one chunk, operation by operation as the core writes them (``kahan_add``, ``sr_thresholds``,
+# ``round_with_thresholds``), into the reused buffers: no allocation (allocating each temporary page-faults).
+# The tests hold them to the core's NumPy reference bit for bit.
+def _kahan_chunk(w: Tensor, c: Tensor, t: Tensor, scratch: Scratch) -> None:
+    """``w, c <- kahan_add(w, c, t - t0)``: ``t`` the optimizer's result, ``t0`` (scratch) ``f32(w) + f32(c)``."""
+    n, dev = t.numel(), t.device
+    u = t.sub_(scratch.get("t0", n, torch.float32, dev))
+    y = scratch.get("y", n, w.dtype, dev).copy_(u).add_(c)  # low(u) + c
+    new = torch.add(w, y, out=scratch.get("new", n, w.dtype, dev))
+    torch.sub(new, w, out=c)
+    torch.sub(y, c, out=c)  # c' = y - (new - w)
+    w.copy_(new)
+
+
+def _sr_chunk(w: Tensor, t: Tensor, key: int, offset: int, scratch: Scratch) -> None:
+    """``w <- stochastic_round(t, key)`` for the elements with flat indices ``offset ..``: the upper half of
+    ``f32 bits + (mix32(key ^ i) >> 16)``, NaN -> ``0x7FC0``."""
+    n, dev = t.numel(), t.device
+    x = scratch.get("x", n, torch.int32, dev)
+    torch.add(scratch.arange(n, dev), offset, out=x).bitwise_xor_(s32(key))
+    y = scratch.get("y32", n, torch.int32, dev)
+    for shift, mul in ((16, MIX_MUL1), (15, MIX_MUL2)):  # the head of mix32
+        torch.bitwise_right_shift(x, shift, out=y).bitwise_and_((1 << (32 - shift)) - 1)
+        x.bitwise_xor_(y).mul_(s32(mul))
+    x.bitwise_right_shift_(16).bitwise_and_(0xFFFF)  # the 16-bit thresholds
+    x.add_(t.view(torch.int32)).bitwise_right_shift_(16)
+    bits = scratch.get("h", n, torch.int16, dev).copy_(x)  # the upper 16 bits (the lower half dropped)
+    bits.masked_fill_(torch.ne(t, t, out=scratch.get("nan", n, torch.bool, dev)), s32(BF16_NAN_BITS) >> 16)
+    w.copy_(bits.view(torch.bfloat16))
