@@ -216,7 +216,7 @@ class UpdateRounding:
     @staticmethod
     def _cast_state(state: Mapping[str, Any], dtype: torch.dtype, device: Any = None) -> dict[str, Any]:
         return {k: (v.to(device=device if device is not None else v.device, dtype=dtype)
-                    if isinstance(v, Tensor) and v.is_floating_point() and v.dim() else v)
+                    if type(v) is Tensor and v.is_floating_point() and v.dim() else v)  # subclasses: as they are
                 for k, v in state.items()}
 
     # ----------------------------------------------------------------- step

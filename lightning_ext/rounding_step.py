@@ -175,6 +175,11 @@ def _fused_adam_kernel(group: dict, t: Tensor, st: dict) -> bool:
     return True
 
 
+def _plain(v: Tensor) -> bool:
+    """False for tensor subclasses (torchao's quantized optimizer states): handed over as they are."""
+    return type(v) in (Tensor, torch.nn.Parameter)
+
+
 def _sample_part(t: Tensor, a: int, n: int, samples: int | None) -> Tensor:
     """The elements of ``t`` (global flat offset ``a`` of ``n``) that :func:`sample` reads from the whole tensor."""
     stride = sample_stride(n, samples)
@@ -192,8 +197,8 @@ def _chunk_state(state: Any, t: Tensor, full: dict | None, scalars: dict, a: int
         if not (isinstance(v, Tensor) and v.dim()):
             v = scalars[k]
             chunk_state[k] = v.clone() if isinstance(v, Tensor) else v
-        elif v.numel() != n or not v.is_floating_point():
-            chunk_state[k] = v.to(torch.float32) if v.is_floating_point() else v
+        elif not _plain(v) or v.numel() != n or not v.is_floating_point():  # whole, as the optimizer made it
+            chunk_state[k] = v.to(torch.float32) if _plain(v) and v.is_floating_point() else v
         else:
             part = (v if whole else v.view(-1)[a:b]).view(t.shape)
             if part.dtype != torch.float32:
@@ -210,8 +215,8 @@ def _merge(state: Any, p: Tensor, full: dict | None, done: dict, a: int, b: int,
     for k, v in done.items():
         if not (isinstance(v, Tensor) and v.dim()):
             out[k] = v  # step counts: every chunk ends at the same value
-        elif v.numel() != b - a or not v.is_floating_point():  # not elementwise state: kept whole
-            out[k] = v.to(state_dtype) if v.is_floating_point() else v
+        elif not _plain(v) or v.numel() != b - a or not v.is_floating_point():  # not elementwise state: whole
+            out[k] = v.to(state_dtype) if _plain(v) and v.is_floating_point() else v
         elif not isinstance(out.get(k), Tensor) and b - a == n and v.dtype == state_dtype:
             out[k] = v.view(p.shape)  # created by the optimizer for the whole parameter: kept
         else:
