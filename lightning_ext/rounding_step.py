@@ -105,7 +105,7 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
     pf, gf = p.detach().view(-1) if not whole else p.detach(), grad.view(-1) if not whole else grad
     cf = None if comp is None else (comp.view(-1) if not whole else comp)
     diffs, before = [], None
-    kernel = not first and not whole and _direct_adam(opt, group, full)
+    kernel = not first and not whole and _direct_adam(opt, group, full, state_dtype)
     for a, b in slices:
         m, shape = b - a, p.shape if len(slices) == 1 else (b - a,)
         if whole:
@@ -120,18 +120,23 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
             t.grad.copy_(gf[a:b].view(shape))
             if cf is not None:  # the compensated value before the update: u = t_new - t
                 scratch.get("t0", m, torch.float32, p.device).copy_(t.view(-1))
-        _chunk_state(state, t, None if first else full, scalars, a, b, n, whole, scratch)
         if samples is not None:
             before = _sample_part(t, a, n, samples[0]).clone()
-        group["params"] = [t]
-        try:
-            if not (kernel and _fused_adam_kernel(group, t, state[t])):
+        if kernel:  # torch's fused kernel on views of the FP32 state: no optimizer bookkeeping
+            views = {k: v if k == "step" else v.view(-1)[a:b].view(shape) for k, v in full.items()}
+            views["step"] = scalars["step"].clone()
+            _fused_adam_kernel(group, t, views)
+            full["step"] = views["step"]
+        else:
+            _chunk_state(state, t, None if first else full, scalars, a, b, n, whole, scratch)
+            group["params"] = [t]
+            try:
                 with fused_implementation(opt):
                     inner(opt)
-        finally:
-            group["params"] = []
-            done = state.pop(t, {})
-        full = _merge(state, p, full, done, a, b, n, whole, state_dtype)
+            finally:
+                group["params"] = []
+                done = state.pop(t, {})
+            full = _merge(state, p, full, done, a, b, n, whole, state_dtype)
         t.grad = None
         if samples is not None:
             diffs.append(_sample_part(t, a, n, samples[0]) - before)
@@ -147,7 +152,7 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
     return torch.cat(diffs)
 
 
-def _direct_adam(opt: Optimizer, group: dict, full: dict) -> bool:
+def _direct_adam(opt: Optimizer, group: dict, full: dict, state_dtype: torch.dtype) -> bool:
     """True when ``opt``'s step on ``group`` is torch's fused Adam/AdamW kernel, called here without torch's
     per-call bookkeeping (:func:`_fused_adam_kernel`): exact ``Adam``/``AdamW``, the implementation left to
     torch (or ``fused=True``), the state already in the fused kernel's form."""
@@ -157,13 +162,15 @@ def _direct_adam(opt: Optimizer, group: dict, full: dict) -> bool:
         return False
     keys = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
     step = full.get("step")
-    return (list(full) == keys and isinstance(step, Tensor) and step.dtype == torch.float32
-            and full["exp_avg"].device.type in _fused_devices())
+    if list(full) != keys or state_dtype != torch.float32 or not isinstance(step, Tensor):
+        return False
+    return step.dtype == torch.float32 and all(type(full[k]) is Tensor and full[k].dtype == torch.float32
+                                               for k in keys[1:]) and full["exp_avg"].device.type in _fused_devices()
 
 
-def _fused_adam_kernel(group: dict, t: Tensor, st: dict) -> bool:
+def _fused_adam_kernel(group: dict, t: Tensor, st: dict) -> None:
     """One Adam/AdamW update of ``t`` with state ``st``: what ``torch.optim.adam._fused_adam`` does for one
-    tensor (count the step, then ``torch._fused_adam(w)_``).  True when it ran."""
+    tensor: count the step, then ``torch._fused_adam(w)_``."""
     step = st["step"]
     step.add_(1)
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
@@ -172,7 +179,6 @@ def _fused_adam_kernel(group: dict, t: Tensor, st: dict) -> bool:
     kernel([t], [t.grad], [st["exp_avg"]], [st["exp_avg_sq"]], [st["max_exp_avg_sq"]] if amsgrad else [], [step],
            amsgrad=amsgrad, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
            eps=group["eps"], maximize=bool(group.get("maximize")), grad_scale=None, found_inf=None)
-    return True
 
 
 def _plain(v: Tensor) -> bool:
