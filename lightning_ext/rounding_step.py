@@ -9,7 +9,9 @@ result back (:func:`~mp_callbacks.rounding.rules.kahan_apply`, :func:`~mp_callba
 How: an optimizer whose update is elementwise (:data:`ELEMENTWISE`) runs on :data:`CHUNK` elements at a time:
 ``t`` and the FP32 gradient of a chunk live in :class:`Scratch` buffers reused every step, the chunk's state is
 a view of the parameter's FP32 state (``state_dtype`` ``bfloat16``: an FP32 scratch copy, written back rounded
-to nearest), and the rule writes the chunk back while it is in cache.  No step allocates a full-size tensor; the
+to nearest; exact ``Adam``/``AdamW``: torch's fused kernel called on the views directly, the arguments torch's
+fused path passes), and the rule writes the chunk back, operation by operation as the core states it, into
+reused buffers.  No step allocates a full-size tensor; the
 results are the whole tensor's bit for bit (chunks are multiples of 64 elements, so a vectorized kernel's tail
 falls where it falls on the whole tensor).  Other optimizers (and non-contiguous weights) get a full-size FP32
 copy of the parameter, as before.
