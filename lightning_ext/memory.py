@@ -24,7 +24,17 @@ from .attribution import tensors_in
 from .fabric import MixedPrecision
 from .scaler import unwrap_optimizer
 
-__all__ = ["memory_report", "optimizer_params", "storage_dtypes"]
+__all__ = ["held_tensors", "memory_report", "optimizer_params", "storage_dtypes"]
+
+
+def held_tensors(t: Tensor) -> list[Tensor]:
+    """The plain tensors that hold ``t``'s data: ``t`` itself, or a tensor subclass's inner tensors (torchao's
+    quantized optimizer states: codes, scales, lookup table), so that bytes are counted as they are stored."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if type(t) in (Tensor, nn.Parameter) or flatten is None:
+        return [t]
+    names, _ = flatten()
+    return [inner for name in names for inner in held_tensors(getattr(t, name))]
 
 
 def optimizer_params(optimizer: Any) -> list[Tensor]:
@@ -85,7 +95,7 @@ def memory_report(plugin: MixedPrecision, module: nn.Module, optimizers: Sequenc
                 masters += plugin.masters.held_nbytes(p) if plugin.masters is not None else p.nbytes
                 grads += p.grad.nbytes if p.grad is not None else 0
         for slot in raw.state.values():
-            state += sum(v.nbytes for v in tensors_in(slot) if is_optimizer_state(v.shape))
+            state += sum(h.nbytes for v in tensors_in(slot) if is_optimizer_state(v.shape) for h in held_tensors(v))
         momentum = max((float(g.get("momentum", 0) or 0) for g in raw.param_groups), default=0.0)
         rows.append((type(raw).__name__, momentum, [(p.numel(), storage[id(p)][0]) for p in optimizer_params(raw)]))
     comp = sum(c.nbytes for c in plugin.rounding.buffers()) if plugin.rounding is not None else 0

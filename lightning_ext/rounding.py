@@ -11,17 +11,21 @@ that it computes that update in FP32 with FP32 states:
   ``bfloat16``: bf16 tensors, FP32 only while the parameter is updated);
 * :meth:`step` calls ``optimizer.step()`` once (hooks and LR-scheduler
   bookkeeping as usual) with a closure that, before the optimizer's own loop,
-  updates each bf16 parameter in turn: an FP32 temporary ``t`` (``f32(w) +
-  f32(c)`` under Kahan, ``f32(w)`` under SR) gets the FP32 gradient and the
-  parameter's state, the optimizer's unhooked step runs on ``t`` alone, the
-  state moves back, and the rule writes ``t`` into the weight
-  (:func:`~mp_callbacks.rounding.rules.kahan_apply` /
-  :func:`~mp_callbacks.rounding.rules.stochastic_round`); the spent bf16 gradient
-  is released.  The optimizer's own loop then updates what is left: FP32
-  parameters (kept by the policy), exactly as without the plugin;
+  updates each bf16 parameter in turn (:func:`~lightning_ext.rounding_step.update_parameter`):
+  the optimizer's unhooked step runs on an FP32 value ``t`` (``f32(w) +
+  f32(c)`` under Kahan, ``f32(w)`` under SR) with the FP32 gradient and the
+  parameter's state, with torch's fused kernel where the user left the
+  implementation to torch (the rule of ``bf16-master``'s step), and the core's
+  rule writes ``t`` into the weight (:func:`~mp_callbacks.rounding.rules.kahan_apply` /
+  :func:`~mp_callbacks.rounding.rules.stochastic_round`); elementwise optimizers
+  do this in cache-sized chunks through reused buffers, bit for bit the whole
+  tensor's result; the spent bf16 gradient is released.  The optimizer's own
+  loop then updates what is left: FP32 parameters (kept by the policy), exactly
+  as without the plugin;
 * so a step holds the core estimate (weights, gradients, compensation,
-  states: :func:`mp_callbacks.memory.estimate.estimate_memory`) plus the FP32
-  temporaries of one parameter;
+  states: :func:`mp_callbacks.memory.estimate.estimate_memory`) plus the chunk
+  buffers (two FP32 buffers of at most 2**18 elements, two more for bf16 states;
+  a full-size FP32 copy of the parameter for a non-elementwise optimizer);
 * stochastic rounding draws from the core's counter-based stream (seed,
   parameter index, update counter, element index): :class:`~lightning_ext.rounding_ops.TorchRoundingOps`
   computes the same bits as the NumPy reference and ``keras.ops``;
@@ -54,17 +58,16 @@ from mp_callbacks.rounding.rules import (
     RoundingStream,
     compensated_value,
     initial_compensation,
-    kahan_apply,
     make_rounding_state,
     read_rounding_state,
-    stochastic_round,
 )
 from mp_callbacks.settings import StateDictError
 
+from .fused_step import fusable_groups
 from .masters import MasterWeights
-from .meters import sample
 from .policy import torch_dtype
 from .rounding_ops import TORCH_ROUNDING_OPS, TorchRoundingOps  # TorchRoundingOps: re-exported
+from .rounding_step import CHUNK, Scratch, update_parameter
 
 __all__ = ["RoundingEntry", "TorchRoundingOps", "UpdateRounding", "rounding_record", "weight_store"]
 
@@ -76,11 +79,6 @@ class RoundingEntry(NamedTuple):
     param: nn.Parameter
     index: int
     comp: Tensor | None
-
-
-CHUNK = 1 << 18
-"""Elements the write-back rule handles at a time: its integer and bf16 temporaries stay about 1 MB
-(cache-sized, no page-faulting allocations) whatever the parameter's size."""
 
 
 def _unhooked_step(optimizer: Optimizer) -> Callable[..., Any]:
@@ -120,6 +118,7 @@ class UpdateRounding:
         self._loading: dict[int, Mapping[str, Any]] = {}
         self._sample: tuple[int | None] | None = None  # (meter samples,) when requested
         self.update_samples: dict[int, Tensor] = {}
+        self._scratch = Scratch()  # the chunk buffers every step reuses (lightning_ext.rounding_step)
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, seed: int = 0) -> UpdateRounding | None:
@@ -217,7 +216,7 @@ class UpdateRounding:
     @staticmethod
     def _cast_state(state: Mapping[str, Any], dtype: torch.dtype, device: Any = None) -> dict[str, Any]:
         return {k: (v.to(device=device if device is not None else v.device, dtype=dtype)
-                    if isinstance(v, Tensor) and v.is_floating_point() and v.dim() else v)
+                    if type(v) is Tensor and v.is_floating_point() and v.dim() else v)  # subclasses: as they are
                 for k, v in state.items()}
 
     # ----------------------------------------------------------------- step
@@ -231,20 +230,29 @@ class UpdateRounding:
         """Nothing to move: the step reads the bf16 gradients where they are."""
 
     def clear_cache(self) -> None:
-        """Nothing cached between fits."""
+        """Release the step's chunk buffers (reallocated at the next step)."""
+        self._scratch.clear()
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` with the bf16 parameters updated by the recipe's rule (see the module docstring)."""
         if args or "closure" in kwargs:
             raise RuntimeError("bf16-kahan/bf16-sr step the optimizer after the backward: a closure is not supported")
         ran: list[bool] = []
+        fused: list[dict] = []
 
         def update_rounded() -> None:
             if not ran:
                 ran.append(True)
                 self._update(optimizer)
+                fused.extend(fusable_groups(optimizer))  # the FP32 parameters left: the fused kernel too
+                for group in fused:
+                    group["fused"] = True
 
-        return optimizer.step(closure=update_rounded, **kwargs)
+        try:
+            return optimizer.step(closure=update_rounded, **kwargs)
+        finally:
+            for group in fused:
+                group["fused"] = None
 
     def _update(self, opt: Optimizer) -> None:
         inner = _unhooked_step(opt)
@@ -267,51 +275,12 @@ class UpdateRounding:
 
     def _update_one(self, opt: Optimizer, inner: Callable[..., Any], group: dict, entry: RoundingEntry,
                     sample_request: tuple[int | None] | None) -> None:
-        ops, p, state = TORCH_ROUNDING_OPS, entry.param, opt.state
-        with torch.no_grad():
-            t = compensated_value(p, entry.comp, ops) if self.kahan else p.detach().to(torch.float32)
-            t.grad = p.grad.to(torch.float32)
-            p.grad = None  # spent: the FP32 copy is what the optimizer reads
-            before = sample(t, sample_request[0]).clone() if sample_request is not None else None
-            if p in state:
-                state[t] = self._cast_state(state.pop(p), torch.float32)
-        group["params"] = [t]
-        try:
-            inner(opt)
-        finally:
-            group["params"] = []
-            if t in state:
-                state[p] = self._cast_state(state.pop(t), self.state_dtype)
-        with torch.no_grad():
-            t.grad = None
-            if before is not None:
-                self.update_samples[id(p)] = sample(t, sample_request[0]) - before
-            self._write_back(entry, t)
-
-    def _write_back(self, entry: RoundingEntry, t: Tensor) -> None:
-        """The rule, chunk by chunk (:data:`CHUNK`) over the flat weight: ``p, c <- kahan_apply(p, c, t)`` or
-        ``p <- stochastic_round(t)`` with the row-major flat indices of the elements."""
-        ops, p, comp = TORCH_ROUNDING_OPS, entry.param, entry.comp
         key = None if self.kahan else self.stream.key(entry.index)
-        if not (p.is_contiguous() and t.is_contiguous()):
-            if self.kahan:
-                new, c = kahan_apply(p, comp, t, ops)
-                comp.copy_(c)
-            else:
-                new = stochastic_round(t, key, ops)
-            p.copy_(new)
-            return
-        pf, tf, n = p.view(-1), t.view(-1), p.numel()
-        cf = comp.view(-1) if comp is not None else None
-        for start in range(0, n, CHUNK):
-            end = min(n, start + CHUNK)
-            if cf is not None:
-                new, c = kahan_apply(pf[start:end], cf[start:end], tf[start:end], ops)
-                cf[start:end].copy_(c)
-            else:
-                index = torch.arange(start, end, dtype=torch.int32, device=p.device)
-                new = stochastic_round(tf[start:end], key, ops, index=index)
-            pf[start:end].copy_(new)
+        with torch.no_grad():
+            update = update_parameter(opt, inner, group, entry.param, entry.comp, key, self.state_dtype,
+                                      self._scratch, CHUNK, sample_request)
+        if update is not None:
+            self.update_samples[id(entry.param)] = update
 
     # ------------------------------------------------------ runtime FP32 moves
     def store_fp32(self, module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> None:

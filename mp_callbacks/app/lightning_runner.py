@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_ext.memory import held_tensors
 from lightning_ext.plugin import MixedPrecision
 
 from ..diagnostics.metrics import History, StepStats
@@ -89,7 +90,10 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer, extra: Any 
 
     def add(t: Any) -> None:
         nonlocal total
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, nn.Parameter):
+            for inner in held_tensors(t):  # a tensor subclass (torchao's quantized states): its inner tensors
+                add(inner)
+        elif isinstance(t, torch.Tensor):
             storage = t.untyped_storage()
             key = storage.data_ptr() if storage.nbytes() else id(storage)
             if key not in seen:

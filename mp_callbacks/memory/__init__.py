@@ -2,6 +2,7 @@
 
 * :mod:`.estimate`: bytes per parameter (:func:`estimate_memory`, :func:`bytes_per_param`,
   :func:`memory_report`) from a recipe's :class:`~mp_callbacks.masters.MasterPlan`;
+* :mod:`.low_bit`: the block-quantized states of low-bit optimizers (torchao's AdamW8bit/4bit/Fp8);
 * :mod:`.sharding`: a recipe across ranks (FSDP dtypes, all-reduce and FSDP payloads, the
   overflow consensus).
 """
@@ -16,6 +17,7 @@ from .estimate import (
     optimizer_kind,
     optimizer_slots,
 )
+from .low_bit import LOW_BIT_STATES, LowBitStates
 from .sharding import (
     ShardedDtypes,
     allreduce_bytes,
@@ -26,6 +28,8 @@ from .sharding import (
 )
 
 __all__ = [
+    "LOW_BIT_STATES",
+    "LowBitStates",
     "MemoryEstimate",
     "OPTIMIZER_SLOTS",
     "ShardedDtypes",

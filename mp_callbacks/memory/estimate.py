@@ -57,6 +57,7 @@ from typing import Any
 
 from ..dtypes import dtype_bytes
 from ..masters import MasterPlan
+from .low_bit import LOW_BIT_STATES
 
 OPTIMIZER_SLOTS: dict[str, int] = {
     "sgd": 0, "sgd-momentum": 1, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2,
@@ -155,6 +156,9 @@ def estimate_memory(
 
     ``fp8_state``: bytes of FP8 scaling state (``fp8-mixed``; every rank holds all of it), from
     :func:`mp_callbacks.fp8.recipe.fp8_state_bytes`.
+
+    ``optimizer`` may name a low-bit optimizer (``adamw8bit``, ``adamw4bit``, ``adamwfp8``...): its states
+    follow :data:`~mp_callbacks.memory.low_bit.LOW_BIT_STATES` (quantized for large parameters).
     """
     if n_shards is not None:
         return replace(_sharded_estimate(plan, optimizer, params, int(n_shards)), fp8_state=int(fp8_state))
@@ -162,7 +166,8 @@ def estimate_memory(
         raise ValueError("weights_released=True describes the optimizer step: pass fp32_master_grads=True too")
     if isinstance(params, int):
         params = [(params, plan.param_dtype)]
-    slots = optimizer_slots(optimizer)
+    low_bit = LOW_BIT_STATES.get(optimizer_kind(optimizer))
+    slots = 0 if low_bit is not None else optimizer_slots(optimizer)
     n = w = g = m = s = c = 0
     for numel, dtype in params:
         size = dtype_bytes(dtype)
@@ -177,6 +182,8 @@ def estimate_memory(
         if plan.needs_compensation(dtype):
             c += numel * size
         s += numel * slots * plan.state_bytes(dtype)
+        if low_bit is not None:  # torchao's block-quantized states (mp_callbacks.memory.low_bit)
+            s += low_bit.slots * low_bit.slot_bytes(numel, plan.state_bytes(dtype))
     return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s, compensation=c,
                           fp8_state=int(fp8_state))
 
@@ -251,7 +258,7 @@ def memory_report(
     known = True
     for class_name, momentum, params in optimizers:
         kind = optimizer_kind(class_name, momentum)
-        if kind not in OPTIMIZER_SLOTS:
+        if kind not in OPTIMIZER_SLOTS and kind not in LOW_BIT_STATES:
             names.append(f"{kind} (unknown to the core)")
             known = False
             continue

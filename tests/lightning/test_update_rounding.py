@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 from lightning_ext import rounding as rounding_module
+from lightning_ext.fused_step import fused_implementation
 from lightning_ext.rounding import UpdateRounding
 from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
 from mp_callbacks import RecipeError, get_recipe
@@ -94,8 +95,9 @@ def test_torch_rules_are_bit_identical_to_the_numpy_reference():
 
 # ------------------------------------------- the optimizer on FP32 copies
 class Replay(pl.Callback):
-    """Replays every step with the same optimizer class on FP32 copies (``f32(w) + f32(c)``) and the core's
-    NumPy rules, and checks the plugin's weights, compensation, counter and optimizer state against it."""
+    """Replays every step with the same optimizer class on FP32 copies (``f32(w) + f32(c)``), with torch's fused
+    kernel where the user left the implementation to torch (``lightning_ext.fused_step``, the plugin's rule), and
+    the core's NumPy rules, and checks the plugin's weights, compensation, counter and optimizer state against it."""
 
     def __init__(self, plugin: MixedPrecision, make_optimizer) -> None:
         self.plugin, self.make_optimizer = plugin, make_optimizer
@@ -135,7 +137,8 @@ class Replay(pl.Callback):
                 s.copy_(w.float() + c.float() if c is not None else w.float())
                 s.grad = None if g is None else g.float()
         self.ref.param_groups[0]["lr"] = self.lr
-        self.ref.step()
+        with fused_implementation(self.ref):
+            self.ref.step()
         for i, (p, s, (w, _, c)) in enumerate(zip(self.params, self.shadow, self.before)):
             if p.dtype == torch.float32:  # kept in FP32 by the policy: updated by the optimizer's own loop
                 assert torch.equal(p, s), i
@@ -170,12 +173,13 @@ def test_the_wrapped_optimizer_is_the_optimizer_on_fp32_copies(recipe, optimizer
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_rule_runs_chunk_by_chunk_with_the_same_result(recipe, monkeypatch):
-    """The write-back works on CHUNK elements at a time (flat indices carry over): with tiny chunks a
-    16x8 weight is 26 chunks, and every step still equals the reference on the whole tensor."""
-    monkeypatch.setattr(rounding_module, "CHUNK", 5)
+    """The step works on CHUNK elements at a time (the optimizer on chunk views of its state, then the rule; flat
+    indices carry over): with 64-element chunks a 64x8 weight is 8 chunks, and every step still equals the
+    reference on the whole tensor, the first (where the optimizer creates its state) included."""
+    monkeypatch.setattr(rounding_module, "CHUNK", 64)
     plugin = MixedPrecision(recipe, seed=5)
     replay = Replay(plugin, OPTIMIZERS["adamw"])
-    model = Net(OPTIMIZERS["adamw"], hidden=16, inf_steps={2})
+    model = Net(OPTIMIZERS["adamw"], hidden=64, inf_steps={2})
     pl.Trainer(plugins=[plugin], callbacks=[replay], max_steps=5, **trainer_kwargs()).fit(model, loader())
     assert (replay.applied, replay.skipped) == (4, 1)
 
@@ -333,7 +337,13 @@ def _watched(cls, records, module_ref, plugin):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum"])
 @pytest.mark.parametrize("states", ["float32", "bfloat16"])
-def test_the_step_holds_the_estimate_plus_one_parameters_temporaries(recipe, optimizer, states):
+@pytest.mark.parametrize("chunk", [None, 256])
+def test_the_step_holds_the_estimate_plus_the_chunk_buffers(recipe, optimizer, states, chunk, monkeypatch):
+    """Entering the step: exactly the estimate.  While a parameter is updated: plus the chunk buffers, the same
+    whatever the parameter's size (FP32 value and gradient of one chunk; FP32 copies of bf16 states), with the
+    bf16 gradients of the parameters before it released; no full-size FP32 copy of any parameter."""
+    if chunk is not None:
+        monkeypatch.setattr(rounding_module, "CHUNK", chunk)
     records: list = []
     plugin = MixedPrecision(recipe, state_dtype=states)
     module_ref = [None]
@@ -347,16 +357,21 @@ def test_the_step_holds_the_estimate_plus_one_parameters_temporaries(recipe, opt
     estimate = estimate_memory(get_recipe(recipe, state_dtype=states).master, optimizer, n)
     slots, state_size = (2 if optimizer == "adamw" else 1), (4 if states == "float32" else 2)
     assert estimate.bytes_per_param == 2 + 2 + (2 if recipe == "bf16-kahan" else 0) + slots * state_size
-    last = records[-(len(sizes) + 1):]  # the third step: the whole step, then one update per parameter
+    chunks = [-(-size // chunk) if chunk else 1 for size in sizes]
+    last = records[-(sum(chunks) + 1):]  # the third step: the whole step, then one update per chunk
     assert last[0] == (None, estimate.total)  # entering the step: exactly the estimate
-    done = 0
-    for (numel, held), size in zip(last[1:], sizes):
+    buffer = min(chunk or max(sizes), max(sizes))  # elements per chunk buffer (kept from the earlier steps)
+    extra = (8 + (slots * 4 if states == "bfloat16" else 0)) * buffer
+    at, done = 1, 0
+    for size, k in zip(sizes, chunks):
+        for i in range(k):
+            numel, held = last[at]
+            at += 1
+            assert numel == min(size - i * (chunk or size), chunk or size)
+            assert held == estimate.total + extra - 2 * done  # the earlier parameters' bf16 gradients released
         done += size
-        # the FP32 copy and its FP32 gradient (8 B/element) and the parameter's state in FP32 while it is
-        # updated; its bf16 gradient (and those of the parameters before it) already released
-        extra = 8 * size + slots * (4 - state_size) * size - 2 * done
-        assert (numel, held) == (size, estimate.total + extra)
-    assert max(h for _, h in last) <= estimate.total + (8 + slots * 2) * max(sizes)
+    if chunk is not None:  # less than the FP32 copy and gradient of the largest parameter
+        assert extra < 8 * max(sizes)
 
 
 def test_the_monitor_reports_the_compensation_next_to_the_estimate():
