@@ -146,7 +146,10 @@ def finish(results: Sequence[RunResult], spec: ReportSpec, out: str | Path | Non
              + " (32-true run again, last; 1 = no run-to-run noise: every speed-up above carries this much)")
     if not machine.get("isolated_runs"):
         echo("note: every run shared this process (--in-process or no fork here): memory figures depend on run order")
-    recs = recommendations(results, goal, slowdown_notes(machine.get("features", {})))
+    slow = slowdown_notes(machine.get("features", {}))
+    slow.update({r.recipe: slow[base] for r in results  # a label (fp8-mixed[rowwise]) has its recipe's note
+                 if (base := r.recipe.partition("[")[0]) in slow and r.recipe not in slow})
+    recs = recommendations(results, goal, slow)
     echo("\n" + "\n".join(recommendation_lines(recs)))
     for note in extra_notes:
         echo(f"\nnote: {note}")
