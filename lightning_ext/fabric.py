@@ -48,8 +48,17 @@ from torch.optim import LBFGS, Optimizer
 from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
+from mp_callbacks.settings import StateDictError
 
-from .checkpoint import check_scaler_record, load_parts, plugin_record, resume_plan, saved_fp32_rules
+from .checkpoint import (
+    check_scaler_record,
+    fabric_loading_path,
+    load_parts,
+    name_the_file,
+    plugin_record,
+    resume_plan,
+    saved_fp32_rules,
+)
 from .distributed import CommCounter, register_comm_hook
 from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales_in_step
 from .forward_state import ForwardState
@@ -424,8 +433,20 @@ class MixedPrecision(Precision):
         return plugin_record(self.recipe, self.loss_scaler, self.weight_store, self.fp8)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; another schema, recipe or scaler config is an error naming both.
-        Under another recipe (``allow_recipe_change``) the masters where both keep them; the scaler restarts."""
+        """Restore a :meth:`state_dict`; another schema, recipe or scaler config is an error naming both (and
+        the file, when a ``fabric.load`` reads one).  Under another recipe (``allow_recipe_change``) the masters
+        where both keep them; the scaler restarts."""
+        try:
+            self._load_state_dict(state_dict)
+        except StateDictError as exc:
+            name_the_file(exc, self._ckpt_path())
+            raise
+
+    def _ckpt_path(self) -> Any:
+        """The checkpoint file being loaded, when known (Fabric: the ``fabric.load`` in progress)."""
+        return fabric_loading_path()
+
+    def _load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         plan = resume_plan(state_dict, self.recipe, self.allow_recipe_change)
         if plan.load_scaler:  # same recipe: a scaler mismatch is an error before anything changes
             check_scaler_record(self.loss_scaler, state_dict["scaler"])
