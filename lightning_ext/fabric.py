@@ -45,6 +45,7 @@ from lightning.fabric.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
+from mp_callbacks.advice import cpu_flags, cpu_float16_notice
 from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
@@ -152,6 +153,7 @@ class MixedPrecision(Precision):
         self._prepared: set[int] = set()  # optimizers unscaled (and FP8-checked) for the coming step
         self._watched: Any = None  # the Fabric strategy whose setup calls this plugin (watch_fabric_setup)
         self._warned_lazy = False
+        self._noticed = False  # the float16-on-CPU notice (mp_callbacks.advice.cpu_float16_notice), said once
         self.forward_state = ForwardState() if restore_forward_state else None
         self.pending_fp32_paths: list[str] = []
         self.sharded: ShardedLayout | None = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
@@ -253,6 +255,11 @@ class MixedPrecision(Precision):
     def _apply_recipe(self, module: nn.Module, sharded: bool) -> None:
         """Parameter storage (``*-master``, ``bf16-kahan``/``-sr``; sharded: the FP32 shards stay the masters),
         FP32-op hooks, FP8 matmuls."""
+        if not self._noticed:  # once per plugin, at setup: the device is known now
+            self._noticed = True
+            notice = cpu_float16_notice(self.recipe.name, self.recipe.policy.compute, self._device_type, cpu_flags())
+            if notice is not None:
+                warnings.warn(f"lightning_ext.MixedPrecision: {notice}", UserWarning, stacklevel=3)
         self.sharded = inspect_sharded(module, self.recipe) if sharded else None
         store = self.weight_store
         if store is not None and self.sharded is None:

@@ -34,7 +34,8 @@ def quiet_frameworks() -> None:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for message in (r".*does not have many workers.*", r".*GPU available but not used.*",
-                    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*", r".*but have no `val_dataloader`.*"):
+                    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*", r".*but have no `val_dataloader`.*",
+                    r".*computes in float16 on a CPU without native float16.*"):  # the CPU notes say it
         warnings.filterwarnings("ignore", message=message)
 
 
