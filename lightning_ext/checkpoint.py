@@ -27,6 +27,7 @@ plugin itself (its recipe, FP32 moves) is the plugin's own
 from __future__ import annotations
 
 import os
+import sys
 import zipfile
 from collections.abc import Mapping
 from typing import Any
@@ -42,8 +43,8 @@ from .masters import MasterWeights
 from .rounding import rounding_record
 
 __all__ = ["PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "CheckedCheckpointIO", "CheckpointFileError",
-           "check_checkpoint_file", "check_scaler_record", "load_parts", "masters_as_weights", "missing_state_warning",
-           "plugin_record", "resume_plan", "saved_fp32_rules"]
+           "check_checkpoint_file", "check_scaler_record", "fabric_loading_path", "load_parts", "masters_as_weights",
+           "missing_state_warning", "name_the_file", "plugin_record", "resume_plan", "saved_fp32_rules"]
 
 PLUGIN_SCHEMA = "lightning_ext.MixedPrecision"
 """The ``schema`` tag of the plugin's checkpoint record."""
@@ -125,6 +126,27 @@ class CheckedCheckpointIO(TorchCheckpointIO):
         except (RuntimeError, EOFError, OSError) as exc:  # torch's reader: damaged past the checks above
             raise CheckpointFileError(f"{os.fspath(path)} cannot be read as a torch checkpoint "
                                       f"({type(exc).__name__}: {str(exc).splitlines()[0]}); {_EARLIER}") from exc
+
+
+def fabric_loading_path() -> Any:
+    """The file a ``fabric.load(path, state)`` in progress reads (its strategy's ``load_checkpoint`` frame,
+    searched up to 8 callers up), or None when no Fabric load is calling."""
+    from lightning.fabric.strategies import Strategy
+
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "load_checkpoint" and isinstance(frame.f_locals.get("self"), Strategy):
+            return frame.f_locals.get("path")
+        frame = frame.f_back
+    return None
+
+
+def name_the_file(exc: StateDictError, path: Any) -> None:
+    """Prefix ``exc``'s message with the checkpoint file (when known)."""
+    if path is not None:
+        exc.args = (f"{os.fspath(path)}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
 
 
 def missing_state_warning(path: Any, recipe: Recipe) -> str:

@@ -45,11 +45,21 @@ from lightning.fabric.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
+from mp_callbacks.advice import cpu_flags, cpu_float16_notice
 from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
+from mp_callbacks.settings import StateDictError
 
-from .checkpoint import check_scaler_record, load_parts, plugin_record, resume_plan, saved_fp32_rules
+from .checkpoint import (
+    check_scaler_record,
+    fabric_loading_path,
+    load_parts,
+    name_the_file,
+    plugin_record,
+    resume_plan,
+    saved_fp32_rules,
+)
 from .distributed import CommCounter, register_comm_hook
 from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales_in_step
 from .forward_state import ForwardState
@@ -143,6 +153,7 @@ class MixedPrecision(Precision):
         self._prepared: set[int] = set()  # optimizers unscaled (and FP8-checked) for the coming step
         self._watched: Any = None  # the Fabric strategy whose setup calls this plugin (watch_fabric_setup)
         self._warned_lazy = False
+        self._noticed = False  # the float16-on-CPU notice (mp_callbacks.advice.cpu_float16_notice), said once
         self.forward_state = ForwardState() if restore_forward_state else None
         self.pending_fp32_paths: list[str] = []
         self.sharded: ShardedLayout | None = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
@@ -244,6 +255,11 @@ class MixedPrecision(Precision):
     def _apply_recipe(self, module: nn.Module, sharded: bool) -> None:
         """Parameter storage (``*-master``, ``bf16-kahan``/``-sr``; sharded: the FP32 shards stay the masters),
         FP32-op hooks, FP8 matmuls."""
+        if not self._noticed:  # once per plugin, at setup: the device is known now
+            self._noticed = True
+            notice = cpu_float16_notice(self.recipe.name, self.recipe.policy.compute, self._device_type, cpu_flags())
+            if notice is not None:
+                warnings.warn(f"lightning_ext.MixedPrecision: {notice}", UserWarning, stacklevel=3)
         self.sharded = inspect_sharded(module, self.recipe) if sharded else None
         store = self.weight_store
         if store is not None and self.sharded is None:
@@ -424,8 +440,20 @@ class MixedPrecision(Precision):
         return plugin_record(self.recipe, self.loss_scaler, self.weight_store, self.fp8)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; another schema, recipe or scaler config is an error naming both.
-        Under another recipe (``allow_recipe_change``) the masters where both keep them; the scaler restarts."""
+        """Restore a :meth:`state_dict`; another schema, recipe or scaler config is an error naming both (and
+        the file, when a ``fabric.load`` reads one).  Under another recipe (``allow_recipe_change``) the masters
+        where both keep them; the scaler restarts."""
+        try:
+            self._load_state_dict(state_dict)
+        except StateDictError as exc:
+            name_the_file(exc, self._ckpt_path())
+            raise
+
+    def _ckpt_path(self) -> Any:
+        """The checkpoint file being loaded, when known (Fabric: the ``fabric.load`` in progress)."""
+        return fabric_loading_path()
+
+    def _load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         plan = resume_plan(state_dict, self.recipe, self.allow_recipe_change)
         if plan.load_scaler:  # same recipe: a scaler mismatch is an error before anything changes
             check_scaler_record(self.loss_scaler, state_dict["scaler"])

@@ -21,7 +21,7 @@ optimizer state, step count or step-interval schedule), then updates the scale.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -29,8 +29,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
-
-from mp_callbacks.settings import StateDictError
 
 from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, masters_as_weights, missing_state_warning
 from .distributed import register_comm_hook
@@ -152,17 +150,8 @@ class MixedPrecision(Precision, FabricMixedPrecision):
         if type(self).__qualname__ not in checkpoint:
             warnings.warn(missing_state_warning(self._ckpt_path(), self.recipe), stacklevel=2)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """The Fabric plugin's, with the checkpoint file the Trainer resumes from named in an error."""
-        try:
-            super().load_state_dict(state_dict)
-        except StateDictError as exc:
-            path = self._ckpt_path()
-            if path is not None:
-                exc.args = (f"{path}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
-            raise
-
     def _ckpt_path(self) -> Any:
+        """The file the Trainer resumes from (the Fabric plugin's ``load_state_dict`` names it in an error)."""
         trainer = getattr(self.root_module, "_trainer", None)
         return getattr(trainer, "ckpt_path", None)
 

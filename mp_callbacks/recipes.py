@@ -26,7 +26,9 @@ over, and the scaler restarts from its config.
 ``fp8-mixed`` is ``bf16-master`` whose linear/dense matmuls (attention
 projections included) run on FP8 inputs with per-tensor scales
 (:mod:`mp_callbacks.fp8.recipe`; knobs: ``get_recipe("fp8-mixed", fp8={...})``,
-an :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).
+an :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).  A recipe *label* names one more setting:
+``"fp8-mixed[rowwise]"`` is ``fp8-mixed`` at that FP8 granularity (:func:`split_recipe_label`); every
+function here that takes a recipe name takes a label too.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .dtypes import canonical_dtype
+from .fp8.granularity import GRANULARITIES
 from .fp8.recipe import FP8Recipe
 from .loss_scale.config import ScalerConfig
 from .masters import MasterPlan
@@ -209,13 +212,53 @@ def canonical_recipe_name(name: Any) -> str:
     )
 
 
+def split_recipe_label(label: Any) -> tuple[str, str | None]:
+    """``"fp8-mixed[rowwise]"`` -> ``("fp8-mixed", "rowwise")``; a plain name -> ``(its canonical name, None)``.
+
+    The bracket holds an FP8 granularity (:data:`~mp_callbacks.fp8.granularity.GRANULARITIES`) and goes
+    with ``fp8-mixed`` only; anything else is a :class:`RecipeError` listing what is valid."""
+    text = label.strip() if isinstance(label, str) else label
+    if not (isinstance(text, str) and text.endswith("]") and "[" in text):
+        return canonical_recipe_name(label), None
+    base, _, option = text[:-1].partition("[")
+    name = canonical_recipe_name(base)
+    kind = option.strip().lower()
+    if name != "fp8-mixed":
+        raise RecipeError(f"recipe label {label!r}: only fp8-mixed takes a [granularity] "
+                          f"(fp8-mixed[{'|'.join(GRANULARITIES)}])")
+    if kind not in GRANULARITIES:
+        raise RecipeError(f"recipe label {label!r}: FP8 granularity {option!r} is invalid; valid granularities: "
+                          f"{', '.join(GRANULARITIES)}")
+    return name, kind
+
+
+def recipe_label(label: Any) -> str:
+    """The canonical form of a recipe name or label (``"FP8-Mixed[RowWise]"`` -> ``"fp8-mixed[rowwise]"``)."""
+    name, kind = split_recipe_label(label)
+    return name if kind is None else f"{name}[{kind}]"
+
+
 def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype: str | None = None,
                comm_dtype: str | None = None, fp8: Any = None, master_remainders: bool | None = None) -> Recipe:
     """The named recipe, optionally with another scaler config/preset, policy, (``bf16-kahan``,
     ``bf16-sr``) optimizer-state dtype, communication dtype (:attr:`Recipe.comm_dtype`),
     (``fp8-mixed``) FP8 settings (:class:`~mp_callbacks.fp8.recipe.FP8Recipe`) or (bf16 masters)
-    ``master_remainders`` (:meth:`Recipe.with_master_remainders`)."""
+    ``master_remainders`` (:meth:`Recipe.with_master_remainders`).  ``name`` may be a label
+    (:func:`split_recipe_label`): ``get_recipe("fp8-mixed[rowwise]")`` is
+    ``get_recipe("fp8-mixed", fp8={"granularity": "rowwise"})``."""
+    name, kind = split_recipe_label(name)
+    if kind is not None:
+        fp8 = _with_granularity(fp8, kind, name)
     return _named_recipe(name, scaler, policy, state_dtype, comm_dtype, fp8).with_master_remainders(master_remainders)
+
+
+def _with_granularity(fp8: Any, kind: str, label: str) -> FP8Recipe:
+    """``fp8`` settings at the label's granularity (a granularity given both ways is refused)."""
+    settings = FP8Recipe.coerce(fp8) if fp8 is not None else FP8Recipe()
+    if fp8 is not None and settings.granularity.kind not in ("tensorwise", kind):
+        raise RecipeError(f"recipe {label}[{kind}] with fp8 granularity {settings.granularity.kind!r}: give the "
+                          "granularity once")
+    return settings.replace(granularity=settings.granularity.replace(kind=kind))
 
 
 def _named_recipe(name: str, scaler: Any, policy: Any, state_dtype: str | None, comm_dtype: str | None,

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..fp8.granularity import GRANULARITIES
 from ..loss_scale.config import PRESETS, ScalerConfig
 from ..loss_scale.scaler import DynamicLossScaler
 from ..memory.estimate import bytes_per_param
@@ -31,7 +32,8 @@ from ..recipes import RECIPE_NAMES, get_recipe
 from .machine import matmul_probe, matmul_slowdown
 from .session import quiet_frameworks
 
-__all__ = ["build_parser", "compare", "compare_own_model", "demo", "demo_args", "main", "matmul_slowdown", "presets"]
+__all__ = ["build_parser", "compare", "compare_own_model", "demo", "demo_args", "fp8_variants", "main",
+           "matmul_slowdown", "presets"]
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -110,12 +112,11 @@ def compare(args: argparse.Namespace, slowdown: dict[str, float] | None = None) 
     """``mpx compare``: the built-in MLP on digits, or the user's model (``--lightning`` / ``--keras``)."""
     if args.lightning or args.keras:
         return compare_own_model(args, slowdown)
-    from ..recipes import canonical_recipe_name
     from .compare import FRAMEWORKS, RunSpec
     from .session import PlannedRun, caller, finish, machine_notes, run_plan, with_control
 
     try:
-        recipes = [canonical_recipe_name(r) for r in args.recipes]
+        recipes = fp8_variants(args.recipes, args.fp8_granularity)
     except ValueError as exc:
         raise SystemExit(f"mpx compare: error: {exc}") from None
     try:
@@ -150,6 +151,23 @@ def compare(args: argparse.Namespace, slowdown: dict[str, float] | None = None) 
     return 0
 
 
+def fp8_variants(recipes: Sequence[str], granularities: Sequence[str] | None) -> list[str]:
+    """The canonical labels of ``recipes`` with ``fp8-mixed`` replaced, where it stands, by one
+    ``fp8-mixed[<granularity>]`` per granularity (appended when ``fp8-mixed`` is not among them);
+    a bad recipe or granularity is a ``RecipeError`` listing the valid ones."""
+    from ..recipes import recipe_label
+
+    labels = [recipe_label(r) for r in recipes]
+    if not granularities:
+        return labels
+    variants = [recipe_label(f"fp8-mixed[{g}]") for g in granularities]
+    if "fp8-mixed" not in labels:
+        return list(dict.fromkeys([*labels, *variants]))
+    at = labels.index("fp8-mixed")
+    rest = [r for r in labels if r != "fp8-mixed"]
+    return list(dict.fromkeys([*rest[:at], *variants, *rest[at:]]))
+
+
 def compare_own_model(args: argparse.Namespace, slowdown: dict[str, float] | None = None) -> int:
     """`mpx compare --lightning pkg.mod:make_module [--datamodule ..]` or `--keras pkg.mod:build_model --data ..`."""
     from .own_model import ModelSpec, compare_recipes, load_factory
@@ -164,6 +182,7 @@ def compare_own_model(args: argparse.Namespace, slowdown: dict[str, float] | Non
     builtin = [flag for flag, given in (("--hidden", args.hidden is not None), ("--depth", args.depth is not None),
                                         ("--inject", bool(args.inject)), ("--frameworks", args.frameworks is not None),
                                         ("--no-skip-nonfinite", args.no_skip_nonfinite),
+                                        ("--fp8-granularity", bool(args.fp8_granularity)),
                                         ("--batch-size", bool(args.lightning and args.batch_size))) if given]
     if builtin:
         wrong.append(f"mpx compare: error: {', '.join(builtin)} describe the built-in model; --{framework} "
@@ -289,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in model: the frameworks to run (default: both)")
     p.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), metavar="RECIPE",
                    help=f"any of {', '.join(RECIPE_NAMES)} (32-true is always run as the baseline)")
+    p.add_argument("--fp8-granularity", nargs="+", type=_granularity, default=None, metavar="KIND",
+                   help=f"built-in model: run fp8-mixed once per FP8 granularity ({', '.join(GRANULARITIES)}), "
+                        "each a row fp8-mixed[KIND]; also accepted in --recipes as fp8-mixed[KIND]")
     p.add_argument("--steps", type=_positive_int, default=300)
     p.add_argument("--batch-size", type=_positive_int, default=None,
                    help="built-in model: 128; Keras arrays: the batch to cut them in; Lightning: set by your loader")
@@ -333,6 +355,14 @@ def _checked(kind: type, test: Callable[[float], bool], rule: str) -> Callable[[
             raise argparse.ArgumentTypeError(f"{value} must be {rule}")
         return value
     return parse
+
+
+def _granularity(text: str) -> str:
+    """An argparse ``type=``: an FP8 granularity (the error lists the valid ones)."""
+    kind = text.strip().lower()
+    if kind not in GRANULARITIES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an FP8 granularity; valid: {', '.join(GRANULARITIES)}")
+    return kind
 
 
 _positive_int = _checked(int, lambda v: v >= 1, ">= 1")

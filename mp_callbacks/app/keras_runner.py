@@ -57,7 +57,7 @@ from keras_ext.policy import apply_policy
 
 from ..diagnostics.metrics import History, StepStats
 from ..memory.estimate import estimate_memory, is_optimizer_state
-from ..recipes import get_recipe
+from ..recipes import get_recipe, recipe_label
 from .compare import (
     RunResult,
     RunSpec,
@@ -237,7 +237,7 @@ def fit_once(
     dtype policy is restored before returning.
     """
     set_threads(spec.threads)
-    name = get_recipe(recipe).name
+    chosen = get_recipe(recipe)  # a label (fp8-mixed[rowwise]) carries its FP8 settings
     keras_before = keras.config.dtype_policy()  # carries keras_ext's policy, if one was set
     try:
         # The initial weights are drawn in FP32 for every recipe (as the Lightning runner does), then
@@ -245,12 +245,12 @@ def fit_once(
         keras.utils.set_random_seed(spec.seed)
         keras.config.set_dtype_policy("float32")
         model = mlp(spec.hidden, spec.depth)
-        set_global_policy(name)
+        set_global_policy(chosen)
         model = apply_policy(model)
     finally:
         keras.config.set_dtype_policy(keras_before)
     inner = keras.optimizers.AdamW(learning_rate=spec.lr)
-    opt = (master_optimizer(inner, name, scaler=scaler_for(name, spec), count_overflows=True) if optimizer is None
+    opt = (master_optimizer(inner, chosen, scaler=scaler_for(recipe, spec), count_overflows=True) if optimizer is None
            else optimizer(inner))
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit_compile)
@@ -274,12 +274,11 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     trainables = [v for v in model.trainable_variables if not is_fp8_variable(v)]
     n_params = sum(int(np.prod(v.shape)) for v in trainables)
     storage = [(int(np.prod(v.shape)), keras.backend.standardize_dtype(v.dtype)) for v in trainables]
-    name = get_recipe(recipe).name
-    estimate = estimate_memory(get_recipe(name).master, "adamw", storage,
+    estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage,
                                fp32_master_grads=bool(getattr(opt, "fp32_master_grads", True)))
     tail = loss_tail(recorder.history)
     return RunResult(
-        framework="keras", recipe=name, params=n_params,
+        framework="keras", recipe=recipe_label(recipe), params=n_params,
         **timing_fields(recorder.times, spec.batch_size), peak_rss_mb=rss.peak_mb,
         state_bytes_per_param=state_bytes(model, opt) / n_params,
         estimate_bytes_per_param=estimate.bytes_per_param,

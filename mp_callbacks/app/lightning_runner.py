@@ -25,7 +25,7 @@ from lightning_ext.plugin import MixedPrecision
 
 from ..diagnostics.metrics import History, StepStats
 from ..memory.estimate import estimate_memory
-from ..recipes import get_recipe
+from ..recipes import get_recipe, recipe_label
 from .compare import (
     RunResult,
     RunSpec,
@@ -262,8 +262,10 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     """Train ``spec`` under ``recipe`` and measure it."""
     # The output layer runs in FP32, as keras_ext.apply_policy does for the layer producing the
     # model output (torch has no notion of "the output module": a rule names it).
-    policy = get_recipe(recipe).policy.with_fp32_modules(f"net.{2 * spec.depth}")
-    plugin = MixedPrecision(recipe, "cpu", scaler=scaler_for(recipe, spec), policy=policy, count_overflows=True)
+    chosen = get_recipe(recipe)  # a label (fp8-mixed[rowwise]) carries its FP8 settings
+    policy = chosen.policy.with_fp32_modules(f"net.{2 * spec.depth}")
+    plugin = MixedPrecision(chosen.name, "cpu", scaler=scaler_for(recipe, spec), policy=policy, fp8=chosen.fp8,
+                            count_overflows=True)
     with PeakRSS() as rss:
         module, recorder = fit_once(plugin, spec, progress)
     _, _, x_te, y_te = digits_data(spec.seed)
@@ -273,12 +275,12 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
         accuracy = float((logits.argmax(-1).numpy() == y_te).mean())
     n_params = sum(p.numel() for p in module.parameters())
     storage = [(p.numel(), str(p.dtype).replace("torch.", "")) for p in module.parameters()]
-    estimate = estimate_memory(get_recipe(recipe).master, "adamw", storage, fp32_master_grads=True,
+    estimate = estimate_memory(chosen.master, "adamw", storage, fp32_master_grads=True,
                                weights_released=plugin.free_weights_during_step)
     tail = loss_tail(recorder.history)
     view = plugin.scaler
     return RunResult(
-        framework="lightning", recipe=get_recipe(recipe).name, params=n_params,
+        framework="lightning", recipe=recipe_label(recipe), params=n_params,
         **timing_fields(recorder.times, spec.batch_size), peak_rss_mb=rss.peak_mb,
         state_bytes_per_param=None if recorder.state_bytes is None else recorder.state_bytes / n_params,
         estimate_bytes_per_param=estimate.bytes_per_param,

@@ -15,6 +15,8 @@ the features explain them:
 
 from __future__ import annotations
 
+from ..advice import cpu_flags  # the reading is the core's (lightning_ext reports from it too)
+
 FEATURES = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2", "f16c")
 """The ``/proc/cpuinfo`` flags reported (each found or not)."""
 
@@ -31,18 +33,6 @@ def cpu_model() -> str:
             return next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "")
     except OSError:  # pragma: no cover - not Linux
         return ""
-
-
-def cpu_flags() -> set[str]:
-    """The flags of the first processor in ``/proc/cpuinfo`` (empty when unreadable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return set()
 
 
 def features(flags: set[str] | None = None) -> dict[str, bool]:

@@ -56,14 +56,15 @@ def format_table(results: Sequence[RunResult]) -> str:
     the first line of its error."""
     base = _baselines(results)
     name = metric_header(results)
-    head = (f"{'framework':<10} {'recipe':<13} {'samples/s':>9} {'speed-up':>8} {'step ms':>8} {'min-max':>15} "
+    w = max([13, *(len(r.label) for r in results)])  # labels such as fp8-mixed[blockwise] are longer
+    head = (f"{'framework':<10} {'recipe':<{w}} {'samples/s':>9} {'speed-up':>8} {'step ms':>8} {'min-max':>15} "
             f"{'peak MB':>8} {'state':>7} {'other':>7} {'B/param':>7} {'est.':>5} {'loss':>8} {'d loss':>8} "
             f"{name:>10} {('d ' + name)[:10]:>10} {'overfl.':>7} {'skipped':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r.error is not None:
             error = r.error if len(r.error) <= 110 else r.error[:107] + "..."
-            lines.append(f"{r.framework:<10} {r.label:<13} failed: {error}")
+            lines.append(f"{r.framework:<10} {r.label:<{w}} failed: {error}")
             continue
         b = base.get(r.framework)
         speed = f"{r.samples_per_s / b.samples_per_s:.2f}x" if b else "-"
@@ -71,7 +72,7 @@ def format_table(results: Sequence[RunResult]) -> str:
         dmetric = f"{r.metric - b.metric:+.4f}" if b else "-"
         spread = f"{_ms(r.step_time_min_ms)}-{_ms(r.step_time_max_ms)}"
         lines.append(
-            f"{r.framework:<10} {r.label:<13} {r.samples_per_s:>9.0f} {speed:>8} {_ms(r.step_time_ms):>8} "
+            f"{r.framework:<10} {r.label:<{w}} {r.samples_per_s:>9.0f} {speed:>8} {_ms(r.step_time_ms):>8} "
             f"{spread:>15} {r.peak_rss_mb:>8.1f} {_num(r.model_state_mb, '.1f'):>7} {_num(r.other_mb, '.1f'):>7} "
             f"{_num(r.state_bytes_per_param, '.1f'):>7} {r.estimate_bytes_per_param:>5.0f} "
             f"{r.final_loss:>8.4f} {dloss:>8} {r.metric:>10.4f} {dmetric:>10} {r.overflows:>7} {r.skipped:>7}"

@@ -34,7 +34,8 @@ def quiet_frameworks() -> None:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for message in (r".*does not have many workers.*", r".*GPU available but not used.*",
-                    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*", r".*but have no `val_dataloader`.*"):
+                    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*", r".*but have no `val_dataloader`.*",
+                    r".*computes in float16 on a CPU without native float16.*"):  # the CPU notes say it
         warnings.filterwarnings("ignore", message=message)
 
 
@@ -146,7 +147,10 @@ def finish(results: Sequence[RunResult], spec: ReportSpec, out: str | Path | Non
              + " (32-true run again, last; 1 = no run-to-run noise: every speed-up above carries this much)")
     if not machine.get("isolated_runs"):
         echo("note: every run shared this process (--in-process or no fork here): memory figures depend on run order")
-    recs = recommendations(results, goal, slowdown_notes(machine.get("features", {})))
+    slow = slowdown_notes(machine.get("features", {}))
+    slow.update({r.recipe: slow[base] for r in results  # a label (fp8-mixed[rowwise]) has its recipe's note
+                 if (base := r.recipe.partition("[")[0]) in slow and r.recipe not in slow})
+    recs = recommendations(results, goal, slow)
     echo("\n" + "\n".join(recommendation_lines(recs)))
     for note in extra_notes:
         echo(f"\nnote: {note}")
