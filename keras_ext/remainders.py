@@ -109,6 +109,9 @@ class RemainderMaster:
         out = self.numpy()
         return out if dtype is None else out.astype(dtype)
 
+    def __jax_array__(self) -> Any:  # JAX: converts to the joined value, as a Keras variable to its own
+        return self.value
+
     def __repr__(self) -> str:
         return f"<RemainderMaster path={self.path!r} shape={self.shape}>"
 

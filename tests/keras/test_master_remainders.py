@@ -217,3 +217,74 @@ def test_masters_hold_two_bytes_per_param_and_export_fp32():
                 m = masters[[id(t) for t in model.trainable_variables].index(id(v))]
                 np.testing.assert_array_equal(value.view(np.uint32), m)
     assert held == {"bf16-master": 4.0, "remainders": 2.0}
+
+
+@pytest.mark.parametrize("jit_compile", ["auto", False] if TF else ["auto"])
+def test_fit_follows_the_fp32_copy_run_bit_for_bit(jit_compile):
+    """model.fit through the backend's trainer (TensorFlow: tf.function, Keras' jit choice or none; JAX: the
+    jitted stateless step), inf losses skipped: the seeded run meets no tie (where the forward weights, then the
+    gradients, would differ by design), so both runs end with the same masters, slots and scaler state bit for
+    bit; the weights are nearest-even of the master (FP32 copy) and the core's split of it (remainders)."""
+    models = []
+    for recipe in ("bf16-master", REMAINDERS):
+        model = _model()
+        model.compile(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), recipe, scaler=SCALER), "mse",
+                      jit_compile=jit_compile)
+        _fit(model, epochs=2)
+        models.append(model)
+    copy, rem = (_state(m) for m in models)
+    _assert_same(([], copy[1], copy[2], copy[3]), ([], rem[1], rem[2], rem[3]))
+    assert models[1].optimizer.loss_scaler.skipped == 4
+    for v0, v1, m in zip(models[0].trainable_variables, models[1].trainable_variables, rem[1]):
+        if v0.dtype == "bfloat16":
+            np.testing.assert_array_equal(u16(v0), bf16_bits(m.view(np.float32)))
+            np.testing.assert_array_equal(u16(v1), reference.split(m.view(np.float32))[0])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not TF, reason="TensorFlow's BFC allocator")
+def test_held_between_steps_measured_by_the_allocator():
+    """Measured (TF's BFC allocator, a subprocess): between steps the bf16 weights, int16 remainders and FP32
+    states only (the core's count with the masters at 2 B/param), 2 B/param below the FP32 copy's count."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mp_callbacks.memory.estimate import estimate_memory
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tests.keras.helpers.master_memory", "256", "16", "remainders"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    n = got["params"]
+    params = [(n - 256, "bfloat16"), (256, "float32")]
+    ours, copy = (estimate_memory(r.master, "adam", params) for r in (REMAINDERS, get_recipe("bf16-master")))
+    between = ours.weights + ours.masters + ours.optimizer_state
+    assert between == copy.weights + copy.masters + copy.optimizer_state - 2 * (n - 256)
+    assert between <= got["held"] < between + n  # (an FP32 master kept: + 4 B/param)
+
+
+def test_monitor_meters_and_memory_report_read_the_joined_masters():
+    """A MixedPrecisionMonitor attached to both runs: the same series (scale, skips, gradient meters, swamping
+    measured on the joined FP32 masters) as the FP32 copy; its memory report counts 2 B/param of masters."""
+    from keras_ext import MixedPrecisionMonitor
+
+    history, reports = {}, {}
+    for recipe in ("bf16-master", REMAINDERS):
+        model = _model()
+        model.compile(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), recipe, scaler=SCALER), "mse",
+                      jit_compile=False)
+        monitor = MixedPrecisionMonitor(log_every_n_steps=1)
+        x, y, w = _data()
+        model.fit(x, y, sample_weight=w, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+        key = "remainders" if recipe is REMAINDERS else recipe
+        history[key] = {name: monitor.history.series(name) for name in
+                        ("mp/scale", "mp/skipped_total", "mp/grad_norm", "mp/update_swamped_frac")}
+        low = sum(int(np.prod(v.shape)) for v in model.trainable_variables if v.dtype == "bfloat16")
+        reports[key] = monitor.memory_reports[-1]["actual"]["masters"] / low
+    for name, series in history["bf16-master"].items():  # (NaN on the skipped steps' gradient norm)
+        np.testing.assert_array_equal(np.array(history["remainders"][name], float), np.array(series, float), name)
+    assert any(v is not None for v in history["remainders"]["mp/update_swamped_frac"])
+    assert reports == {"bf16-master": 4.0, "remainders": 2.0}
