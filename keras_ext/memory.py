@@ -22,6 +22,7 @@ from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state
 from mp_callbacks.memory.estimate import memory_report as core_memory_report
 
 from .fp8 import fp8_layers, fp8_recipe_of, is_fp8_variable
+from .remainders import held_storage
 
 __all__ = ["memory_report", "nbytes"]
 
@@ -36,9 +37,10 @@ def nbytes(v: Any) -> int:
 def memory_report(model: keras.Model, opt: Any) -> dict[str, Any]:
     """The core's memory report for ``opt.recipe`` with ``actual`` counted from the variables held.
 
-    ``actual``: the trainable variables, the FP32 masters, the inner optimizer's variables that
-    :func:`~mp_callbacks.memory.estimate.is_optimizer_state` counts, ``bf16-kahan``'s compensation buffers,
-    the gradients, and under ``fp8-mixed`` the FP8 scaling variables (state, not parameters).
+    ``actual``: the trainable variables, the FP32 masters (``master_remainders``: their int16 remainders),
+    the inner optimizer's variables that :func:`~mp_callbacks.memory.estimate.is_optimizer_state` counts,
+    ``bf16-kahan``'s compensation buffers, the gradients, and under ``fp8-mixed`` the FP8 scaling variables
+    (state, not parameters).
     """
     every = list(model.trainable_variables)
     masters = opt.master_variables if opt.master_weights and opt.built else [None] * len(every)
@@ -53,7 +55,7 @@ def memory_report(model: keras.Model, opt: Any) -> dict[str, Any]:
     actual = MemoryEstimate(
         params=sum(numel), weights=sum(sizes),
         grads=sum(n * 4 if m is not None and wide else b for n, b, m in zip(numel, sizes, masters)),
-        masters=sum(nbytes(m) for m in masters if m is not None),
+        masters=sum(nbytes(held_storage(m)) for m in masters if m is not None),
         optimizer_state=sum(nbytes(v) for v in inner.variables if is_optimizer_state(v.shape)),
         compensation=sum(nbytes(c) for c in comps if c is not None))
     storage = [(n, canonical_dtype(keras.backend.standardize_dtype(v.dtype))) for n, v in zip(numel, tvs)]

@@ -13,7 +13,8 @@ decision comes from the core:
 * a skipped step leaves variables, optimizer slots, masters and the inner ``iterations`` untouched
   (on JAX, :mod:`keras_ext.jax_support`: the stateless path of Keras' JAX trainer);
 * ``master_weights=True`` (the ``*-master`` recipes) keeps FP32 masters
-  (:class:`~keras_ext.masters.MasterWeights`); ``bf16-kahan``/``bf16-sr`` round
+  (:class:`~keras_ext.masters.MasterWeights`; ``master_remainders``: as bf16 variable + int16 remainder,
+  :class:`~keras_ext.remainders.RemainderMasters`); ``bf16-kahan``/``bf16-sr`` round
   the update into the bf16 variables instead (:class:`~keras_ext.rounding.UpdateRounding`);
 * :attr:`LossScaleOptimizer.recipe`: the :class:`~mp_callbacks.Recipe` implemented (the monitor reads it);
 * the core's divergence rule runs inside the step
@@ -49,6 +50,7 @@ from .global_policy import coerce_recipe, optimizer_recipe
 from .jax_support import StepStateOwner, run_if, stateless_apply
 from .masters import MasterWeights, check_variables, widened_in_update
 from .ops import is_tf
+from .remainders import RemainderMasters, fp32_record
 from .rounding import UpdateRounding, weight_store
 from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
 
@@ -129,10 +131,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
         config = scaler_config(scaler, given, initial_scale, dynamic_growth_steps)
         recipe_obj = optimizer_recipe(given, config, master_weights)
         recipe_obj = recipe_obj.with_comm_dtype(given.comm_dtype) if given is not None else recipe_obj
-        if master_weights and recipe_obj.master.master_remainders:
-            raise NotImplementedError(f"recipe {recipe_obj.name!r} with master_remainders=True: Keras keeps FP32 "
-                                      "master copies (the bf16 + remainder masters are Lightning's so far)")
-        masters = weight_store(recipe_obj, master_weights, seed)  # FP32 masters, or update rounding
+        remainders = master_weights and recipe_obj.master.master_remainders  # bf16 + int16 remainder masters
+        masters = RemainderMasters() if remainders else weight_store(recipe_obj, master_weights, seed)
         scaler_state = KerasLossScaler(config)
         super().__init__(inner_optimizer, initial_scale=scaler_state.current_scale,
                          dynamic_growth_steps=config.growth_interval, name=name, **kwargs)
@@ -182,6 +182,14 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
         self.inner_optimizer.build(self._masters.build(self, var_list))
         keras.optimizers.Optimizer.build(self, var_list)
 
+    def save_own_variables(self, store: Any) -> None:
+        """Keras' save; under ``master_remainders`` each remainder is saved as its FP32 master."""
+        super().save_own_variables(fp32_record(store, self.variables, self._masters))
+
+    def load_own_variables(self, store: Any) -> None:
+        """Keras' load; under ``master_remainders`` a saved FP32 master sets the variable and its remainder."""
+        super().load_own_variables(fp32_record(store, self.variables, self._masters))
+
     # -- reading the state -----------------------------------------------------------
     @property
     def dynamic_scale(self) -> Any:
@@ -209,7 +217,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
 
     @property
     def master_variables(self) -> list[Any]:
-        """FP32 master copies, aligned with the trainable variables (None: the variable is its own master)."""
+        """FP32 master copies, aligned with the trainable variables (None: the variable is its own master);
+        under ``master_remainders`` :class:`~keras_ext.remainders.RemainderMaster` views (joined on read)."""
         return self._masters.variables
 
     def scaler_metrics(self) -> dict[str, float]:

@@ -4,6 +4,9 @@ measured by TensorFlow's BFC allocator on the CPU (``TF_CPU_ALLOCATOR_USE_BFC``,
 Prints one JSON line: ``params``, ``held`` (after the third step), ``peak`` (during the fourth), the core's
 estimate at the step (``estimate``, with the optimizer's own ``fp32_master_grads``), the bytes kept
 between steps (``between``: weights, masters, optimizer state), the largest variable's size.
+
+The third argument: ``late`` (each gradient widened in its own update), ``fp32-list`` (the whole FP32
+gradient list first) or ``remainders`` (``master_remainders=True``: masters as bf16 + int16 remainder).
 """
 
 import os
@@ -21,6 +24,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras_ext  # noqa: E402
 from keras_ext.memory import memory_report  # noqa: E402
+from mp_callbacks.recipes import get_recipe  # noqa: E402
 
 
 def _fp32_built(width: int, depth: int) -> keras.Model:
@@ -30,13 +34,14 @@ def _fp32_built(width: int, depth: int) -> keras.Model:
     return keras.Model(inp, keras.layers.Dense(1, use_bias=False, dtype="float32")(x))
 
 
-def main(width: int, depth: int, fp32_list: bool) -> None:
+def main(width: int, depth: int, mode: str) -> None:
     keras.utils.set_random_seed(0)
     keras_ext.set_global_policy("bf16-master")
     model = keras_ext.apply_policy(_fp32_built(width, depth))  # built with FP32 variables, stored bf16
     gc.collect()  # the FP32 build is garbage (a cycle): not counted as held
-    opt = keras_ext.master_optimizer(keras.optimizers.Adam(1e-3), "bf16-master")
-    if fp32_list:  # the whole FP32 gradient list first (what the step does with a monitor attached)
+    recipe = get_recipe("bf16-master", master_remainders=mode == "remainders")
+    opt = keras_ext.master_optimizer(keras.optimizers.Adam(1e-3), recipe)
+    if mode == "fp32-list":  # the whole FP32 gradient list first (what the step does with a monitor attached)
         opt._masters.widens_in_update = lambda optimizer: False
     model.compile(opt, "mse", jit_compile=False)
     xb, yb = np.ones((4, width), "float32"), np.zeros((4, 1), "float32")
@@ -55,4 +60,4 @@ def main(width: int, depth: int, fp32_list: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "fp32-list")
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
