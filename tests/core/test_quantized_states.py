@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mp_callbacks import MasterPlan, RecipeError, get_recipe
+from mp_callbacks.memory.estimate import estimate_memory
 from mp_callbacks.quantized_states import (
     BLOCK_SIZE,
     adam_step,
@@ -95,3 +97,40 @@ def test_adam_step_over_quantized_states_follows_torchaos_adamw8bit_on_the_same_
         assert np.array_equal(u32(scv), u32(st["exp_avg_sq"].scale.numpy())), t
         assert np.array_equal(cm, st["exp_avg"].codes.numpy()) and np.array_equal(cv, st["exp_avg_sq"].codes.numpy())
         assert np.array_equal(u32(p), u32(tp.detach().numpy())), t
+
+
+# ------------------------------------------------------------- the knob and its bytes
+@pytest.mark.parametrize("recipe", ["16-master", "bf16-master", "fp8-mixed", "bf16-kahan", "bf16-sr"])
+def test_every_master_and_rounding_recipe_takes_8bit_states(recipe):
+    plan = get_recipe(recipe, state_dtype="8bit").master
+    assert plan.state_dtype == "8bit" and plan.quantized_states
+    assert MasterPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_bad_or_unoffered_state_dtypes_are_clear_errors():
+    with pytest.raises(RecipeError, match=r"state_dtype='int4' is invalid; valid: float32, bfloat16, 8bit"):
+        get_recipe("bf16-sr", state_dtype="int4")
+    with pytest.raises(RecipeError, match=r"state_dtype='float16' is invalid; valid: float32, bfloat16, 8bit"):
+        get_recipe("bf16-sr", state_dtype="float16")
+    for recipe in ("32-true", "bf16-mixed"):
+        with pytest.raises(RecipeError, match="'8bit' is offered on the master and rounding recipes"):
+            get_recipe(recipe, state_dtype="8bit")
+    with pytest.raises(ValueError, match="optimizer 'sgd' is not one of adam, adamw"):
+        estimate_memory(get_recipe("bf16-sr", state_dtype="8bit").master, "sgd", 4096)
+
+
+@pytest.mark.parametrize("numel", [4096, 4096 * 3, 1 << 20, 4000, 64])
+@pytest.mark.parametrize("recipe", ["bf16-master", "bf16-sr"])
+def test_the_estimate_counts_what_torchaos_adamw8bit_allocates(recipe, numel):
+    opt = pytest.importorskip("torchao.optim").AdamW8bit([torch.zeros(numel)], lr=1e-3)
+    held = 0
+    for signed in (True, False):
+        buf = opt._new_buffer(torch.zeros(numel), signed)
+        held += sum(t.nbytes for t in (buf.codes, buf.scale, buf.qmap)) if hasattr(buf, "codes") else buf.nbytes
+    est = estimate_memory(get_recipe(recipe, state_dtype="8bit").master, "AdamW", [(numel, "bfloat16")])
+    assert est.optimizer_state == held
+    assert est.optimizer_state == (2 * (numel + 4 * (numel // BLOCK_SIZE) + 4 * 256) if quantizes(numel)
+                                   else 8 * numel)
+    fp32 = estimate_memory(get_recipe(recipe).master, "AdamW", [(numel, "bfloat16")])
+    assert (est.weights, est.grads, est.masters, est.compensation) == (
+        fp32.weights, fp32.grads, fp32.masters, fp32.compensation)
