@@ -47,6 +47,7 @@ from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
 from .global_policy import coerce_recipe, optimizer_recipe
 from .jax_support import StepStateOwner, run_if, stateless_apply
+from .low_bit import eight_bit_inner
 from .masters import MasterWeights, check_variables, widened_in_update
 from .ops import is_tf
 from .rounding import UpdateRounding, weight_store
@@ -133,6 +134,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
             raise NotImplementedError(f"recipe {recipe_obj.name!r} with master_remainders=True: Keras keeps FP32 "
                                       "master copies (the bf16 + remainder masters are Lightning's so far)")
         masters = weight_store(recipe_obj, master_weights, seed)  # FP32 masters, or update rounding
+        inner_optimizer = eight_bit_inner(inner_optimizer, recipe_obj.master)  # state_dtype="8bit"
         scaler_state = KerasLossScaler(config)
         super().__init__(inner_optimizer, initial_scale=scaler_state.current_scale,
                          dynamic_growth_steps=config.growth_interval, name=name, **kwargs)
