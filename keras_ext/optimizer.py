@@ -48,6 +48,7 @@ from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
 from .global_policy import coerce_recipe, optimizer_recipe
 from .jax_support import StepStateOwner, run_if, stateless_apply
+from .low_bit import eight_bit_inner
 from .masters import MasterWeights, check_variables, widened_in_update
 from .ops import is_tf
 from .remainders import RemainderMasters, fp32_record
@@ -133,6 +134,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
         recipe_obj = recipe_obj.with_comm_dtype(given.comm_dtype) if given is not None else recipe_obj
         remainders = master_weights and recipe_obj.master.master_remainders  # bf16 + int16 remainder masters
         masters = RemainderMasters() if remainders else weight_store(recipe_obj, master_weights, seed)
+        inner_optimizer = eight_bit_inner(inner_optimizer, recipe_obj.master)  # state_dtype="8bit"
         scaler_state = KerasLossScaler(config)
         super().__init__(inner_optimizer, initial_scale=scaler_state.current_scale,
                          dynamic_growth_steps=config.growth_interval, name=name, **kwargs)

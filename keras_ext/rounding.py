@@ -230,7 +230,7 @@ class UpdateRounding:
                 continue
             if not self.kahan and dtype != "bfloat16":
                 raise ValueError(f"stochastic rounding writes bfloat16; variable {_label(v)!r} is {dtype}")
-            working = WorkingVariable(v, dtype=self.plan.state_dtype)  # the slots are built in the state dtype
+            working = WorkingVariable(v, dtype="float32" if self.plan.quantized_states else self.plan.state_dtype)
             working.value = v  # until the first step: what TensorFlow colocates the slots with
             self._working.append(working)
             self._comp.append(optimizer.add_variable(shape=v.shape, dtype=dtype, initializer="zeros",

@@ -65,6 +65,7 @@ from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales
 from .forward_state import ForwardState
 from .fp8 import TorchFP8
 from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
+from .low_bit import eight_bit_inner
 from .masters import MasterWeights
 from .policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
 from .rounding import UpdateRounding, weight_store
@@ -108,7 +109,8 @@ class MixedPrecision(Precision):
         (:func:`mp_callbacks.recipes.plan_resume`); refused by default.
       divergence: when to stop a run that cannot recover
         (:class:`~mp_callbacks.diagnostics.divergence.DivergenceRule`; None: the default rule, False: never).
-      state_dtype: ``bf16-kahan``/``bf16-sr`` only: ``"bfloat16"`` optimizer states (None: FP32).
+      state_dtype: ``"bfloat16"`` optimizer states (``bf16-kahan``/``bf16-sr``), ``"8bit"`` (master and rounding
+        recipes: the AdamW becomes torchao's ``AdamW8bit``, :mod:`lightning_ext.low_bit`); None: FP32.
       seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.rounding`).
       comm_dtype: the dtype gradients are reduced across ranks in (``"float32"`` default,
         ``"bfloat16"``, ``"float16"``): a DDP communication hook (:mod:`lightning_ext.distributed`),
@@ -289,7 +291,7 @@ class MixedPrecision(Precision):
     def _install(self, root: nn.Module | None, optimizers: list[Optimizer]) -> None:
         """Put the weight store around ``optimizers`` (all of them: rounding re-installs whole), then apply
         FP32 moves that waited for the masters.  Under FSDP2 masters are not installed (the shards are)."""
-        self._optimizers = list(optimizers)
+        self._optimizers = [eight_bit_inner(o, self.recipe.master) for o in optimizers]  # state_dtype="8bit"
         store = self.weight_store
         if store is None or root is None or (self.sharded is not None and store.keeps_masters):
             return

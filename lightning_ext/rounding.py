@@ -109,7 +109,7 @@ class UpdateRounding:
                 f"UpdateRounding needs update_rounding 'kahan' or 'stochastic', not {plan.update_rounding!r}")
         self.plan = plan
         self.mode = plan.update_rounding
-        self.state_dtype = torch_dtype(plan.state_dtype)
+        self.state_dtype = torch_dtype("float32" if plan.quantized_states else plan.state_dtype)
         self.stream = RoundingStream(seed, 0)
         self._entries: dict[int, RoundingEntry] = {}  # id(param) -> entry
         self._pending: dict[str, Tensor] = {}  # compensation by name, waiting for install

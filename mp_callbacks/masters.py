@@ -15,7 +15,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from .dtypes import canonical_dtype, dtype_bytes
+from .quantized_states import STATE_8BIT
 from .rounding.rules import check_mode
+
+STATE_DTYPES = ("float32", "bfloat16", STATE_8BIT)
+"""Valid ``MasterPlan.state_dtype`` values: FP32, bf16 (stochastically rounded writes; ``kahan``/``stochastic``
+recipes only) and 8-bit block-quantized Adam moments (:mod:`mp_callbacks.quantized_states`; master and
+rounding recipes)."""
+
+
+def check_state_dtype(value: object) -> str:
+    """The canonical name of a state dtype (``"bf16"`` -> ``"bfloat16"``), else a ``ValueError`` listing
+    :data:`STATE_DTYPES`."""
+    if str(value).strip().lower() == STATE_8BIT:
+        return STATE_8BIT
+    try:
+        name = canonical_dtype(value, "state_dtype")
+    except ValueError:
+        name = None
+    if name not in STATE_DTYPES:
+        raise ValueError(f"state_dtype={value!r} is invalid; valid: {', '.join(STATE_DTYPES)} "
+                         f"(aliases: fp32, bf16)")
+    return name
 
 
 @dataclass(frozen=True)
@@ -26,9 +47,12 @@ class MasterPlan:
       param_dtype: storage dtype of module parameters (those not kept in FP32).
       master_weights: True when the optimizer holds FP32 master copies of
         low-precision parameters.
-      state_dtype: dtype of the optimizer states of low-precision parameters
-        (FP32-kept parameters keep FP32 states); ``bfloat16`` only with
-        ``update_rounding`` ``kahan`` or ``stochastic``.
+      state_dtype: how optimizer states are held (:data:`STATE_DTYPES`): ``float32``;
+        ``bfloat16`` for low-precision parameters (FP32-kept ones keep FP32 states), only with
+        ``update_rounding`` ``kahan`` or ``stochastic``; ``8bit``: Adam's m and v block-quantized
+        (:mod:`mp_callbacks.quantized_states`) for every parameter large enough
+        (:func:`~mp_callbacks.quantized_states.quantizes`), others FP32, with master weights or
+        update rounding.
       update_rounding: how an update is written into a low-precision weight
         without a master (:data:`mp_callbacks.rounding.rules.ROUNDING_MODES`):
         ``nearest`` (the dtype's rounding; with masters: the master),
@@ -48,7 +72,7 @@ class MasterPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype, "param_dtype"))
-        object.__setattr__(self, "state_dtype", canonical_dtype(self.state_dtype, "state_dtype"))
+        object.__setattr__(self, "state_dtype", check_state_dtype(self.state_dtype))
         check_mode(self.update_rounding)
         if self.master_weights and self.param_dtype == "float32":
             raise ValueError("master_weights=True needs a low-precision param_dtype (float16 or bfloat16)")
@@ -62,7 +86,10 @@ class MasterPlan:
         if self.master_remainders and not (self.master_weights and self.param_dtype == "bfloat16"):
             raise ValueError("master_remainders=True splits FP32 masters into bf16 weight + 16-bit remainder: it "
                              "needs master_weights=True and param_dtype bfloat16 (bf16-master, fp8-mixed)")
-        if self.state_dtype != "float32" and not self.rounds_updates:
+        if self.state_dtype == STATE_8BIT and not (self.rounds_updates or self.master_weights):
+            raise ValueError(f"state_dtype={STATE_8BIT!r} is offered on the master and rounding recipes "
+                             f"(16-master, bf16-master, fp8-mixed, bf16-kahan, bf16-sr)")
+        if self.state_dtype == "bfloat16" and not self.rounds_updates:
             raise ValueError(f"state_dtype={self.state_dtype!r} is only offered with update_rounding 'kahan' or "
                              f"'stochastic' (bf16-kahan, bf16-sr); other recipes keep FP32 optimizer states")
 
@@ -86,9 +113,18 @@ class MasterPlan:
             return 0
         return 2 if self.master_remainders else 4
 
+    @property
+    def quantized_states(self) -> bool:
+        """True for ``state_dtype="8bit"`` (block-quantized m and v)."""
+        return self.state_dtype == STATE_8BIT
+
     def state_bytes(self, storage_dtype: str) -> int:
-        """Bytes per element of one optimizer state of a parameter stored in ``storage_dtype``."""
-        return 4 if canonical_dtype(storage_dtype) == "float32" else dtype_bytes(self.state_dtype)
+        """Bytes per element of one plain optimizer state of a parameter stored in ``storage_dtype``
+        (``8bit``: 4, the states too small to quantize; the quantized ones are
+        :func:`mp_callbacks.memory.estimate.estimate_memory`'s)."""
+        if canonical_dtype(storage_dtype) == "float32" or self.quantized_states:
+            return 4
+        return dtype_bytes(self.state_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data: ``{"param_dtype", "master_weights", "state_dtype", "update_rounding", "master_remainders"}``."""

@@ -13,7 +13,9 @@
 
 Optimizer states are FP32 in every recipe (``bf16-kahan`` and ``bf16-sr``
 offer bf16 states: ``get_recipe(name, state_dtype="bfloat16")``; the update
-rules are in :mod:`mp_callbacks.rounding`).  Keras policy names
+rules are in :mod:`mp_callbacks.rounding`; every master and rounding recipe
+offers 8-bit block-quantized Adam moments, ``state_dtype="8bit"``,
+:mod:`mp_callbacks.quantized_states`).  Keras policy names
 (``mixed_float16``, ``mixed_bfloat16``, ``float32``) are accepted as aliases;
 any other name is refused with the recipe it most likely meant (Lightning's
 own plugin refuses ``"16"`` too).
@@ -122,7 +124,8 @@ class Recipe:
         return replace(self, scaler=ScalerConfig.coerce(scaler))
 
     def with_state_dtype(self, state_dtype: str | None) -> Recipe:
-        """A copy whose optimizer states use ``state_dtype`` (``bf16-kahan``/``bf16-sr`` only); None keeps it."""
+        """A copy whose optimizer states use ``state_dtype`` (:data:`~mp_callbacks.masters.STATE_DTYPES`: ``bfloat16``
+        on ``bf16-kahan``/``bf16-sr``, ``8bit`` on master and rounding recipes); None keeps it."""
         if state_dtype is None:
             return self
         try:

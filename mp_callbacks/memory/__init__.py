@@ -17,7 +17,7 @@ from .estimate import (
     optimizer_kind,
     optimizer_slots,
 )
-from .low_bit import LOW_BIT_STATES, LowBitStates
+from .low_bit import EIGHT_BIT, LOW_BIT_STATES, LowBitStates
 from .sharding import (
     ShardedDtypes,
     allreduce_bytes,
@@ -28,6 +28,7 @@ from .sharding import (
 )
 
 __all__ = [
+    "EIGHT_BIT",
     "LOW_BIT_STATES",
     "LowBitStates",
     "MemoryEstimate",

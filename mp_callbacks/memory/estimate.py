@@ -36,7 +36,10 @@ Update rounding without masters (``bf16-kahan``, ``bf16-sr``,
 dtype, ``bf16-kahan`` adds a compensation buffer in the storage dtype, the
 optimizer states are FP32 (``state_dtype="bfloat16"`` halves them).  AdamW:
 ``bf16-kahan`` 2 + 2 + 2 + 8 = 14 B/param, ``bf16-sr`` 2 + 2 + 8 = 12; with
-bf16 states 10 and 8.  The optimizer updates one parameter at a time on an
+bf16 states 10 and 8.  ``state_dtype="8bit"`` (:mod:`mp_callbacks.quantized_states`) holds
+each Adam moment of a large parameter as 1 B per element plus a float32 scale per 256 (and a 1 KiB map
+per tensor): about 2.03 B/param for m and v, ``bf16-sr`` 6.03, ``bf16-master`` 10.03 between steps.
+The optimizer updates one parameter at a time on an
 FP32 copy of it, so beyond these figures a step holds the FP32 temporaries
 of one parameter (like the optimizer's own per-parameter temporaries, not
 counted).  Parameters the policy keeps in FP32 keep FP32 states.
@@ -57,7 +60,10 @@ from typing import Any
 
 from ..dtypes import dtype_bytes
 from ..masters import MasterPlan
-from .low_bit import LOW_BIT_STATES
+from .low_bit import EIGHT_BIT, LOW_BIT_STATES
+
+EIGHT_BIT_OPTIMIZERS = ("adam", "adamw")
+"""Optimizers whose states ``state_dtype="8bit"`` holds block-quantized."""
 
 OPTIMIZER_SLOTS: dict[str, int] = {
     "sgd": 0, "sgd-momentum": 1, "momentum": 1, "nesterov": 1, "adam": 2, "adamw": 2,
@@ -158,7 +164,9 @@ def estimate_memory(
     :func:`mp_callbacks.fp8.recipe.fp8_state_bytes`.
 
     ``optimizer`` may name a low-bit optimizer (``adamw8bit``, ``adamw4bit``, ``adamwfp8``...): its states
-    follow :data:`~mp_callbacks.memory.low_bit.LOW_BIT_STATES` (quantized for large parameters).
+    follow :data:`~mp_callbacks.memory.low_bit.LOW_BIT_STATES` (quantized for large parameters); so do
+    Adam's and AdamW's under ``state_dtype="8bit"`` (:data:`~mp_callbacks.memory.low_bit.EIGHT_BIT`, whatever
+    the parameter's storage dtype; any other optimizer is a ``ValueError``).
     """
     if n_shards is not None:
         return replace(_sharded_estimate(plan, optimizer, params, int(n_shards)), fp8_state=int(fp8_state))
@@ -166,7 +174,7 @@ def estimate_memory(
         raise ValueError("weights_released=True describes the optimizer step: pass fp32_master_grads=True too")
     if isinstance(params, int):
         params = [(params, plan.param_dtype)]
-    low_bit = LOW_BIT_STATES.get(optimizer_kind(optimizer))
+    low_bit = LOW_BIT_STATES.get(optimizer_kind(optimizer)) or _eight_bit(plan, optimizer)
     slots = 0 if low_bit is not None else optimizer_slots(optimizer)
     n = w = g = m = s = c = 0
     for numel, dtype in params:
@@ -186,6 +194,16 @@ def estimate_memory(
             s += low_bit.slots * low_bit.slot_bytes(numel, plan.state_bytes(dtype))
     return MemoryEstimate(params=n, weights=w, grads=g, masters=m, optimizer_state=s, compensation=c,
                           fp8_state=int(fp8_state))
+
+
+def _eight_bit(plan: MasterPlan, optimizer: str) -> Any:
+    """The 8-bit layout when ``plan`` quantizes states (Adam/AdamW only, else ``ValueError``), else None."""
+    if not plan.quantized_states:
+        return None
+    if optimizer_kind(optimizer) not in EIGHT_BIT_OPTIMIZERS:
+        raise ValueError(f"state_dtype='8bit' block-quantizes Adam's m and v: optimizer {optimizer!r} is not "
+                         f"one of {', '.join(EIGHT_BIT_OPTIMIZERS)}")
+    return EIGHT_BIT
 
 
 def _sharded_estimate(plan: MasterPlan, optimizer: str, params: Iterable[tuple[int, str]] | int,

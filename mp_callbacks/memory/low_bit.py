@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..quantized_states import BLOCK_SIZE, CODES, MIN_NUMEL
+
 
 @dataclass(frozen=True)
 class LowBitStates:
@@ -21,7 +23,7 @@ class LowBitStates:
     bits: int
     block_size: int
     qmap_entries: int
-    min_numel: int = 4096
+    min_numel: int = MIN_NUMEL
 
     def quantizes(self, numel: int) -> bool:
         """Whether a parameter of ``numel`` elements gets quantized states."""
@@ -34,8 +36,12 @@ class LowBitStates:
         return int(numel * plain_bytes)
 
 
+EIGHT_BIT = LowBitStates(2, 8, BLOCK_SIZE, CODES)
+"""The layout of ``state_dtype="8bit"`` (:mod:`mp_callbacks.quantized_states`), torchao's ``AdamW8bit``'s: per
+quantized state tensor 1 B per element, a float32 scale per block and the 256-entry float32 map."""
+
 LOW_BIT_STATES: dict[str, LowBitStates] = {
-    "adamw8bit": LowBitStates(2, 8, 256, 256), "adam8bit": LowBitStates(2, 8, 256, 256),
+    "adamw8bit": EIGHT_BIT, "adam8bit": EIGHT_BIT,
     "adamw4bit": LowBitStates(2, 4, 128, 16), "adam4bit": LowBitStates(2, 4, 128, 16),
     "adamwfp8": LowBitStates(2, 8, 256, 0), "adamfp8": LowBitStates(2, 8, 256, 0),
 }
