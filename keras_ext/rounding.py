@@ -33,7 +33,8 @@ FP32 with FP32 slots:
   index the canonical (torch) layout's (kernels through
   :func:`~mp_callbacks.rounding.random_source.keras_kernel_to_canonical`), so Lightning and
   Keras draw the same number for corresponding elements; the rules run on
-  :class:`~keras_ext.rounding_ops.KerasRoundingOps` (:mod:`keras_ext.rounding_ops`).
+  :class:`~keras_ext.rounding_ops.KerasRoundingOps` (:mod:`keras_ext.rounding_ops`); on TensorFlow each
+  variable's rule is one XLA kernel (:mod:`keras_ext.rounding_fused`: the same numbers, one pass).
 
 The optimizer calls :meth:`UpdateRounding.write_back` only on applied steps
 (inside its ``ops.cond``): a skipped step leaves weights, compensation,
@@ -52,9 +53,10 @@ from keras import ops
 
 from mp_callbacks.masters import MasterPlan
 from mp_callbacks.recipes import Recipe
-from mp_callbacks.rounding.random_source import MASK32, sr_key, sr_thresholds
-from mp_callbacks.rounding.rules import compensated_value, initial_compensation, kahan_apply, round_with_thresholds
+from mp_callbacks.rounding.random_source import MASK32
+from mp_callbacks.rounding.rules import initial_compensation
 
+from . import rounding_fused as fused
 from .masters import LOW_PRECISION, MasterWeights, _label
 from .meters import sample
 from .ops import dtype_name, is_tf
@@ -289,7 +291,7 @@ class UpdateRounding:
             if g is None:  # not updated (the inner optimizer skips it): nothing to write back
                 w.value = w.start = None
             else:
-                w.value = (compensated_value(v.value, comp.value, KERAS_ROUNDING_OPS) if comp is not None
+                w.value = (fused.compensated(v.value, comp.value) if comp is not None
                            else ops.cast(v.value, "float32"))
                 # the meter's sample of the value before the update (a copy: torch's optimizers work in place)
                 w.start = ops.copy(sample(w.value, self._samples)) if self._tracked is not None else None
@@ -301,7 +303,6 @@ class UpdateRounding:
     def write_back(self, tvs: Sequence[Any], index: Callable[[Any], int]) -> None:
         """The rule: ``w, c <- kahan_apply(w, c, t)`` or ``w <- stochastic_round(t)`` for every rounded
         variable the inner optimizer updated; then the stream's counter advances."""
-        ops_ = KERAS_ROUNDING_OPS
         step = None
         for v in tvs:
             i = index(v)
@@ -315,14 +316,12 @@ class UpdateRounding:
                 update.assign(ops.subtract(sample(t_new, self._samples), start))
             comp = self._comp[i]
             if comp is not None:
-                new, c = kahan_apply(v.value, comp.value, t_new, ops_)
+                new, c = fused.kahan(v.value, comp.value, t_new)
                 comp.assign(c)
             else:
                 if step is None:
                     step = ops.cast(self._counter.value, "int32"), ops.cast(self._seed.value, "int32")
-                key = sr_key(step[1], i, step[0], ops_)
-                thresholds = sr_thresholds(key, element_index(v.shape, canonical_perm(v)), ops_)
-                new = round_with_thresholds(t_new, thresholds, ops_)
+                new = fused.stochastic(t_new, step[1], i, step[0], canonical_perm(v))
             v.assign(new)
         self._counter.assign_add(ops.convert_to_tensor(1, dtype="int64"))
 

@@ -96,6 +96,50 @@ def test_kernels_are_indexed_in_torch_layout():
     np.testing.assert_array_equal(np.transpose(conv_index, (3, 2, 0, 1)), np.arange(144).reshape(6, 4, 3, 2))
 
 
+@pytest.mark.skipif(not TF, reason="the fused kernels are TensorFlow's (XLA)")
+def test_fused_kernels_equal_the_rules_op_by_op():
+    """keras_ext.rounding_fused (each rule one XLA kernel, what the optimizer runs on TensorFlow): the NumPy
+    reference's numbers, NaN and inf included, from a graph that is not itself compiled."""
+    import gc
+
+    import tensorflow as tf
+
+    from keras_ext import rounding_fused as fused
+
+    r = np.random.default_rng(5)
+    f = (r.standard_normal((40, 30)) * np.exp2(r.integers(-60, 60, (40, 30)))).astype(np.float32)
+    wb, cb = bf16_bits(f), bf16_bits(f * np.float32(2.0**-9) * r.uniform(-1, 1, f.shape).astype(np.float32))
+    t_new = bf16_to_f32(wb) + bf16_to_f32(cb) + (f * np.float32(1e-3) * r.standard_normal(f.shape)).astype(np.float32)
+    t_new.flat[:4] = [np.nan, np.inf, -np.inf, 0.0]
+    for _ in range(2):  # the second time after the first graph (and its tensors) were dropped: shared kernels
+        step = tf.function(lambda w, c, t, seed, counter: (fused.compensated(w, c), *fused.kahan(w, c, t),
+                                                          fused.stochastic(t, seed, 3, counter, (1, 0))))
+        got = step(from_bits(wb), from_bits(cb), ops.convert_to_tensor(t_new), ops.convert_to_tensor(9, "int32"),
+                   ops.convert_to_tensor(4, "int32"))
+        np.testing.assert_array_equal(ops.convert_to_numpy(got[0]), bf16_to_f32(wb) + bf16_to_f32(cb))
+        want_w, want_c = kahan_apply(wb, cb, t_new, N)
+        assert np.array_equal(bits(got[1]), want_w) and np.array_equal(bits(got[2]), want_c)
+        index = layout_index(t_new.shape, keras_kernel_to_canonical(2))
+        assert np.array_equal(bits(got[3]), stochastic_round(t_new, sr_key(9, 3, 4), N, index=index))
+        del step
+        gc.collect()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_second_model_trains_after_the_first_is_gone(recipe):
+    """The fused kernels are shared by the process: a model trained after an earlier one (same shapes) was
+    deleted does not reach the earlier one's variables."""
+    import gc
+
+    x, y = np.ones((8, 6), "float32"), np.ones((8, 3), "float32")
+    for _ in range(2):
+        model = _model(recipe)
+        model.compile(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), recipe), "mse")
+        model.fit(x, y, batch_size=4, verbose=0)
+        del model
+        gc.collect()
+
+
 # ------------------------------------------- the optimizer on FP32 copies
 def _model(recipe: str) -> keras.Model:
     """bf16 Dense, an FP32 LayerNormalization, a bf16 Dense, the FP32 output Dense (policy), seeded."""
