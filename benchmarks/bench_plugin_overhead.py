@@ -17,8 +17,10 @@ divergence rule on an applied step, the scaler transition (scaling off: ``32-tru
 the ``torch`` preset: ``16-mixed``), the fused non-finite check over the model's gradients (the kernel
 alone, and the scaler's check with scaling off, as a step runs it), the fused-kernel check of the
 ``*-master`` step (``lightning_ext.fused_step.fusable_groups``, AdamW over the model's parameters), and
-two read-only candidates for the check with scaling off: ``torch._foreach_max`` (misses a tensor whose
-only non-finite value is -inf) and ``torch._foreach_norm(ord=inf)`` (exact).
+read-only candidates for the check with scaling off: ``torch._foreach_max`` (misses a tensor whose
+only non-finite value is -inf), ``torch._foreach_norm`` with ``ord=inf`` (exact), ``ord=2`` (overflows
+to inf for large finite gradients) and ``ord=2`` in float64 (exact), ``torch.aminmax`` per gradient
+(exact, a Python loop).
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ def variants(cfg: GPTConfig) -> dict[str, Any]:
         "alone: read-only candidate, torch._foreach_max (misses -inf)":
             lambda: torch.stack(torch._foreach_max(grads)),
         "alone: read-only candidate, torch._foreach_norm(ord=inf)": lambda: torch._foreach_norm(grads, math.inf),
+        "alone: read-only candidate, torch._foreach_norm(ord=2) (overflows)": lambda: torch._foreach_norm(grads, 2),
+        "alone: read-only candidate, torch._foreach_norm(ord=2, float64)":
+            lambda: torch._foreach_norm(grads, 2, dtype=torch.float64),
+        "alone: read-only candidate, torch.aminmax per gradient": lambda: [torch.aminmax(g) for g in grads],
     })
     return out
 
