@@ -19,6 +19,9 @@ benchmark MLP (3x1024, bench_lightning.py) or of the transformer
   gradient into an FP32 scratch buffer, torch's fused AdamW kernel on the chunk,
   the chunk back into the bf16 weight (in cache between the three; no FP32
   gradient, no weight released: 16 B/param, no page faults);
+* ``gradient copy alone``: ``MasterWeights.grads_to_masters`` (one ``to(float32)`` per parameter), the
+  master gradients dropped after it as after a step; and ``gradient copy into one buffer (prototype)``:
+  one FP32 buffer per step, the master gradients its views, one ``_foreach_copy_`` (no per-parameter cast);
 * ``compiled single pass``: a ``torch.compile``'d AdamW update that reads the
   bf16 gradient and writes master, m, v and the bf16 weight in one loop (no
   FP32 gradient at all; 16 B/param without releasing the weights).  Its first
@@ -103,6 +106,38 @@ def masters(name: str, steps: int, fused_step: bool) -> Callable[[], tuple[float
     return per_step(one_step, steps)
 
 
+def grad_copy(name: str, steps: int, one_buffer: bool) -> Callable[[], tuple[float, float]]:
+    """The bf16 -> FP32 master gradient copy alone, the master gradients dropped after it (as after a step)."""
+    net = model(name)
+    originals = {n: p.detach().clone() for n, p in net.named_parameters()}
+    net.to(torch.bfloat16)
+    mw = MasterWeights()
+    mw.record_originals(net, originals)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+    mw.install(net, [opt])
+    lows = list(net.parameters())
+    grads = [(torch.randn(p.shape) * 1e-2).to(torch.bfloat16) for p in lows]
+    entries = mw.for_optimizer(opt)
+    masters_ = [e.master for e in entries]
+    sizes = [m.numel() for m in masters_]
+
+    def one_step() -> None:
+        for p, g in zip(lows, grads):
+            p.grad = g
+        with torch.no_grad():
+            if one_buffer:
+                views = [piece.view(m.shape) for m, piece in zip(masters_, torch.empty(sum(sizes)).split(sizes))]
+                for m, v, p in zip(masters_, views, lows):
+                    m.grad = v
+                    p.grad = None
+                torch._foreach_copy_(views, grads)
+            else:
+                mw.grads_to_masters(entries)
+        for m in masters_:
+            m.grad = None
+    return per_step(one_step, steps)
+
+
 def compiled(name: str, steps: int, report: dict) -> Callable[[], tuple[float, float]]:
     net = model(name)
     masters_ = [p.detach().clone() for p in net.parameters()]
@@ -184,6 +219,8 @@ def main() -> None:
                 "ours bf16-master, torch's default step": masters(name, args.steps, fused_step=False),
             }
             variants["single pass, eager chunks (prototype)"] = chunked(name, args.steps)
+            variants["gradient copy alone"] = grad_copy(name, args.steps, one_buffer=False)
+            variants["gradient copy into one buffer (prototype)"] = grad_copy(name, args.steps, one_buffer=True)
             if not args.no_compile:
                 variants["compiled single pass"] = compiled(name, args.steps, report)
             times = alternate(with_controls(variants, ["native bf16-mixed"]), args.rounds)
@@ -191,6 +228,7 @@ def main() -> None:
                      ("ours bf16-master", "native bf16-mixed, fused=True", "reference"),
                      ("ours bf16-master", "ours bf16-master, torch's default step", "the fused step's gain")]
             pairs.append(("single pass, eager chunks (prototype)", "ours bf16-master", "one pass vs the plugin's"))
+            pairs.append(("gradient copy into one buffer (prototype)", "gradient copy alone", "no per-parameter cast"))
             if not args.no_compile:
                 pairs.append(("compiled single pass", "ours bf16-master", "one pass vs the plugin's"))
             data = print_tables(f"AdamW step on the {name}'s {n} parameters, {threads} thread(s), "

@@ -14,11 +14,18 @@ modules, whose region adds nothing to the backward; forward + backward for GELU)
 Per-step work that native does not do at all is timed alone (microseconds per call, no ratio):
 keeping the forward's buffers (``ForwardState.begin`` on bench_transformer.py's model), the
 divergence rule on an applied step, the scaler transition (scaling off: ``32-true``/``bf16-*``;
-the ``torch`` preset: ``16-mixed``), and the fused non-finite check over the model's gradients.
+the ``torch`` preset: ``16-mixed``), the fused non-finite check over the model's gradients (the kernel
+alone, and the scaler's check with scaling off, as a step runs it), the fused-kernel check of the
+``*-master`` step (``lightning_ext.fused_step.fusable_groups``, AdamW over the model's parameters), and
+read-only candidates for the check with scaling off: ``torch._foreach_max`` (misses a tensor whose
+only non-finite value is -inf), ``torch._foreach_norm`` with ``ord=inf`` (exact), ``ord=2`` (overflows
+to inf for large finite gradients) and ``ord=2`` in float64 (exact), ``torch.aminmax`` per gradient
+(exact, a Python loop).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,7 @@ from common import alternate, base_parser, machine_line, per_step, print_tables,
 
 from lightning_ext.divergence import TorchDivergence  # noqa: E402
 from lightning_ext.forward_state import ForwardState  # noqa: E402
+from lightning_ext.fused_step import fusable_groups  # noqa: E402
 from lightning_ext.policy import ModulePolicyHandle  # noqa: E402
 from lightning_ext.scaler import TorchLossScaler  # noqa: E402
 from mp_callbacks.loss_scale.config import ScalerConfig  # noqa: E402
@@ -75,12 +83,25 @@ def variants(cfg: GPTConfig) -> dict[str, Any]:
     def check() -> None:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(()), one)
 
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    opt.step()  # its state exists, as from the second step on
+
     out.update({
         "alone: ForwardState.begin (model of bench_transformer.py)": keep_buffers,
         "alone: divergence rule, applied step": lambda: rule.observe(False, one, zero),
         "alone: scaler transition, scaling off": lambda: off.record_transition(zero > 0),
         "alone: scaler transition, torch preset": lambda: torch_preset.record_transition(zero > 0),
         "alone: fused non-finite check, the model's gradients": check,
+        "alone: the scaler's check, scaling off (the model's gradients)":
+            lambda: off._check_and_unscale(opt, one.device),
+        "alone: fused_step.fusable_groups (AdamW, the model's parameters)": lambda: fusable_groups(opt),
+        "alone: read-only candidate, torch._foreach_max (misses -inf)":
+            lambda: torch.stack(torch._foreach_max(grads)),
+        "alone: read-only candidate, torch._foreach_norm(ord=inf)": lambda: torch._foreach_norm(grads, math.inf),
+        "alone: read-only candidate, torch._foreach_norm(ord=2) (overflows)": lambda: torch._foreach_norm(grads, 2),
+        "alone: read-only candidate, torch._foreach_norm(ord=2, float64)":
+            lambda: torch._foreach_norm(grads, 2, dtype=torch.float64),
+        "alone: read-only candidate, torch.aminmax per gradient": lambda: [torch.aminmax(g) for g in grads],
     })
     return out
 

@@ -1,7 +1,7 @@
 """Keras on a small GPT-2-style transformer: every recipe, ours vs native, alternating, with controls.
 
     python benchmarks/bench_transformer_keras.py [--threads 1] [--rounds 4] [--steps 12] [--batch-size 4]
-        [--seq 32] [--d-model 128] [--layers 2] [--only TEXT ...] [--json PATH]
+        [--seq 32] [--d-model 128] [--layers 2] [--only TEXT ...] [--profile] [--json PATH]
 
 The Keras twin of bench_transformer.py (KerasHub is not installed here, so the
 model is written out): token and position ``Embedding``, pre-LayerNorm blocks
@@ -35,7 +35,9 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -127,43 +129,50 @@ def worker(args: argparse.Namespace) -> None:
             model.fit(xs, ys, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
         return fit_figures(timer.times, timer.cpu_times)
 
+    def make_native(policy: str) -> tuple[keras.Model, keras.optimizers.Optimizer]:
+        before = keras.config.dtype_policy()
+        keras.utils.set_random_seed(0)
+        keras.config.set_dtype_policy(policy)
+        try:
+            model = build()
+        finally:
+            keras.config.set_dtype_policy(before)
+        opt = keras.optimizers.AdamW(1e-3)
+        if policy == "mixed_float16":
+            opt = keras.optimizers.LossScaleOptimizer(opt)
+        return model, opt
+
     def native(policy: str):
-        def once() -> tuple[float, float]:
-            before = keras.config.dtype_policy()
-            keras.utils.set_random_seed(0)
-            keras.config.set_dtype_policy(policy)
-            try:
-                model = build()
-            finally:
-                keras.config.set_dtype_policy(before)
-            opt = keras.optimizers.AdamW(1e-3)
-            if policy == "mixed_float16":
-                opt = keras.optimizers.LossScaleOptimizer(opt)
-            return fit(model, opt)
-        return once
+        return lambda: fit(*make_native(policy))
 
     def ours(recipe: str, gelu_low: bool = False, fp32_list: bool = False):
-        def once() -> tuple[float, float]:
-            before = keras.config.dtype_policy()
-            keras.utils.set_random_seed(0)
-            keras.config.set_dtype_policy("float32")
-            try:
-                model = build()
-                policy = get_recipe(recipe).policy
-                if gelu_low:
-                    import dataclasses
+        return lambda: fit(*make_ours(recipe, gelu_low, fp32_list))
 
-                    rules = policy.module_rules + (("NewGELU", policy.compute),)
-                    policy = dataclasses.replace(policy, module_rules=rules)
-                keras_ext.set_global_policy(recipe)
-                model = keras_ext.apply_policy(model, policy)
-            finally:
-                keras.config.set_dtype_policy(before)
-            opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-3), recipe)
-            if fp32_list:  # the step before keras_ext widened each gradient in its own update (18 B/param)
-                opt._masters.widens_in_update = lambda optimizer: False
-            return fit(model, opt)
-        return once
+    def make_ours(recipe: str, gelu_low: bool = False,
+                  fp32_list: bool = False) -> tuple[keras.Model, keras.optimizers.Optimizer]:
+        before = keras.config.dtype_policy()
+        keras.utils.set_random_seed(0)
+        keras.config.set_dtype_policy("float32")
+        try:
+            model = build()
+            policy = get_recipe(recipe).policy
+            if gelu_low:
+                import dataclasses
+
+                rules = policy.module_rules + (("NewGELU", policy.compute),)
+                policy = dataclasses.replace(policy, module_rules=rules)
+            keras_ext.set_global_policy(recipe)
+            model = keras_ext.apply_policy(model, policy)
+        finally:
+            keras.config.set_dtype_policy(before)
+        opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-3), recipe)
+        if fp32_list:  # the step before keras_ext widened each gradient in its own update (18 B/param)
+            opt._masters.widens_in_update = lambda optimizer: False
+        return model, opt
+
+    if args.profile:
+        profile(args, fit, make_native, make_ours)
+        return
 
     variants = {
         "native 32-true": native("float32"), "ours 32-true": ours("32-true"),
@@ -196,6 +205,109 @@ def worker(args: argparse.Namespace) -> None:
             json.dump({"machine": machine_line(args.threads), "results": [data]}, fh, indent=2)
 
 
+PROFILED = [("native bf16-mixed", "native", ("mixed_bfloat16",)), ("ours bf16-mixed", "ours", ("bf16-mixed",)),
+            ("ours bf16-master", "ours", ("bf16-master",))]
+
+
+def op_counts(train_function: Any) -> Counter:
+    """Op types of Keras' traced train step: the ``tf.function`` behind ``model.train_function`` (its
+    graph and every function of its library, each once: the while loop's body, the step on one batch)."""
+    while not hasattr(train_function, "__closure__") and hasattr(train_function, "fn"):
+        train_function = train_function.fn  # keras_ext.divergence: the host check after the step
+    traced = [c.cell_contents for c in train_function.__closure__ or ()
+              if hasattr(c.cell_contents, "_list_all_concrete_functions")]
+    counts: Counter = Counter()
+    seen: set[str] = set()
+    for function in traced:
+        for concrete in function._list_all_concrete_functions():  # noqa: SLF001 - no public way to the graphs
+            graph_def = concrete.graph.as_graph_def()
+            if concrete.name not in seen:
+                seen.add(concrete.name)
+                counts.update(n.op for n in graph_def.node)
+            for f in graph_def.library.function:
+                if f.signature.name not in seen:
+                    seen.add(f.signature.name)
+                    counts.update(n.op for n in f.node_def)
+    return counts
+
+
+def profile(args: argparse.Namespace, fit: Any, make_native: Any, make_ours: Any) -> None:
+    """``--profile``: the train step's graph, op types counted per variant and diffed against native bf16-mixed
+    (exact, unlike step times on a shared CPU), next to each fit's median step."""
+    from common import machine_line
+
+    print(machine_line(args.threads))
+    counts: dict[str, Counter] = {}
+    models: dict[str, Any] = {}
+    for name, kind, make_args in PROFILED:
+        model, opt = (make_native if kind == "native" else make_ours)(*make_args)
+        wall, cpu = fit(model, opt)
+        counts[name], models[name] = op_counts(model.train_function), model
+        print(f"  {name:<20} {sum(counts[name].values()):5d} ops in the train step's graph; "
+              f"median step {1000 * cpu:.2f} ms CPU, {1000 * wall:.2f} ms wall (one fit, {args.steps} steps)")
+    print(pieces(args, models))
+    names = [n for n, _, _ in PROFILED]
+    base = counts[names[0]]
+    ops_ = sorted(set().union(*counts.values()),
+                  key=lambda op: -max(abs(counts[n][op] - base[op]) for n in names[1:]))
+    print("\n  op type                      " + "".join(f"{n:>20}" for n in names) + "   (diff vs native)")
+    for op in ops_:
+        diffs = [counts[n][op] - base[op] for n in names[1:]]
+        if any(diffs):
+            print(f"  {op:<28} " + "".join(f"{counts[n][op]:>20}" for n in names)
+                  + "   " + " ".join(f"{d:+d}" for d in diffs))
+
+
+def pieces(args: argparse.Namespace, models: dict[str, Any]) -> str:
+    """Ours' per-step graph pieces alone (each a ``tf.function`` on the models' variables, 200 calls a round,
+    alternating, CPU ms per call): what the op counts attribute to keras_ext."""
+    import tensorflow as tf
+    from common import alternate, by_clock, per_step
+    from keras import ops
+
+    from keras_ext.scaler import found_inf, unscale
+
+    def grads_of(model: Any) -> list[Any]:
+        return [tf.random.normal(v.shape, dtype=v.dtype) * 1e-3 for v in model.trainable_variables]
+
+    mixed, master = models["ours bf16-mixed"], models["ours bf16-master"]
+    g32, g16 = grads_of(mixed), grads_of(master)
+    one = tf.constant(1.0)
+    lows = master.trainable_variables
+    masters = [tf.Variable(tf.cast(v, "float32")) for v in lows]
+    check = getattr(master.train_function, "check", None)
+
+    def write_back() -> None:
+        for v, m in zip(lows, masters):
+            v.assign(ops.cast(m, v.dtype))
+
+    graphs = {
+        "finite check, bf16-mixed's FP32 gradients": tf.function(lambda: found_inf(g32)),
+        "finite check, bf16-master's bf16 gradients": tf.function(lambda: found_inf(g16)),
+        "unscale by 1 (divide), FP32 gradients": tf.function(lambda: [unscale(g, one) for g in g32]),
+        "widen + unscale by 1, bf16 gradients": tf.function(lambda: [unscale(g, one) for g in g16]),
+        "widen only (cast), bf16 gradients": tf.function(lambda: [ops.cast(g, "float32") for g in g16]),
+        "masters rounded into the bf16 variables": tf.function(write_back),
+        "candidate check: reduce_max + reduce_min, FP32": tf.function(lambda: ops.logical_not(ops.all(
+            ops.isfinite(ops.stack([r for g in g32 for r in (ops.max(g), ops.min(g))]))))),
+        "candidate check: sum(g * 0), FP32": tf.function(
+            lambda: ops.logical_not(ops.isfinite(ops.sum(ops.stack([ops.sum(g * 0.0) for g in g32]))))),
+    }
+    bodies = {k: (lambda f=f: tf.nest.map_structure(lambda t: t, f())) for k, f in graphs.items()}
+    if check is not None:
+        bodies["divergence host check after the step (eager)"] = check
+    for body in bodies.values():
+        body()  # trace
+    times = by_clock(alternate({k: per_step(v, 200) for k, v in bodies.items()}, args.rounds))["cpu"]
+    import statistics
+
+    lines = [f"\n  pieces alone ({len(g32)} gradients, {sum(int(tf.size(g)) for g in g32)} values; CPU ms per call, "
+             f"median of {args.rounds} rounds of 200 (min-max))"]
+    for k, ts in times.items():
+        lines.append(f"  {k:<52} {1000 * statistics.median(ts):7.3f} ({1000 * min(ts):.3f}-{1000 * max(ts):.3f})")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = base_parser(__doc__, rounds=4, steps=12, batch_size=4)
     parser.set_defaults(threads=[1])
@@ -204,6 +316,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT")
+    parser.add_argument("--profile", action="store_true",
+                        help="count the train step's ops per variant (bf16) instead of timing the variants")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -215,6 +329,8 @@ def main() -> None:
                    "--vocab", str(args.vocab)]
     if args.only:
         passthrough += ["--only", *args.only]
+    if args.profile:
+        passthrough.append("--profile")
     env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "tensorflow"))
     for threads in args.threads:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -72,6 +72,8 @@ def fusable_groups(optimizer: Optimizer) -> list[dict[str, Any]]:
     if type(optimizer) not in FUSABLE:
         return []
     devices = _fused_devices()
+    fast = ("cpu" in devices, "cuda" in devices)
+    state = optimizer.state
     groups = []
     for group in optimizer.param_groups:
         if "fused" not in group or group.get("fused") is not None or group.get("foreach") is not None:
@@ -79,18 +81,28 @@ def fusable_groups(optimizer: Optimizer) -> list[dict[str, Any]]:
         if group.get("differentiable") or group.get("capturable"):
             continue
         params = [p for p in group["params"] if p.grad is not None]
-        if params and all(_fusable(p, optimizer.state.get(p), devices) for p in params):
+        if params and all(_fusable(p, state.get(p), devices, fast) for p in params):
             groups.append(group)
     return groups
 
 
-def _fusable(p: torch.Tensor, state: Any, devices: tuple[str, ...]) -> bool:
+def _fusable(p: torch.Tensor, state: Any, devices: tuple[str, ...], fast: tuple[bool, bool]) -> bool:
+    """Dense FP32 parameter and gradient on a fused device, its step count (if any) on that device.
+
+    Every step asks this of every parameter: the cheap tensor properties first (``is_cpu``,
+    ``layout``, ``get_device``: no ``torch.device`` object built per parameter).
+    """
     grad = p.grad
-    if p.dtype != torch.float32 or grad.dtype != torch.float32 or grad.is_sparse or p.device.type not in devices:
+    if p.dtype is not _F32 or grad.dtype is not _F32 or grad.layout is not torch.strided:
+        return False
+    if not ((fast[0] and p.is_cpu) or (fast[1] and p.is_cuda) or p.device.type in devices):
         return False
     step = state.get("step") if isinstance(state, dict) else None
     # the fused kernels keep the step count on the parameter's device (the loop keeps it on the CPU)
-    return not isinstance(step, torch.Tensor) or step.device == p.device
+    return not isinstance(step, torch.Tensor) or (step.is_cpu == p.is_cpu and step.get_device() == p.get_device())
+
+
+_F32 = torch.float32
 
 
 @contextlib.contextmanager

@@ -120,6 +120,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self._latest: dict[str, Tensor] = {}
         self._last_applied: dict[int, bool] = {}  # id(optimizer) -> its latest step applied
         self._latest_applied: bool | None = None  # the latest step of any optimizer applied
+        self._units: dict[torch.device, Tensor] = {}  # the unit inverse scale per device (scaling off)
 
     # ------------------------------------------------------------ reading
     @property
@@ -339,14 +340,12 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
                 if hasattr(grad, "device_mesh"):  # a DTensor (FSDP2 shard): check the local shard; the one
                     grad = grad.to_local()        # all-reduce below makes the flag global
                 groups[(grad.device, grad.dtype)].append(grad)
-        if self.config.enabled:
-            inv_scale = self.grad_scale.double().reciprocal().float()
-        else:
-            inv_scale = torch.ones((), dtype=torch.float32, device=device)
+        inv_scale = self.grad_scale.double().reciprocal().float() if self.config.enabled else None
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
         for (dev, _), grads in groups.items():
             local = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(dev))
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, local, inv_scale.to(dev) if inv_scale is not None else self._unit(dev))
             if local is not found_inf:
                 found_inf = found_inf + local.to(device)
         if self.config.can_skip:  # every rank must take the same skip decision (nothing is decided otherwise)
@@ -354,6 +353,13 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         return found_inf
+
+    def _unit(self, device: torch.device) -> Tensor:
+        """The inverse scale 1 on ``device`` (scaling off), made once: the kernel leaves the values as they are."""
+        unit = self._units.get(device)
+        if unit is None:
+            unit = self._units[device] = torch.ones((), dtype=torch.float32, device=device)
+        return unit
 
     # -------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

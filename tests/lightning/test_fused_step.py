@@ -100,3 +100,20 @@ def test_the_flag_is_restored_when_the_step_raises():
     assert opt.param_groups[0]["fused"] is None
     p.grad = p.grad.to_sparse()
     assert fusable_groups(opt) == []  # sparse gradients have no fused kernel
+
+
+def test_only_dense_fp32_with_the_step_count_on_the_parameters_device_is_fused():
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = torch.optim.AdamW([p], lr=0.1)
+    opt.state[p] = {"step": torch.zeros(())}  # on the CPU, with the parameter: fused
+    assert fusable_groups(opt) == opt.param_groups
+    opt.state[p] = {"step": torch.zeros((), device="meta")}  # another device than the parameter's
+    assert fusable_groups(opt) == []
+    opt.state[p] = {"step": 3.0}  # a plain number (an old checkpoint): fused
+    assert fusable_groups(opt) == opt.param_groups
+    p.grad = None  # no gradient in the group: nothing to fuse
+    assert fusable_groups(opt) == []
+    q = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    q.grad = torch.ones(4, dtype=torch.float64)
+    assert fusable_groups(torch.optim.AdamW([q], lr=0.1)) == []  # FP32 only
