@@ -312,8 +312,12 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
         """Some gradient of this replica holds an inf/NaN (no host sync); False if not checking."""
         return found_inf(grads) if self.checks_overflow else ops.convert_to_tensor(False)
 
+    def _scale_to_divide(self) -> Any:
+        """The scale the gradients are divided by; None with scaling off (the scale is 1: no divide)."""
+        return ops.convert_to_tensor(self._scaler.variable("scale")) if self.scaler_config.enabled else None
+
     def _unscaled(self, grads: Sequence[Any], tvs: Sequence[Any], unscaled_already: bool) -> list[Any]:
-        scale = ops.convert_to_tensor(self._scaler.variable("scale"))
+        scale = self._scale_to_divide()
         return [g if g is None or unscaled_already or self._overwrite_variable_with_gradient(v) else unscale(g, scale)
                 for g, v in zip(grads, tvs)]
 
@@ -372,8 +376,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
             found_inf, loss_finite = tf.greater(total[0], 0.0), tf.equal(total[1], 0.0)
         late = not unscaled_already and self.master_weights and not self.fp32_master_grads  # widened in the update
         unscaled = grads if late else self._unscaled(grads, tvs, unscaled_already)
-        scale = ops.convert_to_tensor(self._scaler.variable("scale")) if late else None
-        widen = functools.partial(unscale, scale=scale) if late else None
+        widen = functools.partial(unscale, scale=self._scale_to_divide()) if late else None
 
         def cross_replica(distribution, found_inf, loss_finite, unscaled, tvs):
             found, finite = (distribution.experimental_local_results(t)[0] for t in (found_inf, loss_finite))

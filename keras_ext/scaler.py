@@ -72,14 +72,15 @@ def found_inf(grads: Sequence[Any]) -> Any:
 
 
 def unscale(g: Any, scale: Any) -> Any:
-    """``g / scale`` in float32 (low-precision gradients are widened first; IndexedSlices stay sparse)."""
+    """``g / scale`` in float32 (low-precision gradients are widened first; IndexedSlices stay sparse);
+    ``scale=None`` (scaling off: the scale is 1) only widens."""
     if _is_sparse(g):
         import tensorflow as tf
 
         return tf.IndexedSlices(unscale(g.values, scale), g.indices, g.dense_shape)
     if dtype_name(g) != "float32":
         g = ops.cast(g, "float32")
-    return ops.divide(g, scale)
+    return g if scale is None else ops.divide(g, scale)
 
 
 def _is_sparse(g: Any) -> bool:
