@@ -30,6 +30,9 @@ def _dies(recipe, progress):
 def test_one_progress_bar_per_run_with_its_recipe_and_step(monkeypatch, capsys):
     monkeypatch.setenv("FORCE_COLOR", "1")  # a terminal: rich draws the bar
     monkeypatch.setenv("COLUMNS", "100")
+    import rich
+
+    monkeypatch.setattr(rich, "_console", None)  # rich's global console reads FORCE_COLOR when it is made: anew here
     run_plan([PlannedRun("lightning", "bf16-master", _steps, ("bf16-master",), 3)], in_process)
     out = capsys.readouterr().out
     assert "lightning bf16-master" in out and "3/3" in out
