@@ -34,7 +34,7 @@ FP32 with FP32 slots:
   :func:`~mp_callbacks.rounding.random_source.keras_kernel_to_canonical`), so Lightning and
   Keras draw the same number for corresponding elements; the rules run on
   :class:`~keras_ext.rounding_ops.KerasRoundingOps` (:mod:`keras_ext.rounding_ops`); on TensorFlow each
-  variable's rule is one XLA kernel (:mod:`keras_ext.rounding_fused`: the same numbers, one pass).
+  variable's rule is one XLA kernel (:mod:`keras_ext.rounding_step`: the same numbers, one pass).
 
 The optimizer calls :meth:`UpdateRounding.write_back` only on applied steps
 (inside its ``ops.cond``): a skipped step leaves weights, compensation,
@@ -56,7 +56,7 @@ from mp_callbacks.recipes import Recipe
 from mp_callbacks.rounding.random_source import MASK32
 from mp_callbacks.rounding.rules import initial_compensation
 
-from . import rounding_fused as fused
+from . import rounding_step as fused
 from .masters import LOW_PRECISION, MasterWeights, _label
 from .meters import sample
 from .ops import dtype_name, is_tf

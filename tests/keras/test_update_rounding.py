@@ -98,13 +98,13 @@ def test_kernels_are_indexed_in_torch_layout():
 
 @pytest.mark.skipif(not TF, reason="the fused kernels are TensorFlow's (XLA)")
 def test_fused_kernels_equal_the_rules_op_by_op():
-    """keras_ext.rounding_fused (each rule one XLA kernel, what the optimizer runs on TensorFlow): the NumPy
+    """keras_ext.rounding_step (each rule one XLA kernel, what the optimizer runs on TensorFlow): the NumPy
     reference's numbers, NaN and inf included, from a graph that is not itself compiled."""
     import gc
 
     import tensorflow as tf
 
-    from keras_ext import rounding_fused as fused
+    from keras_ext import rounding_step as fused
 
     r = np.random.default_rng(5)
     f = (r.standard_normal((40, 30)) * np.exp2(r.integers(-60, 60, (40, 30)))).astype(np.float32)

@@ -1,4 +1,4 @@
-"""The rounding rules of one variable as one XLA kernel each (TensorFlow backend).
+"""One rounded variable's update step, each rule one XLA kernel (TensorFlow): lightning_ext.rounding_step's twin.
 
 The rule is the core's, evaluated on :class:`~keras_ext.rounding_ops.KerasRoundingOps` as
 :mod:`keras_ext.rounding` does without this module; here each rule of a variable is traced into a
