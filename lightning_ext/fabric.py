@@ -5,7 +5,9 @@ adapter's logic; the Trainer plugin (:class:`lightning_ext.plugin.MixedPrecision
 of it and of Lightning's Trainer ``Precision``, the pattern of Lightning's ``TransformerEnginePrecision``.
 It hands off as the Trainer plugin does: the loss scaler to :class:`~lightning_ext.scaler.TorchLossScaler`,
 the weights to one weight store (:func:`~lightning_ext.rounding.weight_store`: FP32 masters or update
-rounding), FP32 regions and storage to :mod:`~lightning_ext.policy`, FP8 to :class:`~lightning_ext.fp8.TorchFP8`.
+rounding), FP32 regions and storage to :mod:`~lightning_ext.policy`, FP8 to :class:`~lightning_ext.fp8.TorchFP8`;
+set-up and teardown (the recipe on the model, the weight store around the optimizers) are
+:class:`~lightning_ext.setup.RecipeSetup`'s.
 
 One Fabric step::
 
@@ -45,7 +47,6 @@ from lightning.fabric.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from mp_callbacks.advice import cpu_flags, cpu_float16_notice
 from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
@@ -60,31 +61,25 @@ from .checkpoint import (
     resume_plan,
     saved_fp32_rules,
 )
-from .distributed import CommCounter, register_comm_hook
+from .distributed import CommCounter
 from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales_in_step
 from .forward_state import ForwardState
 from .fp8 import TorchFP8
-from .fsdp import ShardedLayout, fsdp_policy, inspect_sharded
-from .low_bit import eight_bit_inner
+from .fsdp import ShardedLayout, fsdp_policy
 from .masters import MasterWeights
-from .policy import ModulePolicyHandle, apply_module_policy, cast_module_storage, torch_dtype
+from .policy import ModulePolicyHandle, torch_dtype
 from .rounding import UpdateRounding, weight_store
 from .scaler import unwrap_optimizer
+from .setup import RecipeSetup
 from .support import (
-    autocast_device,
     cast_floats,
-    check_optimizer,
-    check_strategy,
-    is_sharded,
     recipe_name,
-    unwatch_fabric_setup,
-    watch_fabric_setup,
 )
 
 __all__ = ["MixedPrecision"]
 
 
-class MixedPrecision(Precision):
+class MixedPrecision(RecipeSetup, Precision):
     """Mixed-precision training for Lightning Fabric (and, subclassed, the Trainer) driven by the core.
 
     Args:
@@ -233,91 +228,6 @@ class MixedPrecision(Precision):
         """torch FSDP2's ``MixedPrecisionPolicy`` for this recipe (for ``module``: FP32 for one the
         policy keeps in FP32), for ``fully_shard(..., mp_policy=...)``."""
         return fsdp_policy(self.recipe, module, path)
-
-    # ---------------------------------------------------------- module / setup
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        """Apply the recipe to the model (under FSDP2 once it is sharded) and watch the calling Fabric's setup."""
-        strategy = watch_fabric_setup(self._after_setup_module, self._after_setup_optimizer)
-        self._check_strategy(strategy)
-        self._root = module
-        if strategy is not None:
-            self._watched = strategy
-        if strategy is None or not is_sharded(strategy):  # ModelParallelStrategy shards after this call
-            self._apply_recipe(module, sharded=False)
-        return module
-
-    def _check_strategy(self, strategy: Any) -> None:
-        """Refuse what the plugin cannot train with; autocast follows the training device."""
-        if strategy is None:
-            return
-        check_strategy(strategy)
-        if self.recipe.low_precision:
-            self._device_type = autocast_device(strategy, self.device, self._device_type)
-
-    def _apply_recipe(self, module: nn.Module, sharded: bool) -> None:
-        """Parameter storage (``*-master``, ``bf16-kahan``/``-sr``; sharded: the FP32 shards stay the masters),
-        FP32-op hooks, FP8 matmuls."""
-        if not self._noticed:  # once per plugin, at setup: the device is known now
-            self._noticed = True
-            notice = cpu_float16_notice(self.recipe.name, self.recipe.policy.compute, self._device_type, cpu_flags())
-            if notice is not None:
-                warnings.warn(f"lightning_ext.MixedPrecision: {notice}", UserWarning, stacklevel=3)
-        self.sharded = inspect_sharded(module, self.recipe) if sharded else None
-        store = self.weight_store
-        if store is not None and self.sharded is None:
-            store.record_originals(module, cast_module_storage(module, self.policy, self.compute_dtype))
-        if self.recipe.low_precision and self._hooked_module is not module:
-            if self._policy_handle is not None:
-                self._policy_handle.remove()
-            self._policy_handle = apply_module_policy(module, self.policy, self._device_type)
-            self._hooked_module = module
-        if self.fp8 is not None:
-            self.fp8.install(module, self.policy)
-
-    def _after_setup_module(self, module: nn.Module) -> None:
-        """After the strategy wrapped or sharded the model: the recipe on a sharded one, the DDP comm hook."""
-        if self._watched is not None and is_sharded(self._watched):
-            self._root = module
-            self._apply_recipe(module, sharded=True)
-        register_comm_hook(module, self.recipe.comm_dtype, self.comm_counter)
-
-    def _after_setup_optimizer(self, optimizer: Optimizer) -> None:
-        """An optimizer set up by the strategy: the weight store goes around it now (before any load)."""
-        raw = unwrap_optimizer(optimizer)
-        check_optimizer(raw, self.recipe.name)
-        if not any(raw is o for o in self._optimizers):
-            self._install(self._root, [*self._optimizers, raw])
-
-    def _install(self, root: nn.Module | None, optimizers: list[Optimizer]) -> None:
-        """Put the weight store around ``optimizers`` (all of them: rounding re-installs whole), then apply
-        FP32 moves that waited for the masters.  Under FSDP2 masters are not installed (the shards are)."""
-        self._optimizers = [eight_bit_inner(o, self.recipe.master) for o in optimizers]  # state_dtype="8bit"
-        store = self.weight_store
-        if store is None or root is None or (self.sharded is not None and store.keeps_masters):
-            return
-        store.install(root, self._optimizers)
-        if store.keeps_masters:
-            for path in self.pending_fp32_paths:
-                self.keep_in_fp32(path)
-            self.pending_fp32_paths = []
-
-    def _ensure_installed(self, optimizer: Any) -> Any:
-        """The raw optimizer, with the weight store around it: installed now (with a one-time warning) when
-        no Fabric setup showed it to this plugin."""
-        raw = unwrap_optimizer(optimizer)
-        if any(raw is o for o in self._optimizers):
-            return raw
-        check_optimizer(raw, self.recipe.name)
-        if self.weight_store is not None and self._root is not None and not self._warned_lazy:
-            self._warned_lazy = True
-            warnings.warn(
-                f"lightning_ext MixedPrecision({self.recipe.name!r}): no Fabric setup showed this optimizer to the "
-                "plugin, so its FP32 masters / update rounding are installed at its first step; optimizer state "
-                "loaded before then was cast to the parameters' low-precision dtype. Set the model and optimizer up "
-                "with fabric.setup(model, optimizer) (or setup_module + setup_optimizers) before fabric.load.",
-                stacklevel=4)
-        self._install(self._root, [*self._optimizers, raw])
-        return raw
 
     # ------------------------------------------------------------- forward
     def autocast_context_manager(self) -> contextlib.AbstractContextManager:
@@ -475,19 +385,3 @@ class MixedPrecision(Precision):
                     self.pending_fp32_paths.append(pattern)
             else:
                 self.keep_in_fp32(pattern, module)
-
-    # --------------------------------------------------------------- teardown
-    def teardown(self) -> None:
-        """Remove the op-policy hooks, FP8 matmuls and the setup watch; keep masters and scaler state."""
-        if self._policy_handle is not None:
-            self._policy_handle.remove()
-            self._policy_handle = None
-        self._hooked_module = None
-        if self.fp8 is not None:
-            self.fp8.remove()
-        self._root = None
-        if self.weight_store is not None:
-            self.weight_store.clear_cache()
-        if self._watched is not None:
-            unwatch_fabric_setup(self._watched)
-            self._watched = None

@@ -9,7 +9,8 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-import lightning_ext.fabric as fabric_module
+import lightning_ext.fabric
+import lightning_ext.setup as recipe_setup
 from mp_callbacks.advice import FLOAT16_CPU_FEATURES, cpu_float16_notice
 from tests.lightning.test_fabric import tiny, train
 
@@ -17,10 +18,10 @@ NO_FP16 = {"avx2", "f16c", "fma"}  # the CPU of the measurement (AMD EPYC): no A
 
 
 def _notices(recipe: str, monkeypatch, flags=frozenset(NO_FP16), steps: int = 2) -> list[str]:
-    monkeypatch.setattr(fabric_module, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(recipe_setup, "cpu_flags", lambda: set(flags))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plugin = fabric_module.MixedPrecision(recipe)
+        plugin = lightning_ext.fabric.MixedPrecision(recipe)
         fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         model = tiny()
         model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))

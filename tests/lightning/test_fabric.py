@@ -187,7 +187,7 @@ def test_without_a_fabric_setup_the_store_is_installed_at_the_first_step(monkeyp
     fabric, model, opt = setup(plugin)
     train(fabric, model, opt, range(3))
     eager = [p.detach().clone() for p in model.parameters()]
-    monkeypatch.setattr("lightning_ext.fabric.watch_fabric_setup", lambda *a: None)
+    monkeypatch.setattr("lightning_ext.setup.watch_fabric_setup", lambda *a: None)
     plugin = plugin_for("bf16-master")
     fabric, model, opt = setup(plugin)
     assert len(plugin.masters) == 0  # nothing installed at setup
