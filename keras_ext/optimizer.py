@@ -17,6 +17,7 @@ decision comes from the core:
   :class:`~keras_ext.remainders.RemainderMasters`); ``bf16-kahan``/``bf16-sr`` round
   the update into the bf16 variables instead (:class:`~keras_ext.rounding.UpdateRounding`);
 * :attr:`LossScaleOptimizer.recipe`: the :class:`~mp_callbacks.Recipe` implemented (the monitor reads it);
+  the state reads, the scaler record and the Keras config are :class:`~keras_ext.optimizer_record.OptimizerRecord`'s;
 * the core's divergence rule runs inside the step
   (:class:`~keras_ext.divergence.KerasDivergence`): a run that cannot recover
   stops with :class:`~mp_callbacks.diagnostics.meters.DivergenceError`;
@@ -37,11 +38,9 @@ import keras
 from keras import ops
 
 from mp_callbacks.diagnostics.divergence import DivergenceRule
-from mp_callbacks.diagnostics.metrics import OVERFLOW, StepStats
 from mp_callbacks.diagnostics.monitor import MonitorPort
 from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.loss_scale.scaler import ScalerCounters
-from mp_callbacks.loss_scale.transition import ScalerState
 from mp_callbacks.recipes import Recipe, get_recipe
 
 from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
@@ -51,6 +50,7 @@ from .jax_support import StepStateOwner, run_if, stateless_apply
 from .low_bit import eight_bit_inner
 from .masters import MasterWeights, check_variables, widened_in_update
 from .ops import is_tf
+from .optimizer_record import OptimizerRecord
 from .remainders import RemainderMasters, fp32_record
 from .rounding import UpdateRounding, weight_store
 from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
@@ -61,7 +61,8 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tra
 
 
 @keras.saving.register_keras_serializable(package="keras_ext")
-class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepStateOwner,
+                         keras.optimizers.LossScaleOptimizer):
     """Dynamic loss scaling (and optional FP32 master weights) around any Keras optimizer.
 
     Args:
@@ -191,51 +192,6 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
     def load_own_variables(self, store: Any) -> None:
         """Keras' load; under ``master_remainders`` a saved FP32 master sets the variable and its remainder."""
         super().load_own_variables(fp32_record(store, self.variables, self._masters))
-
-    # -- reading the state -----------------------------------------------------------
-    @property
-    def dynamic_scale(self) -> Any:
-        """The current loss scale: a float32 Keras variable once built, else the initial scale."""
-        scale = self._scaler.variable("scale")
-        return self.initial_scale if scale is None else scale
-
-    @property
-    def step_counter(self) -> Any:
-        """Keras' name for the growth tracker (clean steps since the last change)."""
-        return self._scaler.variable("growth_tracker")
-
-    @property
-    def scaler_state(self) -> ScalerState:
-        """The state as backend scalars (variable values); the initial state before build."""
-        return self._scaler.state
-
-    def _counter(self, field: str) -> int:
-        return getattr(self._scaler, field)
-
-    @property
-    def current_scale(self) -> float:
-        """The current loss scale as a Python float (one host read)."""
-        return self._scaler.current_scale
-
-    @property
-    def master_variables(self) -> list[Any]:
-        """FP32 master copies, aligned with the trainable variables (None: the variable is its own master);
-        under ``master_remainders`` :class:`~keras_ext.remainders.RemainderMaster` views (joined on read)."""
-        return self._masters.variables
-
-    def scaler_metrics(self) -> dict[str, float]:
-        """The shared names of the scale and the counters (``mp/scale``, ``mp/overflows_total``...) -> values."""
-        stats = StepStats.from_counts(self.steps, self.current_scale, False, self.overflows, self.skipped,
-                                      self.growths)
-        return {k: v for k, v in stats.metrics().items() if k != OVERFLOW}
-
-    def scaler_state_dict(self) -> dict[str, Any]:
-        """The versioned plain-data record of the scaler (core schema)."""
-        return self._scaler.state_dict()
-
-    def load_scaler_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the scaler from :meth:`scaler_state_dict`; a mismatch raises ``StateDictError``."""
-        self._scaler.load_state_dict(state_dict)
 
     # -- the monitor (MonitorPort: attach_monitor, detach_monitor, monitor, checks_overflow) ------
     # checks_overflow is read when the train step is traced: the monitor retraces when it attaches.
@@ -390,38 +346,6 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, StepStateOwner, keras.opti
                 self._notify_monitor(found, local, tvs, scale_used)
 
         ctx.merge_call(cross_replica, args=(found_inf, loss_finite, unscaled, tvs))
-
-    # -- serialization ----------------------------------------------------------------------
-    def get_config(self) -> dict[str, Any]:
-        """Plain data shaped like Keras' own (``name``, ``inner_optimizer``, ``initial_scale``,
-        ``dynamic_growth_steps``); ``scaler``, ``master_weights``, ``count_overflows``, ``recipe`` and
-        ``divergence`` only where they differ from what the constructor derives from the others."""
-        config = {"name": self.name, "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-                  "initial_scale": self.scaler_config.init_scale,
-                  "dynamic_growth_steps": self.scaler_config.growth_interval}
-        given = self._recipe_given
-        if given is None and self.update_rounding is not None:  # the global recipe's rounding: keep it
-            given = self._recipe
-        if given is not None:
-            config["recipe"] = given.to_dict()
-        if self.scaler_config != scaler_config(None, given, config["initial_scale"], config["dynamic_growth_steps"]):
-            config["scaler"] = self.scaler_config.to_dict()
-        if self.master_weights != (given.master.master_weights if given is not None else False):
-            config["master_weights"] = self.master_weights
-        if self.count_overflows is not None:
-            config["count_overflows"] = self.count_overflows
-        if self._divergence.rule_config() is not None:
-            config["divergence"] = self._divergence.rule_config()
-        if self.update_rounding is not None and self.update_rounding.seed:
-            config["seed"] = self.update_rounding.seed
-        return config
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
-        """Inverse of :meth:`get_config` (also of Keras' own ``LossScaleOptimizer.get_config``)."""
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
-        return cls(inner, **config)
 
     def __repr__(self) -> str:
         return (f"keras_ext.LossScaleOptimizer(inner={type(self.inner_optimizer).__name__}, "
