@@ -174,8 +174,8 @@ h2 { font-size: 1.25rem; margin-top: 2rem; border-bottom: 1px solid #ddd; }
 .machine { background: #f3f5f9; border-left: 4px solid #3f51b5; padding: .6rem 1rem; }
 pre { background: #f6f6f6; padding: .7rem 1rem; overflow-x: auto; font-size: .85rem; }
 table { border-collapse: collapse; font-size: .85rem; margin: .5rem 0; }
-th, td { border: 1px solid #d8d8d8; padding: .25rem .5rem; text-align: right; white-space: nowrap; }
-th { background: #eef0f6; } td.text { text-align: left; }
+th, td { border: 1px solid #d8d8d8; padding: .25rem .4rem; text-align: right; white-space: nowrap; }
+th { background: #eef0f6; white-space: normal; } td.text { text-align: left; }  /* headers wrap: fits 1400 px */
 tr.baseline td { font-weight: 600; background: #fafaf0; } tr.control td { color: #666; font-style: italic; }
 td.worse { color: #b00020; } td.better { color: #1b7f3b; }
 img { max-width: 100%; border: 1px solid #e5e5e5; margin: .4rem 0; }

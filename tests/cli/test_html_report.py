@@ -138,3 +138,20 @@ def test_the_page_renders_in_chromium(report):
     html = dom(browser, url)
     check_no_error(html, url)
     assert html.count("<tr") >= len(res) + 1 and "loss_vs_32true.png" in html
+
+
+def test_the_results_table_fits_a_1280_pixel_window(report):
+    """No sideways scrolling of the results table at 1280 px (17 columns; headers wrap, cells do not)."""
+    from tests.docs.browser import dom, require_chromium
+
+    browser = require_chromium()
+    out, page, _ = report
+    probe = out / "width_probe.html"  # the page plus a script writing the table box's widths into the DOM
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", (
+        '<script>const w = document.querySelector(".wide");'
+        'document.body.setAttribute("data-widths", w.scrollWidth + "," + w.clientWidth);</script></body>')),
+        encoding="utf-8")
+    found = re.search(r'data-widths="(\d+),(\d+)"', dom(browser, probe.as_uri(), size="1280,1000"))
+    assert found, "the probe script did not run"
+    scroll, client = map(int, found.groups())
+    assert scroll <= client, f"the table is {scroll} px wide in a {client} px box"

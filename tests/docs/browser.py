@@ -58,9 +58,10 @@ def screenshot(browser: str, url: str, png: Path, size: str = "1280,900") -> Pat
     return png
 
 
-def dom(browser: str, url: str) -> str:
-    """The DOM after Chromium ran the page's scripts."""
-    proc = subprocess.run([*_args(browser), "--dump-dom", url], capture_output=True, text=True, timeout=120)
+def dom(browser: str, url: str, size: str | None = None) -> str:
+    """The DOM after Chromium ran the page's scripts (in a window of ``size`` pixels, "W,H", when given)."""
+    window = [f"--window-size={size}"] if size else []
+    proc = subprocess.run([*_args(browser), *window, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip(), f"no DOM for {url}: {proc.stderr[-2000:]}"
     return proc.stdout
 
