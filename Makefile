@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# --no-compile: pip would byte-compile every installed file (~100 s of CPU for torch, TF, JAX); Python compiles
+# only what is imported, on first import.
 # pip's config on these machines names local indexes that may be absent: hide that noise only.
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
@@ -12,8 +14,8 @@ QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || 
 
 $(STAMP): requirements-test.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements-test.txt $(QUIET)
-	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt $(QUIET)
+	$(PY) -m pip install -q --no-compile -r requirements-test.txt $(QUIET)
+	$(PY) -m pip install -q --no-compile --no-deps -r requirements-nodeps.txt $(QUIET)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . $(QUIET)
 	$(PY) -c "import torch, lightning, keras, tensorflow, keras_hub, mp_callbacks"
 	touch $(STAMP)
