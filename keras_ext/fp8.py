@@ -45,6 +45,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from mp_callbacks.fp8.formats import FP8ConfigError
 from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe
 from mp_callbacks.fp8.scaling import FP8State, next_fp8_state
 
@@ -103,6 +104,9 @@ def enable_fp8(layer: Any, recipe: FP8Recipe) -> Any:
     :func:`install` does to the low-precision ones; the side-by-side test uses it under ``float32``)."""
     if not _is_fp8_layer_class(layer):
         raise TypeError(f"FP8 matmuls are for Dense and EinsumDense layers, not {type(layer).__name__}")
+    if recipe.fsdp_float8_all_gather:
+        raise FP8ConfigError("fp8={'fsdp_float8_all_gather': True} all-gathers FP8 weights under torch FSDP2 "
+                             "(Lightning's ModelParallelStrategy); Keras has no FSDP2: drop the setting for Keras")
     if not isinstance(resolved_policy(layer), FP8Policy):  # saved with the layer (keras_ext.load_model)
         layer.dtype_policy = FP8Policy(resolved_policy(layer).name, fp8=fp8_recipe_of(layer).to_dict()
                                        if getattr(layer, _ATTR, None) is not None else recipe.to_dict())

@@ -45,6 +45,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from mp_callbacks.dtypes import canonical_dtype
 
+from .fp8_allgather import FP8AllGatherWeight
+
 __all__ = ["CommCounter", "cast_hook", "comm_hook", "count_fsdp_collectives", "fsdp_comm_units", "register_comm_hook"]
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -208,12 +210,19 @@ def count_fsdp_collectives(module: torch.nn.Module, counter: CommCounter) -> int
     return units
 
 
+def _gather_name(fsdp_param: Any, gather: str) -> str:
+    """A parameter's gather dtype: ``float8_e4m3fn`` for a weight FSDP2 gathers in FP8 (its first gather decided)."""
+    local = fsdp_param.sharded_param._local_tensor
+    return "float8_e4m3fn" if isinstance(local, FP8AllGatherWeight) and local._link.gathered_fp8 else gather
+
+
 def fsdp_comm_units(module: torch.nn.Module) -> tuple[list[tuple[list[tuple[int, ...]], str, str, int]], int]:
     """``module``'s FSDP2 units as :func:`mp_callbacks.memory.sharding.fsdp_step_bytes` takes them, and the shard count.
 
     Per unit: its parameters' unsharded shapes, the gather dtype (the policy's ``param_dtype``, else the
-    parameters'), the reduce dtype (``reduce_dtype``, else the gather dtype) and the gathers per step
-    (2 when the unit reshards after forward, as FSDP2 decides for non-root units; 1 otherwise).
+    parameters'; one per parameter when a weight gathers in FP8: ``float8_e4m3fn``), the reduce dtype
+    (``reduce_dtype``, else the gather dtype) and the gathers per step (2 when the unit reshards after
+    forward, as FSDP2 decides for non-root units; 1 otherwise).
     Read after the first step (FSDP2 settles the root's resharding at its lazy init).
     """
     from torch.distributed.fsdp import FSDPModule
@@ -231,6 +240,8 @@ def fsdp_comm_units(module: torch.nn.Module) -> tuple[list[tuple[list[tuple[int,
         gather = name(policy.param_dtype or group.fsdp_params[0].sharded_param.dtype)
         reduce = name(policy.reduce_dtype or gather)
         gathers = 2 if group.post_forward_mesh_info is not None else 1
-        units.append(([tuple(fp._orig_size) for fp in group.fsdp_params], gather, reduce, gathers))
+        per_param = [_gather_name(fp, gather) for fp in group.fsdp_params]
+        units.append(([tuple(fp._orig_size) for fp in group.fsdp_params],
+                      gather if len(set(per_param)) == 1 and per_param[0] == gather else per_param, reduce, gathers))
         world = max(world, group.mesh_info.shard_mesh_size)
     return units, world

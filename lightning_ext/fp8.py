@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from mp_callbacks.diagnostics.metrics import fp8_metrics
@@ -48,6 +49,7 @@ from mp_callbacks.fp8.scaling import FP8State, fp8_state_from_dict, fp8_state_to
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.settings import StateDictError
 
+from .fp8_allgather import link_weight
 from .fp8_attention import mha_forward, mha_matmuls
 from .fp8_blocks import block_cast
 from .fp8_matmul import fp8_linear
@@ -119,6 +121,7 @@ class TorchFP8:
         / ``.v_proj`` / ``.out_proj`` for attention).  A second call with the same tree changes nothing.
         """
         done = {id(m) for m, _, _ in self._wrapped}
+        unlinked: list[str] = []
         for path, module in fp8_modules(root, policy):
             if id(module) in done:
                 continue
@@ -128,8 +131,17 @@ class TorchFP8:
             else:
                 index = self._add(path)
                 forward = functools.partial(self._linear_forward, module, index)
+                if not link_weight(module, self, index) and self.recipe.fsdp_float8_all_gather:
+                    unlinked.append(path or "the model")
             self._wrapped.append((module, module.__dict__.get("forward"), path))
             module.forward = functools.wraps(type(module).forward)(forward)  # type: ignore[method-assign]
+        if unlinked:
+            raise MisconfigurationException(
+                f"fp8={{'fsdp_float8_all_gather': True}} all-gathers FP8 Linear weights under FSDP2, but "
+                f"{', '.join(unlinked[:4])}{' ...' if len(unlinked) > 4 else ''} is not an FSDP2-sharded FP8 weight. "
+                "Use ModelParallelStrategy and shard with lightning_ext.fsdp.fully_shard_model(model, "
+                "plugin.recipe, mesh), or call lightning_ext.fsdp.prepare_fp8_all_gather(model, plugin.recipe) "
+                "before fully_shard; without FSDP2 drop the setting")
         return list(self.names)
 
     def _add(self, name: str) -> int:
@@ -160,6 +172,8 @@ class TorchFP8:
             if path is not None and not (p == path or p.startswith(path + ".") or path == ""):
                 keep.append((module, previous, p))
                 continue
+            if path is not None and isinstance(module, nn.Linear):  # an FP32 region: not gathered in FP8 (teardown
+                link_weight(module, None, -1)  # keeps the tie: FSDP2's FP8 buffer stays, later gathers need a scale)
             if previous is None:
                 module.__dict__.pop("forward", None)
             else:
@@ -201,13 +215,15 @@ class TorchFP8:
 
     # -------------------------------------------------------------- a call
     def quantize(self, role: str, index: int, x: Tensor, record: bool = True,
-                 axis: int = -1) -> tuple[Tensor, Tensor]:
+                 axis: int = -1, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(q, scale_inv)``: ``x`` cast to the role's FP8 dtype with its scale (saturating), and the
         float32 factor that dequantizes it (broadcastable to ``x``).  ``record``: keep the amax for this
-        step's transition.  ``axis``: the matmul's contraction axis (rowwise, blockwise and MX scales)."""
+        step's transition.  ``axis``: the matmul's contraction axis (rowwise, blockwise and MX scales).
+        ``amax``: the tensor's amax when ``x`` is a shard of it (FP8 all-gather); default ``x``'s."""
         ops = self._ensure(x.device)
         config = self.configs[role]
-        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        if amax is None:
+            amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
         if self.granularity.kind != "tensorwise":
             return self._quantize_blocks(role, index, x, amax, record, axis)
         state = self.state_of(role, index)

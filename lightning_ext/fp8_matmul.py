@@ -19,6 +19,8 @@ from torch import Tensor
 
 from mp_callbacks.fp8.granularity import FP8Granularity
 
+from .fp8_allgather import gathered_parts
+
 __all__ = ["Quantizer", "fp8_linear"]
 
 
@@ -60,7 +62,8 @@ class _FP8Matmul(torch.autograd.Function):
         granularity = fp8.granularity
         with torch.autocast(x.device.type, enabled=False):
             xq, x_inv = fp8.quantize("inputs", index, x, record)
-            wq, w_inv = fp8.quantize("weights", index, weight, record)
+            gathered = gathered_parts(weight)  # FSDP2 gathered it in FP8 (its amax recorded at the gather)
+            wq, w_inv = gathered if gathered is not None else fp8.quantize("weights", index, weight, record)
             b32 = None if bias is None else bias.float()
             kind = granularity.kind
             if kind in ("tensorwise", "rowwise") and _scaled_mm_ok(x, weight):  # untested here: FP8 tensor cores

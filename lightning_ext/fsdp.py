@@ -7,7 +7,9 @@ The core decides what a recipe means when sharded
   (``plugin.fsdp_policy(module)`` in ``configure_model``); a module the
   op policy keeps in FP32 (norms...) gathers FP32;
 * :func:`fully_shard_model`: ``fully_shard`` applied the way the recipe needs
-  (FP32-kept modules with parameters first, then the given units, then the root);
+  (FP32-kept modules with parameters first, then the given units, then the root; under
+  ``fp8={"fsdp_float8_all_gather": True}`` the FP8 Linear weights get their FP8 all-gather hooks
+  first: :func:`prepare_fp8_all_gather`, :mod:`lightning_ext.fp8_allgather`);
 * :func:`inspect_sharded`: at setup, what the model was sharded with, checked
   against the recipe (a mismatch is an error naming the parameter and the fix);
 * :class:`ShardedLayout`: what the plugin and the monitor need afterwards:
@@ -39,9 +41,11 @@ from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state, mem
 from mp_callbacks.memory.sharding import ShardedDtypes, sharded_dtypes
 from mp_callbacks.policy import class_names
 
+from .fp8 import fp8_modules
+from .fp8_allgather import wrap_weights
 from .policy import torch_dtype
 
-__all__ = ["ShardedLayout", "fsdp_policy", "fully_shard_model", "inspect_sharded", "local"]
+__all__ = ["ShardedLayout", "fsdp_policy", "fully_shard_model", "inspect_sharded", "local", "prepare_fp8_all_gather"]
 
 _SUMMED = ("underflow_lost", "underflow_total", "swamp_lost", "swamp_total")
 """Monitor slots that are counts over each rank's shards: summed over ranks."""
@@ -96,6 +100,7 @@ def fully_shard_model(model: nn.Module, recipe: Any, mesh: Any = None, units: Se
     then ``model`` itself; ``kwargs`` go to every ``fully_shard`` call (``reshard_after_forward``...)."""
     from torch.distributed.fsdp import fully_shard
 
+    prepare_fp8_all_gather(model, recipe)
     names = {u if isinstance(u, str) else u.__name__ for u in units}
     todo = []
     for path, sub in model.named_modules():
@@ -107,6 +112,21 @@ def fully_shard_model(model: nn.Module, recipe: Any, mesh: Any = None, units: Se
     for path, sub in reversed(todo):  # inner modules before the units holding them
         fully_shard(sub, mesh=mesh, mp_policy=fsdp_policy(recipe, sub, path, root=False), **kwargs)
     return fully_shard(model, mesh=mesh, mp_policy=fsdp_policy(recipe), **kwargs)
+
+
+def prepare_fp8_all_gather(model: nn.Module, recipe: Any, policy: Any = None) -> list[str]:
+    """Under ``fp8={"fsdp_float8_all_gather": True}``: before ``fully_shard``, give the weight of every FP8
+    ``nn.Linear`` of ``model`` (:func:`lightning_ext.fp8.fp8_modules` under ``policy``, default the recipe's)
+    the FP8 all-gather hooks (:mod:`lightning_ext.fp8_allgather`); returns their paths (none without the
+    setting).  :func:`fully_shard_model` calls it; call it yourself when you call ``fully_shard``."""
+    fp8 = getattr(recipe, "fp8", None)
+    if fp8 is None or not fp8.fsdp_float8_all_gather:
+        return []
+    chosen = fp8_modules(model, policy if policy is not None else recipe.policy)
+    try:
+        return wrap_weights((p, m) for p, m in chosen if isinstance(m, nn.Linear))
+    except ValueError as exc:
+        raise MisconfigurationException(f"lightning_ext.MixedPrecision({recipe.name!r}): {exc}") from None
 
 
 @dataclass

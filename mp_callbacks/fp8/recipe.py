@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..settings import Settings
+from .allgather import check_fp8_all_gather
 from .config import FP8_PRESETS, FP8ScalingConfig
 from .formats import TENSOR_ROLES, FP8ConfigError, fp8_round, quantize_dequantize
 from .granularity import FP8Granularity, scale_bytes
@@ -84,14 +85,19 @@ class FP8Recipe(Settings):
         ``"tensorwise"`` default, ``"rowwise"``, ``"blockwise"``, ``"mxfp8"``, or a dict of its fields).
         Every kind but ``tensorwise`` scales from the current amax: ``mode`` is ``"current"`` (a
         ``"delayed"`` override is refused).
+      fsdp_float8_all_gather: under torch FSDP2, all-gather the FP8 Linear weights as e4m3 bytes with
+        their scale instead of bf16 (half the all-gather bytes; :mod:`mp_callbacks.fp8.allgather`).
+        ``tensorwise`` only; the Lightning adapter refuses it without FSDP2, the Keras adapter always.
 
     Build it with :meth:`coerce`: ``FP8Recipe.coerce({"preset": "keras", "history_len": 16})``,
-    ``FP8Recipe.coerce({"granularity": "rowwise"})``.
+    ``FP8Recipe.coerce({"granularity": "rowwise"})``,
+    ``FP8Recipe.coerce({"preset": "torchao", "fsdp_float8_all_gather": True})``.
     """
 
     preset: str = "transformer-engine"
     overrides: tuple[tuple[str, Any], ...] = ()
     granularity: FP8Granularity = FP8Granularity()
+    fsdp_float8_all_gather: bool = False
 
     error: ClassVar[type[Exception]] = FP8ConfigError
     what: ClassVar[str] = "fp8 settings"
@@ -101,6 +107,7 @@ class FP8Recipe(Settings):
             raise FP8ConfigError(f"unknown FP8 scaling preset {self.preset!r}; valid presets: "
                                  f"{', '.join(FP8_PRESETS)}")
         object.__setattr__(self, "granularity", FP8Granularity.coerce(self.granularity))
+        check_fp8_all_gather(self.fsdp_float8_all_gather, self.granularity)
         items = dict(self.overrides)
         if self.granularity.kind != "tensorwise":
             if items.get("mode", "current") != "current":
@@ -109,7 +116,8 @@ class FP8Recipe(Settings):
             items["mode"] = "current"
         unknown = sorted(set(items) - set(_OVERRIDABLE))
         if unknown:
-            raise FP8ConfigError(f"unknown FP8 setting(s) {unknown}; valid: preset, {', '.join(_OVERRIDABLE)}")
+            raise FP8ConfigError(f"unknown FP8 setting(s) {unknown}; valid: preset, granularity, "
+                                 f"fsdp_float8_all_gather, {', '.join(_OVERRIDABLE)}")
         if items.get("mode") == "current" and "history_len" not in items:
             items["history_len"] = 1
         object.__setattr__(self, "overrides", tuple(sorted(items.items())))
@@ -132,10 +140,13 @@ class FP8Recipe(Settings):
         return self.config("inputs").mode
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"preset": ..., **overrides}`` (and ``"granularity"`` unless tensorwise's default)."""
+        """Plain data: ``{"preset": ..., **overrides}`` (and ``"granularity"`` unless tensorwise's default,
+        ``"fsdp_float8_all_gather"`` when True)."""
         out = {"preset": self.preset, **dict(self.overrides)}
         if self.granularity != FP8Granularity():
             out["granularity"] = self.granularity.to_dict()
+        if self.fsdp_float8_all_gather:
+            out["fsdp_float8_all_gather"] = True
         return out
 
     @classmethod
@@ -143,8 +154,9 @@ class FP8Recipe(Settings):
         """Inverse of :meth:`to_dict`."""
         data = dict(data)
         granularity = FP8Granularity.coerce(data.pop("granularity", None))
+        gather = data.pop("fsdp_float8_all_gather", False)
         return cls(preset=data.pop("preset", "transformer-engine"), overrides=tuple(data.items()),
-                   granularity=granularity)
+                   granularity=granularity, fsdp_float8_all_gather=gather)
 
     @classmethod
     def from_name(cls, name: str | None) -> FP8Recipe:

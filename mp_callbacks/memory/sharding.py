@@ -14,8 +14,8 @@ Three rules the adapters translate:
   all-reduce in ``comm_dtype`` (what a counting hook should see).
 * :func:`fsdp_step_bytes`: the payloads a sharded step hands to its
   collectives (FSDP2: one reduce-scatter of the gradients in ``reduce_dtype``
-  per unit, one all-gather of the parameters in ``param_dtype`` per gather),
-  dim 0 of every parameter padded to a multiple of the shard count.
+  per unit, one all-gather of the parameters in ``param_dtype`` per gather, FP8 weights in 1 byte
+  under ``fsdp_float8_all_gather``), dim 0 of every parameter padded to a multiple of the shard count.
 * :func:`consensus_cost`: the overflow consensus of loss-scaled recipes: one
   all-reduce (MAX) of one float32 flag per optimizer step, so every rank
   skips together.
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..dtypes import canonical_dtype, dtype_bytes
+from ..fp8.formats import FORMAT_ALIASES, FP8_FORMATS
 
 __all__ = ["ShardedDtypes", "allreduce_bytes", "consensus_cost", "fsdp_step_bytes", "padded_numel", "sharded_dtypes"]
 
@@ -98,26 +99,46 @@ def padded_numel(shape: Sequence[int], world_size: int) -> int:
     return -(-dims[0] // n) * n * rest
 
 
-def fsdp_step_bytes(units: Iterable[tuple[Sequence[Sequence[int]], str, str, int]],
+def _wire(name: str, op: str) -> tuple[str, int]:
+    """A gather/reduce dtype name as counted and its bytes: a float by its canonical name; an FP8 format
+    travels as its bytes (``uint8``, 1 byte: any backend gathers bytes)."""
+    if name in FP8_FORMATS or name in FORMAT_ALIASES:
+        return "uint8", 1
+    dtype = canonical_dtype(name, op)
+    return dtype, dtype_bytes(dtype)
+
+
+def fsdp_step_bytes(units: Iterable[tuple[Sequence[Sequence[int]], str | Sequence[str], str, int]],
                     world_size: int) -> dict[str, dict[str, int]]:
     """Payload bytes one optimizer step hands to a sharded model's collectives, by collective and dtype.
 
     ``units``: one ``(parameter shapes, gather dtype, reduce dtype, gathers per step)`` per sharded unit
     (a unit resharded after forward is gathered again for backward: 2; the root: 1).  Per step each unit
     reduce-scatters its padded gradients once in the reduce dtype and all-gathers its padded parameters
-    once per gather in the gather dtype.  A payload is the whole (unsharded) buffer: each rank sends
-    ``(N - 1) / N`` of it around a ring, half an all-reduce's ``2 (N - 1) / N``.
+    once per gather in the gather dtype.  The gather dtype may be one per parameter (a weight gathered
+    as ``float8_e4m3fn``: 1 byte, sent as ``uint8``, :mod:`mp_callbacks.fp8.allgather`); a unit whose
+    parameters gather in different dtypes is one byte buffer, counted as ``uint8`` (as FSDP2 sends it).
+    A payload is the whole (unsharded) buffer: each rank sends ``(N - 1) / N`` of it around a ring,
+    half an all-reduce's ``2 (N - 1) / N``.
     Returns ``{"reduce_scatter": {dtype: bytes}, "all_gather": {dtype: bytes}}``.
     """
     out: dict[str, dict[str, int]] = {"reduce_scatter": {}, "all_gather": {}}
     for shapes, gather, reduce, gathers in units:
-        numel = sum(padded_numel(s, world_size) for s in shapes)
-        if not numel:
+        numels = [padded_numel(s, world_size) for s in shapes]
+        if not sum(numels):
             continue
-        for op, name, times in (("reduce_scatter", reduce, 1), ("all_gather", gather, int(gathers))):
-            dtype = canonical_dtype(name, op)
+        per_param = [gather] * len(numels) if isinstance(gather, str) else list(gather)
+        if len(per_param) != len(numels):
+            raise ValueError(f"{len(per_param)} gather dtypes for {len(numels)} parameters")
+        wires = [_wire(name, "all_gather") for name in per_param]
+        names = {w for w, _ in wires}
+        gathered = sum(n * b for n, (_, b) in zip(numels, wires))
+        red, red_bytes = _wire(reduce, "reduce_scatter")
+        for op, dtype, size, times in (("reduce_scatter", red, sum(numels) * red_bytes, 1),
+                                       ("all_gather", names.pop() if len(names) == 1 else "uint8", gathered,
+                                        int(gathers))):
             if times:
-                out[op][dtype] = out[op].get(dtype, 0) + times * numel * dtype_bytes(dtype)
+                out[op][dtype] = out[op].get(dtype, 0) + times * size
     return out
 
 

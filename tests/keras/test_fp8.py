@@ -269,3 +269,9 @@ def test_save_weights_round_trip_carries_the_fp8_states(tmp_path):
     assert all(np.array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
                for a, b in zip(model.weights, other.weights, strict=True))
     assert fp8_state(dict(fp8_layers(other))["d1"], "weights").scale != 1.0
+
+
+def test_fsdp_float8_all_gather_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="torch FSDP2.*Keras has no FSDP2"):
+        build_mlp(fp8={"fsdp_float8_all_gather": True})
+    keras_ext.set_global_policy("32-true")
