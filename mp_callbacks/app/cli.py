@@ -182,7 +182,6 @@ def compare_own_model(args: argparse.Namespace, slowdown: dict[str, float] | Non
     builtin = [flag for flag, given in (("--hidden", args.hidden is not None), ("--depth", args.depth is not None),
                                         ("--inject", bool(args.inject)), ("--frameworks", args.frameworks is not None),
                                         ("--no-skip-nonfinite", args.no_skip_nonfinite),
-                                        ("--fp8-granularity", bool(args.fp8_granularity)),
                                         ("--batch-size", bool(args.lightning and args.batch_size))) if given]
     if builtin:
         wrong.append(f"mpx compare: error: {', '.join(builtin)} describe the built-in model; --{framework} "
@@ -197,7 +196,8 @@ def compare_own_model(args: argparse.Namespace, slowdown: dict[str, float] | Non
                          steps=args.steps, seed=args.seed, batch_size=args.batch_size, val_batches=args.val_batches,
                          metric=args.metric, higher_is_better=args.higher_is_better, loss=args.loss, lr=args.lr,
                          threads=args.threads)
-        compare_recipes(make_model, data, spec=spec, recipes=args.recipes, goal=args.goal, out=args.out,
+        compare_recipes(make_model, data, spec=spec, recipes=fp8_variants(args.recipes, args.fp8_granularity),
+                        goal=args.goal, out=args.out,
                         verbose=True, show_progress=not args.quiet, in_process=args.in_process, slowdown=slowdown)
     except (ValueError, ImportError, AttributeError, TypeError) as exc:
         raise SystemExit(f"mpx compare: error: {exc}") from None
@@ -309,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), metavar="RECIPE",
                    help=f"any of {', '.join(RECIPE_NAMES)} (32-true is always run as the baseline)")
     p.add_argument("--fp8-granularity", nargs="+", type=_granularity, default=None, metavar="KIND",
-                   help=f"built-in model: run fp8-mixed once per FP8 granularity ({', '.join(GRANULARITIES)}), "
-                        "each a row fp8-mixed[KIND]; also accepted in --recipes as fp8-mixed[KIND]")
+                   help=f"run fp8-mixed once per FP8 granularity ({', '.join(GRANULARITIES)}), each a row "
+                        "fp8-mixed[KIND], on the built-in model or yours; also accepted in --recipes as "
+                        "fp8-mixed[KIND]")
     p.add_argument("--steps", type=_positive_int, default=300)
     p.add_argument("--batch-size", type=_positive_int, default=None,
                    help="built-in model: 128; Keras arrays: the batch to cut them in; Lightning: set by your loader")

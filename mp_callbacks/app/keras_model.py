@@ -31,7 +31,7 @@ from keras_ext import MixedPrecisionMonitor
 from keras_ext.fp8 import is_fp8_variable
 from keras_ext.optimizer import master_optimizer
 
-from ..recipes import get_recipe
+from ..recipes import Recipe, get_recipe, recipe_label
 from ..recommend import higher_is_better
 from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, load_factory, timing_fields
 from .keras_runner import _Recorder, graph_options, set_threads, state_bytes
@@ -147,14 +147,15 @@ def run(recipe: str, build_model: Callable[[], Any], prepared: PreparedData, spe
     try:
         return _run(recipe, build_model, prepared, spec, progress)
     except Exception as exc:  # noqa: BLE001 - a failed run is a row of the report
-        return RunResult.failure("keras", get_recipe(recipe).name, error_summary(exc), traceback.format_exc())
+        return RunResult.failure("keras", recipe_label(recipe), error_summary(exc), traceback.format_exc())
 
 
-def _build(name: str, build_model: Callable[[], Any], prepared: PreparedData, spec: ModelSpec) -> keras.Model:
+def _build(recipe: Recipe, build_model: Callable[[], Any], prepared: PreparedData, spec: ModelSpec) -> keras.Model:
+    name = recipe.name
     before = keras.config.dtype_policy()
     try:
         keras.utils.set_random_seed(spec.seed)
-        keras_policy.set_global_policy(name)
+        keras_policy.set_global_policy(recipe)
         model = build_model()
         if not model.built:
             model(prepared.train[0][0])
@@ -195,8 +196,9 @@ def _validate(model: keras.Model, batches: list[Batch], wanted: str | None) -> t
 def _run(recipe: str, build_model: Callable[[], Any], prepared: PreparedData, spec: ModelSpec,
          progress: Callable[[int], None] | None) -> RunResult:
     set_threads(spec.threads)
-    name = get_recipe(recipe).name
-    model = _build(name, build_model, prepared, spec)
+    chosen = get_recipe(recipe)  # a label (fp8-mixed[rowwise]) carries its FP8 settings
+    name = chosen.name
+    model = _build(chosen, build_model, prepared, spec)
     opt = model.optimizer
     every = spec.sample_every
     monitor = MixedPrecisionMonitor(log_every_n_steps=every, log_memory=False)
@@ -219,7 +221,7 @@ def _run(recipe: str, build_model: Callable[[], Any], prepared: PreparedData, sp
                                   fp32_master_grads=bool(opt.fp32_master_grads))
     times = [t for b, t in enumerate(recorder.times) if (b + 1) % every] or recorder.times  # monitor steps out
     return RunResult(
-        framework="keras", recipe=name, params=n_params, **timing_fields(times, prepared.batch_size),
+        framework="keras", recipe=recipe_label(recipe), params=n_params, **timing_fields(times, prepared.batch_size),
         peak_rss_mb=rss.peak_mb, state_bytes_per_param=state_bytes(model, opt) / n_params,
         estimate_bytes_per_param=estimate, final_loss=float(np.mean(tail)), accuracy=float("nan"),
         overflows=opt.overflows, skipped=opt.skipped, history=recorder.history, metric_name=metric_name,

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 
-from ..recipes import get_recipe
+from ..recipes import get_recipe, recipe_label
 from ..recommend import higher_is_better
 from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, timing_fields
 from .lightning_runner import _Batches, _Clock, _Recorder
@@ -141,18 +141,19 @@ def run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, spe
     try:
         return _run(recipe, make_module, prepared, spec, progress)
     except Exception as exc:  # noqa: BLE001 - a failed run is a row of the report
-        return RunResult.failure("lightning", get_recipe(recipe).name, error_summary(exc), traceback.format_exc())
+        return RunResult.failure("lightning", recipe_label(recipe), error_summary(exc), traceback.format_exc())
 
 
 def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, spec: ModelSpec,
          progress: Callable[[int], None] | None) -> RunResult:
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    name = get_recipe(recipe).name
+    chosen = get_recipe(recipe)  # a label (fp8-mixed[rowwise]) carries its FP8 settings
+    name = chosen.name
     pl.seed_everything(spec.seed, verbose=False)
     module = make_module()
     module.load_state_dict(prepared.initial)
-    plugin = MixedPrecision(name, "cpu", count_overflows=True)
+    plugin = MixedPrecision(name, "cpu", count_overflows=True, fp8=chosen.fp8)
     every = spec.sample_every
     monitor = MixedPrecisionMonitor(log_every_n_steps=every, log_memory=False)
     recorder = _Recorder(plugin, spec.steps, progress)
@@ -183,7 +184,8 @@ def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, sp
     times = [t for b, t in enumerate(recorder.times) if (b + 1) % every] or recorder.times  # monitor steps out
     view = plugin.loss_scaler
     return RunResult(
-        framework="lightning", recipe=name, params=n_params, **timing_fields(times, prepared.batch_size),
+        framework="lightning", recipe=recipe_label(recipe), params=n_params,
+        **timing_fields(times, prepared.batch_size),
         peak_rss_mb=rss.peak_mb,
         state_bytes_per_param=None if recorder.state_bytes is None else recorder.state_bytes / n_params,
         estimate_bytes_per_param=estimate, final_loss=float(np.mean(tail)), accuracy=float("nan"),

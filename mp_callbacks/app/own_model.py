@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..recipes import RECIPE_NAMES, canonical_recipe_name
+from ..recipes import RECIPE_NAMES, recipe_label
 from ..recommend import GOALS, Recommendation
 from .compare import ModelSetupError, ModelSpec, RunResult, load_factory
 from .machine import matmul_probe
@@ -118,7 +118,7 @@ def compare_recipes(make_model: Callable[[], Any], data: Callable[[], Any] | Non
     """
     if goal not in GOALS:
         raise ModelSetupError(f"goal {goal!r}: valid goals are {', '.join(GOALS)}")
-    names = [canonical_recipe_name(r) for r in recipes]
+    names = [recipe_label(r) for r in recipes]  # a label (fp8-mixed[rowwise]) keeps its FP8 granularity
     call = caller(not in_process)
     if spec is None:
         if framework is None:

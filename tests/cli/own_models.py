@@ -7,7 +7,8 @@
   whose process dies);
 * :func:`build_fragile_keras` / :func:`make_keras_arrays`: a compiled Dense model that cannot be built
   under a low-precision global policy (any recipe but ``32-true`` and the ``*-master`` ones fails), and
-  its array data.
+  its array data;
+* :func:`build_keras_mlp`: the same model without the refusal (it builds under every recipe).
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ def build_fragile_keras():
     if policy != "float32" and policy.startswith("mixed"):
         raise TypeError(f"cannot build under the {policy} policy")
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def build_keras_mlp():
+    import keras
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
     model.compile(optimizer=keras.optimizers.Adam(1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     return model

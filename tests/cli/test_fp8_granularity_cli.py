@@ -30,9 +30,45 @@ def test_bad_label_in_recipes_lists_the_valid_ones(label):
     assert str(info.value).startswith("mpx compare: error:") and all(k in str(info.value) for k in GRANULARITIES)
 
 
-def test_own_model_refuses_the_flag():
-    with pytest.raises(SystemExit, match="--fp8-granularity"):
-        cli.main(["compare", "--lightning", "pkg.mod:make", "--fp8-granularity", "rowwise"])
+OWN = {  # one own model per framework: the factories mpx compare is given (the keras_hub GPT-2 of
+    # examples/compare_keras_hub.py takes ~100 s here under mxfp8: a Dense model stands in for it)
+    "lightning": ("--lightning", "examples.compare_hf_gpt2:make_module", "--datamodule",
+                  "examples.compare_hf_gpt2:make_datamodule"),
+    "keras": ("--keras", "tests.cli.own_models:build_keras_mlp", "--data", "tests.cli.own_models:make_keras_arrays",
+              "--batch-size", "16"),
+}
+
+
+@pytest.mark.parametrize("framework", ["lightning", "keras"])
+def test_own_model_trains_each_granularity(framework, tmp_path, monkeypatch):
+    """``--fp8-granularity`` on your own model: a row ``fp8-mixed[KIND]`` whose run trained the recipe
+    ``fp8={"granularity": KIND}`` gives (what the adapter was handed is recorded)."""
+    trained = []
+    if framework == "lightning":
+        pytest.importorskip("transformers")
+        from mp_callbacks.app import lightning_model
+
+        class Recording(lightning_model.MixedPrecision):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                trained.append(self.recipe)
+
+        monkeypatch.setattr(lightning_model, "MixedPrecision", Recording)
+    else:
+        pytest.importorskip("keras")
+        from mp_callbacks.app import keras_model
+
+        real = keras_model.keras_policy.set_global_policy
+        monkeypatch.setattr(keras_model.keras_policy, "set_global_policy", lambda r: (trained.append(r), real(r))[1])
+    cli.main(["compare", *OWN[framework], "--recipes", "fp8-mixed", "--fp8-granularity", "mxfp8", "--steps", "3",
+              "--threads", "1", "--in-process", "--quiet", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = [r for r in data["results"] if not r["control"]]
+    assert [r["recipe"] for r in rows] == ["32-true", "fp8-mixed[mxfp8]"]
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows]
+    assert (tmp_path / f"{framework}_fp8-mixed[mxfp8].jsonl").is_file()
+    fp8 = [r.fp8 for r in trained if getattr(r, "fp8", None) is not None]
+    assert fp8 == [get_recipe("fp8-mixed", fp8={"granularity": "mxfp8"}).fp8]
 
 
 KINDS = ("tensorwise", "mxfp8")  # the default kind and a finer one (every kind: tests/core/test_recipe_labels.py)
