@@ -44,9 +44,21 @@ def checklist(cause: str, compute: str | None = None) -> str:
 FLOAT16_CPU_FEATURES = ("amx_fp16", "avx512_fp16")
 """The ``/proc/cpuinfo`` flags that give a CPU native float16 matmul kernels (oneDNN)."""
 
-FLOAT16_CPU_SLOWDOWN = 47
-"""torch's float16 matmul time / float32's, measured on a CPU without them (an AMD EPYC with AVX2 and F16C:
-``benchmarks/bench_cpu_float16.py``, 512x512, one thread, the least of three; bfloat16 there: 29x)."""
+BFLOAT16_CPU_FEATURES = ("amx_bf16", "avx512_bf16")
+"""The flags that give it native bfloat16 matmul kernels (where the notice's bf16-mixed advice holds)."""
+
+FLOAT16_CPU_SLOWDOWNS: dict[str, float] = {"torch": 47, "keras/tensorflow": 1.1, "keras/jax": 1.3,
+                                           "keras/torch": 1.3}
+"""Float16 matmul time / float32's on a CPU without :data:`FLOAT16_CPU_FEATURES`, per backend: ``"torch"`` (torch's
+own matmul: the Lightning adapter) and ``"keras/<backend>"`` (``keras.ops.matmul``, what ``Dense`` calls: the
+Keras adapter).  Measured by ``benchmarks/bench_cpu_float16.py`` on an AMD EPYC with AVX2 and F16C, no AVX-512 or
+AMX (2 shared cores, load average 2.5-9), one thread, the least of three rounds (controls 0.8-1.1): torch 47x at
+512x512 (six later runs: 38-95x; bfloat16 as slow, 29-104x); ``keras.ops.matmul`` in float16, the largest of the
+runs: 1.1x on TensorFlow (256x256), 1.3x on JAX and on torch (512x512; Keras' torch backend computes a float16
+matmul on CPU in float32, its bfloat16 one takes torch's path: 77-110x).  See benchmarks/README.md."""
+
+FLOAT16_CPU_SLOW = 2.0
+"""The notice's threshold: a backend whose measured slowdown is below it has nothing to warn about."""
 
 
 def cpu_flags() -> set[str]:
@@ -61,12 +73,19 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def cpu_float16_notice(recipe: str, compute: str, device_type: str, flags: Collection[str]) -> str | None:
-    """The warning for a float16 recipe computing on a CPU without native float16 matmuls, else None
-    (another dtype, another device, or CPU flags unknown: ``flags`` empty)."""
-    if compute != "float16" or device_type != "cpu" or not flags or any(f in flags for f in FLOAT16_CPU_FEATURES):
+def cpu_float16_notice(recipe: str, compute: str, device_type: str, flags: Collection[str],
+                       backend: str = "torch") -> str | None:
+    """The warning for a float16 recipe computing on a CPU without native float16 matmuls in ``backend`` (a key
+    of :data:`FLOAT16_CPU_SLOWDOWNS`), else None: another dtype, another device, CPU flags unknown (``flags``
+    empty), or a backend with no measured slowdown of at least :data:`FLOAT16_CPU_SLOW`."""
+    slowdown = FLOAT16_CPU_SLOWDOWNS.get(backend, 0.0)
+    if (compute != "float16" or device_type != "cpu" or not flags or slowdown < FLOAT16_CPU_SLOW
+            or any(f in flags for f in FLOAT16_CPU_FEATURES)):
         return None
+    advice = ("Use bf16-mixed on this CPU (it has native bfloat16 kernels)" if any(
+        f in flags for f in BFLOAT16_CPU_FEATURES) else "This CPU has no native bfloat16 kernels either (no "
+              "AVX512-BF16 or AMX-BF16), so bf16-mixed may be as slow: use 32-true on it")
     return (f"{recipe} computes in float16 on a CPU without native float16 matmul kernels (no AMX-FP16 or "
-            f"AVX512-FP16 in /proc/cpuinfo): torch falls back to a slow path, ~{FLOAT16_CPU_SLOWDOWN}x float32's "
-            "matmul time (measured on an AMD EPYC with AVX2, benchmarks/bench_cpu_float16.py). Use bf16-mixed on "
-            "CPU, or train float16 on a GPU.")
+            f"AVX512-FP16 in /proc/cpuinfo): {backend} falls back to a slow path, ~{slowdown:g}x float32's matmul "
+            "time (measured on an AMD EPYC with AVX2, benchmarks/bench_cpu_float16.py). "
+            f"{advice}, or train float16 on a GPU.")
