@@ -34,8 +34,8 @@ policies and FP8 settings in a saved model), ``rebuild``, ``report``, ``guard``
 (compile under a recipe), ``forward_state`` (skipped steps and BatchNorm),
 ``attribution`` (which layer overflowed), ``monitor``, ``memory``, ``ops``,
 ``meters``, ``checkpoint`` (saving the masters, resuming across recipes),
-``loading``.  No module keeps global state: the active policy rides on Keras'
-own global dtype policy.
+``loading``.  No module keeps global state (one said-once flag aside: the float16-on-CPU
+notice, ``global_policy``): the active policy rides on Keras' own global dtype policy.
 
 Typical use::
 

@@ -6,24 +6,29 @@ compute dtype) and keeps the core :class:`~mp_callbacks.PrecisionPolicy` and the
 ``keras.DTypePolicy`` object (attributes :data:`POLICY_ATTR` / :data:`RECIPE_ATTR`; the object stays
 a plain ``DTypePolicy``, so saved models keep loading with ``safe_mode=True``).
 :func:`get_global_policy` / :func:`get_global_recipe` read them back from ``keras.config.dtype_policy()``,
-or derive them from its dtypes when another policy was set since.  This module keeps no state of its own.
+or derive them from its dtypes when another policy was set since.  This module keeps no state of its own
+but one flag: :func:`notice_cpu_float16` (float16 computing on a CPU without native float16 matmuls, which
+:func:`set_global_policy` and :func:`keras_ext.apply_policy` report) is said once per process.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import keras
 
+from mp_callbacks.advice import cpu_flags, cpu_float16_notice
 from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.policy import PolicyError, PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
 
 from .plan import keras_dtype_policy
 
-__all__ = ["POLICY_ATTR", "RECIPE_ATTR", "coerce_recipe", "core_policy", "get_global_policy", "get_global_recipe",
-           "keep_layer_in_fp32", "optimizer_recipe", "resolve_policy", "set_global_policy"]
+__all__ = ["POLICY_ATTR", "RECIPE_ATTR", "coerce_recipe", "compute_device", "core_policy", "get_global_policy",
+           "get_global_recipe", "keep_layer_in_fp32", "notice_cpu_float16", "optimizer_recipe", "resolve_policy",
+           "set_global_policy"]
 
 POLICY_ATTR = "mp_policy"
 """Attribute of Keras' global ``DTypePolicy`` holding the core :class:`PrecisionPolicy` it was set from."""
@@ -69,14 +74,54 @@ def set_global_policy(recipe_or_policy: Any) -> PrecisionPolicy:
     New layers get FP32 variables and the policy's compute dtype (``"bf16-master"``,
     ``"bf16-mixed"`` -> Keras ``mixed_bfloat16``, ``"16-mixed"``/``"16-master"`` -> Keras
     ``mixed_float16``, ``"32-true"`` -> ``float32``): the initial values are drawn in FP32 under
-    every recipe, as Keras' own ``float32``/``mixed_*`` policies draw them.  :func:`apply_policy`
+    every recipe, as Keras' own ``float32``/``mixed_*`` policies draw them.  A float16 policy on a CPU
+    without native float16 matmuls warns (:func:`notice_cpu_float16`).  :func:`apply_policy`
     (which uses this policy when given none) stores the low-precision layers' variables in the
     recipe's ``params`` dtype and applies the per-layer rules (softmax, norms, output layers,
     custom layers, composite layers).
     """
     policy, recipe = resolve_policy(recipe_or_policy)
     _install(policy, recipe)
+    notice_cpu_float16(policy, recipe)
     return policy
+
+
+_NOTICED: list[str] = []  # the float16-on-CPU notice, once said in this process
+
+
+def compute_device() -> str:
+    """Where the active Keras backend computes by default: ``"cpu"``, ``"gpu"`` (TensorFlow, JAX),
+    ``"cuda"`` / ``"mps"`` (torch), ``"tpu"`` (JAX); ``""`` on another backend."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
+    if backend == "jax":
+        import jax
+
+        return jax.default_backend()
+    if backend == "torch":
+        import torch
+
+        mps = getattr(torch.backends, "mps", None)
+        return "cuda" if torch.cuda.is_available() else "mps" if mps is not None and mps.is_available() else "cpu"
+    return ""
+
+
+def notice_cpu_float16(policy: PrecisionPolicy, recipe: Recipe | None, stacklevel: int = 3) -> None:
+    """Warn when ``policy`` computes in float16 on a CPU whose float16 matmuls are slow in the active backend;
+    the core decides (:func:`mp_callbacks.advice.cpu_float16_notice`, backend ``"keras/<backend>"``, with its
+    measured slowdown).  Said once per process (the CPU and the backend do not change in it): the first
+    float16 policy set up on such a CPU warns, later ones do not.  With the measured figures Keras' three
+    backends compute float16 matmuls on CPU at about float32's speed, and this says nothing."""
+    if _NOTICED or policy.compute != "float16":
+        return
+    name = recipe.name if recipe is not None else "the dtype policy"
+    notice = cpu_float16_notice(name, policy.compute, compute_device(), cpu_flags(), f"keras/{keras.backend.backend()}")
+    if notice is not None:
+        _NOTICED.append(notice)
+        warnings.warn(f"keras_ext: {notice}", UserWarning, stacklevel=stacklevel)
 
 
 def _install(policy: PrecisionPolicy, recipe: Recipe | None) -> None:

@@ -41,7 +41,7 @@ from mp_callbacks.recipes import Recipe
 from .casts import install_casts
 from .fp8 import install as install_fp8
 from .fp8 import is_fp8_variable
-from .global_policy import RECIPE_ATTR, core_policy, resolve_policy
+from .global_policy import RECIPE_ATTR, core_policy, notice_cpu_float16, resolve_policy
 from .guard import guard_compile
 from .layers import children, is_graph, own_variables, resolved_policy, walk
 from .plan import MATMUL_LAYERS, LayerPlan, make_plan
@@ -93,9 +93,11 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     Under ``fp8-mixed`` (the recipe given, or the global one) the low-precision
     ``Dense`` / ``EinsumDense`` layers then compute with FP8 matmuls
     (:func:`keras_ext.fp8.install`).  A recipe computing in low precision whose
-    model has no low-precision matmul layer warns with the counts.
+    model has no low-precision matmul layer warns with the counts; one computing in float16 on a CPU without
+    native float16 matmuls warns (:func:`keras_ext.global_policy.notice_cpu_float16`, once per process).
     """
     core, recipe = core_policy(policy), _recipe_of(policy)
+    notice_cpu_float16(core, recipe)
     plan = make_plan(model, core)
     rebuild = [row.path for row in plan if _mismatched(row.layer, row.keras_policy)]
     if rebuild:
