@@ -11,9 +11,9 @@ model: ``model.compile(optimizer=...)`` then checks the optimizer against the re
 * A :class:`keras_ext.LossScaleOptimizer` without what the recipe needs (no masters under ``bf16-master``)
   is a :class:`~mp_callbacks.policy.PolicyError` that names the fix.
 * A model compiled *before* ``apply_policy`` (or given its optimizer any other way than through the guarded
-  ``compile``) keeps that optimizer: when it lacks what the recipe needs, the first ``fit`` warns with
-  the fix (compile again after ``apply_policy``; compiling again then is what the warning asks, so
-  ``apply_policy`` itself says nothing).
+  ``compile``) keeps that optimizer: when it lacks what the recipe needs, the first ``fit`` or
+  ``train_on_batch`` warns, once per optimizer, with the fix (compile again after ``apply_policy``; compiling
+  again then is what the warning asks, so ``apply_policy`` itself says nothing).
 
 After compiling with a :class:`keras_ext.LossScaleOptimizer` it installs
 :func:`keras_ext.forward_state.restore_on_skip` (BatchNorm statistics survive a skipped step).
@@ -121,26 +121,36 @@ def check_compiled(model: Any, recipe: Recipe, stacklevel: int = 3) -> None:
         UserWarning, stacklevel=stacklevel)
 
 
+_TRAINING = ("fit", "train_on_batch")
+"""The ``Model`` methods that apply the compiled optimizer, and so check it first (:func:`check_compiled`)."""
+
+
+def _checked(model: Any, train: Any) -> Any:
+    """``train`` (a bound ``fit`` / ``train_on_batch``) after :func:`check_compiled` for the guarded recipe."""
+
+    @functools.wraps(train)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        current = model.__dict__.get(_GUARDED)
+        if current is not None:
+            check_compiled(model, current)
+        return train(*args, **kwargs)
+
+    return checked
+
+
 def guard_compile(model: Any, recipe: Recipe | None) -> Any:
     """From now on ``model.compile`` passes its optimizer through :func:`recipe_optimizer` for ``recipe``
-    (None: no guard; installing again replaces the recipe), and ``model.fit`` warns once
-    (:func:`check_compiled`) when the model is already compiled with an optimizer that cannot honour it."""
+    (None: no guard; installing again replaces the recipe), and ``model.fit`` / ``model.train_on_batch``
+    warn once per optimizer, whichever runs first (:func:`check_compiled`), when the model is already compiled
+    with an optimizer that cannot honour it."""
     if recipe is None:
         model.__dict__.pop(_GUARDED, None)
         return model
     first = _GUARDED not in model.__dict__
     object.__setattr__(model, _GUARDED, recipe)
     if first:
-        fit_fn = model.fit
-
-        @functools.wraps(fit_fn)
-        def fit(*args: Any, **kwargs: Any) -> Any:
-            current = model.__dict__.get(_GUARDED)
-            if current is not None:
-                check_compiled(model, current)
-            return fit_fn(*args, **kwargs)
-
-        object.__setattr__(model, "fit", fit)
+        for name in _TRAINING:
+            object.__setattr__(model, name, _checked(model, getattr(model, name)))
         compile_fn = model.compile
 
         @functools.wraps(compile_fn)
