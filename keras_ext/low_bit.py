@@ -87,8 +87,12 @@ class KerasQuantOps:
 KERAS_QUANT_OPS = KerasQuantOps()
 
 
+@keras.saving.register_keras_serializable(package="keras_ext")
 class AdamW8bit(keras.optimizers.Optimizer):
     """Adam with decoupled weight decay whose m and v are held 8-bit block-quantized (the core's rule).
+
+    Registered with Keras' serialization (``keras_ext>AdamW8bit``): ``model.save`` / ``load_model`` bring it back
+    with its codes, scales and maps, and training continues bit for bit.
 
     ``learning_rate``, ``beta_1``, ``beta_2``, ``epsilon``, ``weight_decay`` as Keras' ``AdamW`` (defaults:
     torchao's); other keyword arguments are Keras' optimizer base arguments.
