@@ -22,7 +22,7 @@ FRAMEWORKS = ("lightning", "keras")
 PAIRS = [(fw, rc) for fw in FRAMEWORKS for rc in RECIPE_NAMES]  # every adapter trains every recipe
 
 
-def _run(*args, timeout=300):
+def _run(*args, timeout=600):  # ~85 s on 2 idle cores; over 300 s at load 11
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
     env.setdefault("KERAS_BACKEND", "tensorflow")
     return subprocess.run([sys.executable, "-m", "mp_callbacks", *args], capture_output=True, text=True,
