@@ -25,7 +25,6 @@ can overflow) and the overflow consensus' cost (one all-reduce of one float32 pe
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_line, write_json  # noqa: E402
+from common import bytes_by_dtype, machine_line, quiet_torch_worker, torchrun_self, write_json  # noqa: E402
 
 COMMS = ("float32", "bfloat16", "float16")
 
@@ -125,27 +124,14 @@ def run_one(strategy: str, recipe: str, comm: str, args, data) -> dict:
             "calls": plugin.comm_counter.calls / steps, "skipped": plugin.loss_scaler.skipped, "steps": steps}
 
 
-def _bytes(per_dtype: dict) -> str:
-    """``{dtype: bytes}`` as ``"170,004 bf16"`` (several dtypes joined by ``+``)."""
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    return " + ".join(f"{b:,.0f} {short.get(d, d)}" for d, b in sorted(per_dtype.items())) or "-"
-
-
 def worker(argv: list[str]) -> None:
-    import logging
-    import warnings
-
-    import lightning.pytorch  # noqa: F401 - it sets its loggers' levels on import: quiet them after
     import torch
     import torch.distributed as dist
 
     from mp_callbacks.app.compare import digits_data
     from mp_callbacks.memory.sharding import consensus_cost
 
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
+    quiet_torch_worker()
     args = parse(argv)
     x, y, _, _ = digits_data()
     data = (torch.from_numpy(x), torch.from_numpy(y))
@@ -169,7 +155,8 @@ def worker(argv: list[str]) -> None:
               + f" {'skipped':>7} {'final loss':>11} {'vs fp32':>10} {'max |dloss| per step':>21}")
         for comm, r in by_comm.items():
             diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
-            cells = [f"{_bytes(r['counted'].get(op, {}))} ({_bytes(r['core'].get(op, {}))})" for op in ops]
+            cells = [f"{bytes_by_dtype(r['counted'].get(op, {}))} ({bytes_by_dtype(r['core'].get(op, {}))})"
+                     for op in ops]
             print(f"  {comm:<10} " + " ".join(f"{c:>40}" for c in cells)
                   + f" {r['skipped']:>7d} {r['final_loss']:>11.5f} {r['final_loss'] - base['final_loss']:>+10.5f}"
                   f" {diff:>21.5f}")
@@ -184,18 +171,7 @@ def worker(argv: list[str]) -> None:
 
 
 def main() -> None:
-    if "LOCAL_RANK" in os.environ:
-        worker(sys.argv[1:])
-        return
-    import socket
-
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(Path(__file__).resolve()), *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    sys.exit(subprocess.run(cmd, cwd=ROOT, env=env).returncode)
+    torchrun_self(__file__, worker)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ all-reduces current scaling adds (one float32 per FP8 weight per gather; not in 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_line, write_json  # noqa: E402
+from common import bytes_by_dtype, machine_line, quiet_torch_worker, torchrun_self, write_json  # noqa: E402
 
 RUNS = {  # name: (recipe, fp8 settings, FP8 all-gather)
     "current bf16-gather": ("fp8-mixed", {"preset": "torchao"}, False),
@@ -176,25 +175,13 @@ def run_torchao(args, data) -> dict:
             "steps": steps}
 
 
-def _bytes(per_dtype: dict) -> str:
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    return " + ".join(f"{b:,.0f} {short.get(d, d)}" for d, b in sorted(per_dtype.items())) or "-"
-
-
 def worker(argv: list[str]) -> None:
-    import logging
-    import warnings
-
-    import lightning.pytorch  # noqa: F401 - it sets its loggers' levels on import: quiet them after
     import torch
     import torch.distributed as dist
 
     from mp_callbacks.app.compare import digits_data
 
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
+    quiet_torch_worker()
     args = parse(argv)
     x, y, _, _ = digits_data()
     data = (torch.from_numpy(x), torch.from_numpy(y))
@@ -216,8 +203,8 @@ def worker(argv: list[str]) -> None:
         base = results[against]
         ratio = sum(r["counted"]["all_gather"].values()) / bf16_bytes
         diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
-        cell = f"{_bytes(r['counted']['all_gather'])} ({_bytes(r['core']['all_gather'])})"
-        print(f"{name:<22} {cell:>38} {ratio:>8.4f} {_bytes(r['counted']['reduce_scatter']):>16} "
+        cell = f"{bytes_by_dtype(r['counted']['all_gather'])} ({bytes_by_dtype(r['core']['all_gather'])})"
+        print(f"{name:<22} {cell:>38} {ratio:>8.4f} {bytes_by_dtype(r['counted']['reduce_scatter']):>16} "
               f"{r['amax_allreduce_bytes']:>8} {r['skipped']:>7d} {r['final_loss']:>11.5f} {diff:>12.5f}  "
               f"{against if base is not r else '-'}")
         rows.append({"run": name, "counted_per_step": r["counted"], "core_per_step": r["core"],
@@ -225,8 +212,9 @@ def worker(argv: list[str]) -> None:
                      "skipped": r["skipped"], "final_loss": r["final_loss"], "max_step_loss_diff": diff,
                      "loss_diff_against": against})
     ours, theirs = (sum(x["counted"]["all_gather"].values()) for x in (results["current fp8-gather"], ao))
-    print(f"{'torchao (reference)':<22} {_bytes(ao['counted']['all_gather']):>38} {theirs / bf16_bytes:>8.4f} "
-          f"{_bytes(ao['counted']['reduce_scatter']):>16}   (ours / torchao all-gather bytes: {ours / theirs:.4f})")
+    print(f"{'torchao (reference)':<22} {bytes_by_dtype(ao['counted']['all_gather']):>38} {theirs / bf16_bytes:>8.4f} "
+          f"{bytes_by_dtype(ao['counted']['reduce_scatter']):>16}   "
+          f"(ours / torchao all-gather bytes: {ours / theirs:.4f})")
     rows.append({"run": "torchao", "counted_per_step": ao["counted"]})
     print("\namax AR: the all-reduce (MAX) of one float32 per FP8 weight per gather that current scaling adds "
           "(bytes per step, not in the all-gather counts); delayed scaling adds none.")
@@ -234,18 +222,7 @@ def worker(argv: list[str]) -> None:
 
 
 def main() -> None:
-    if "LOCAL_RANK" in os.environ:
-        worker(sys.argv[1:])
-        return
-    import socket
-
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(Path(__file__).resolve()), *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    sys.exit(subprocess.run(cmd, cwd=ROOT, env=env).returncode)
+    torchrun_self(__file__, worker)
 
 
 if __name__ == "__main__":

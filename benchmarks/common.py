@@ -147,6 +147,43 @@ def machine_line(threads: int | None = None) -> str:
     return line + (f"; {threads} thread(s)" if threads else "")
 
 
+def bytes_by_dtype(per_dtype: Mapping[str, float]) -> str:
+    """``{dtype: bytes}`` as ``"170,004 bf16"`` (several dtypes joined by ``+``; ``-`` when empty)."""
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    return " + ".join(f"{b:,.0f} {short.get(d, d)}" for d, b in sorted(per_dtype.items())) or "-"
+
+
+def quiet_torch_worker() -> None:
+    """In a torchrun rank: Lightning's and Python's chatter off, one intra-op thread."""
+    import lightning.pytorch  # noqa: F401 - it sets its loggers' levels on import: quiet them after
+    import torch
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+
+
+def torchrun_self(script: str, worker: Callable[[list[str]], None]) -> None:
+    """``worker(argv)`` in each of 2 gloo ranks: run it here when under torchrun, else relaunch ``script`` with it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if "LOCAL_RANK" in os.environ:
+        worker(sys.argv[1:])
+        return
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           str(Path(script).resolve()), *sys.argv[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    sys.exit(subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env).returncode)
+
+
 def write_json(path: str | None, data: Any) -> None:
     """Write ``data`` (with the machine line) to ``path`` as JSON, when a path was given."""
     if path:
