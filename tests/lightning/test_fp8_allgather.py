@@ -8,7 +8,6 @@ estimate (``fsdp_step_bytes``), and the same runs all-gathering bf16 (the traini
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from lightning_ext import MixedPrecision
 from mp_callbacks.fp8.allgather import sharded_fp8_cast
 from mp_callbacks.fp8.recipe import FP8Recipe
 from mp_callbacks.fp8.scaling import FP8State
-from tests.lightning.helpers.torchrun import run_two_ranks
+from tests.lightning.helpers.torchrun import quiet_rank, run_two_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -140,9 +139,6 @@ def test_training_equals_the_bf16_all_gather_run_within_fp8_bounds(ranks):
 
 # --------------------------------------------------------------------------- the worker (under torchrun)
 def worker(out: str) -> None:
-    import logging
-    import warnings
-
     import lightning.pytorch as pl
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -156,11 +152,7 @@ def worker(out: str) -> None:
     from mp_callbacks.memory.sharding import fsdp_step_bytes
     from tests.lightning.helpers.models import regression_data, trainer_kwargs
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    rank = int(os.environ["RANK"])
+    rank = quiet_rank()
 
     class Block(nn.Linear):
         """A sharded unit (resharded after forward: gathered again for backward)."""

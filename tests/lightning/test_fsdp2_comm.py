@@ -7,14 +7,13 @@ counter (bit for bit), and an FP32 reduction of the same injected gradient (no o
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.lightning.helpers.torchrun import run_two_ranks
+from tests.lightning.helpers.torchrun import quiet_rank, run_two_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,9 +77,6 @@ def test_fp16_reduce_scatter_overflow_on_one_shard_is_skipped_by_every_rank(rank
 
 # --------------------------------------------------------------------------- the worker (under torchrun)
 def worker(out: str) -> None:
-    import logging
-    import warnings
-
     import lightning.pytorch as pl
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -94,11 +90,7 @@ def worker(out: str) -> None:
     from mp_callbacks.memory.sharding import fsdp_step_bytes
     from tests.lightning.helpers.models import regression_data, trainer_kwargs
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    rank = int(os.environ["RANK"])
+    rank = quiet_rank()
 
     class Block(nn.Linear):
         """The sharded unit (resharded after forward: gathered again for backward)."""

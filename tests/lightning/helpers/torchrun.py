@@ -25,3 +25,18 @@ def run_two_ranks(module: str, out: Path, timeout: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def quiet_rank() -> int:
+    """In a rank: warnings and Lightning's loggers quiet, one intra-op thread; returns the rank."""
+    import logging
+    import warnings
+
+    import lightning.pytorch  # noqa: F401 - it sets its loggers' levels on import: quiet them after
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return int(os.environ["RANK"])
