@@ -30,7 +30,9 @@ projections included) run on FP8 inputs with per-tensor scales
 (:mod:`mp_callbacks.fp8.recipe`; knobs: ``get_recipe("fp8-mixed", fp8={...})``,
 an :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).  A recipe *label* names one more setting:
 ``"fp8-mixed[rowwise]"`` is ``fp8-mixed`` at that FP8 granularity (:func:`split_recipe_label`); every
-function here that takes a recipe name takes a label too.
+function here that takes a recipe name takes a label too.  The bracket also takes
+``state_dtype=<dtype>`` and ``master_remainders`` (comma-separated, :func:`parse_recipe_label`):
+``"bf16-sr[state_dtype=bfloat16]"``, ``"bf16-master[state_dtype=8bit,master_remainders]"``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .dtypes import canonical_dtype
 from .fp8.granularity import GRANULARITIES
 from .fp8.recipe import FP8Recipe
 from .loss_scale.config import ScalerConfig
-from .masters import MasterPlan
+from .masters import STATE_DTYPES, MasterPlan, check_state_dtype
 from .policy import PrecisionPolicy
 from .settings import StateDictError
 
@@ -215,43 +217,88 @@ def canonical_recipe_name(name: Any) -> str:
     )
 
 
-def split_recipe_label(label: Any) -> tuple[str, str | None]:
-    """``"fp8-mixed[rowwise]"`` -> ``("fp8-mixed", "rowwise")``; a plain name -> ``(its canonical name, None)``.
+LABEL_OPTIONS = ("<granularity>", "state_dtype=<dtype>", "master_remainders")
+"""What a label's bracket may hold, comma-separated: an FP8 granularity (``fp8-mixed`` only),
+``state_dtype=`` one of :data:`~mp_callbacks.masters.STATE_DTYPES` (or an alias), ``master_remainders``."""
 
-    The bracket holds an FP8 granularity (:data:`~mp_callbacks.fp8.granularity.GRANULARITIES`) and goes
-    with ``fp8-mixed`` only; anything else is a :class:`RecipeError` listing what is valid."""
+
+def parse_recipe_label(label: Any) -> tuple[str, dict[str, Any]]:
+    """``"bf16-sr[state_dtype=bf16]"`` -> ``("bf16-sr", {"state_dtype": "bfloat16"})``; a plain name ->
+    ``(its canonical name, {})``.
+
+    The bracket's items (:data:`LABEL_OPTIONS`) become ``{"granularity": ..., "state_dtype": ...,
+    "master_remainders": True}``; an unknown or repeated item is a :class:`RecipeError` listing what is valid.
+    Whether the recipe takes the option is :func:`get_recipe`'s check."""
     text = label.strip() if isinstance(label, str) else label
     if not (isinstance(text, str) and text.endswith("]") and "[" in text):
-        return canonical_recipe_name(label), None
-    base, _, option = text[:-1].partition("[")
+        return canonical_recipe_name(label), {}
+    base, _, inside = text[:-1].partition("[")
     name = canonical_recipe_name(base)
-    kind = option.strip().lower()
-    if name != "fp8-mixed":
-        raise RecipeError(f"recipe label {label!r}: only fp8-mixed takes a [granularity] "
-                          f"(fp8-mixed[{'|'.join(GRANULARITIES)}])")
-    if kind not in GRANULARITIES:
-        raise RecipeError(f"recipe label {label!r}: FP8 granularity {option!r} is invalid; valid granularities: "
-                          f"{', '.join(GRANULARITIES)}")
-    return name, kind
+    options: dict[str, Any] = {}
+    for item in (part.strip().lower() for part in inside.split(",")):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if eq and key == "state_dtype":
+            try:
+                options.setdefault(key, []).append(check_state_dtype(value))
+            except ValueError as exc:
+                raise RecipeError(f"recipe label {label!r}: {exc}") from None
+        elif not eq and key == "master_remainders":
+            options.setdefault(key, []).append(True)
+        elif not eq and key in GRANULARITIES:
+            if name != "fp8-mixed":
+                raise RecipeError(f"recipe label {label!r}: only fp8-mixed takes a [granularity] "
+                                  f"(fp8-mixed[{'|'.join(GRANULARITIES)}])")
+            options.setdefault("granularity", []).append(key)
+        else:
+            raise RecipeError(f"recipe label {label!r}: {item!r} is invalid; a label's bracket holds, comma-separated, "
+                              f"{', '.join(LABEL_OPTIONS)} (FP8 granularities, fp8-mixed only: "
+                              f"{', '.join(GRANULARITIES)}; state dtypes: {', '.join(STATE_DTYPES)})")
+    repeated = [key for key, values in options.items() if len(values) > 1]
+    if repeated:
+        raise RecipeError(f"recipe label {label!r}: {repeated[0]} given more than once")
+    return name, {key: values[0] for key, values in options.items()}
+
+
+def split_recipe_label(label: Any) -> tuple[str, str | None]:
+    """``"fp8-mixed[rowwise]"`` -> ``("fp8-mixed", "rowwise")``; a label without a granularity ->
+    ``(its canonical name, None)`` (:func:`parse_recipe_label`: the bracket's other options are not returned)."""
+    name, options = parse_recipe_label(label)
+    return name, options.get("granularity")
 
 
 def recipe_label(label: Any) -> str:
-    """The canonical form of a recipe name or label (``"FP8-Mixed[RowWise]"`` -> ``"fp8-mixed[rowwise]"``)."""
-    name, kind = split_recipe_label(label)
-    return name if kind is None else f"{name}[{kind}]"
+    """The canonical form of a recipe name or label (``"FP8-Mixed[RowWise]"`` -> ``"fp8-mixed[rowwise]"``,
+    ``"bf16-master[Master_Remainders, state_dtype=8BIT]"`` -> ``"bf16-master[state_dtype=8bit,master_remainders]"``);
+    a label the recipe refuses is a :class:`RecipeError`."""
+    get_recipe(label)
+    name, options = parse_recipe_label(label)
+    items = [options["granularity"]] if "granularity" in options else []
+    items += [f"state_dtype={options['state_dtype']}"] if "state_dtype" in options else []
+    items += ["master_remainders"] if options.get("master_remainders") else []
+    return f"{name}[{','.join(items)}]" if items else name
 
 
 def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype: str | None = None,
                comm_dtype: str | None = None, fp8: Any = None, master_remainders: bool | None = None) -> Recipe:
-    """The named recipe, optionally with another scaler config/preset, policy, (``bf16-kahan``,
-    ``bf16-sr``) optimizer-state dtype, communication dtype (:attr:`Recipe.comm_dtype`),
+    """The named recipe, optionally with another scaler config/preset, policy, optimizer-state dtype
+    (:data:`~mp_callbacks.masters.STATE_DTYPES`), communication dtype (:attr:`Recipe.comm_dtype`),
     (``fp8-mixed``) FP8 settings (:class:`~mp_callbacks.fp8.recipe.FP8Recipe`) or (bf16 masters)
     ``master_remainders`` (:meth:`Recipe.with_master_remainders`).  ``name`` may be a label
-    (:func:`split_recipe_label`): ``get_recipe("fp8-mixed[rowwise]")`` is
-    ``get_recipe("fp8-mixed", fp8={"granularity": "rowwise"})``."""
-    name, kind = split_recipe_label(name)
-    if kind is not None:
-        fp8 = _with_granularity(fp8, kind, name)
+    (:func:`parse_recipe_label`): ``get_recipe("fp8-mixed[rowwise]")`` is
+    ``get_recipe("fp8-mixed", fp8={"granularity": "rowwise"})``, ``get_recipe("bf16-sr[state_dtype=bfloat16]")``
+    is ``get_recipe("bf16-sr", state_dtype="bfloat16")``; a setting given both ways differently is refused."""
+    name, options = parse_recipe_label(name)
+    if "granularity" in options:
+        fp8 = _with_granularity(fp8, options["granularity"], name)
+    if "state_dtype" in options:
+        if state_dtype is not None and check_state_dtype(state_dtype) != options["state_dtype"]:
+            raise RecipeError(f"recipe {name}[state_dtype={options['state_dtype']}] with state_dtype={state_dtype!r}: "
+                              "give the state dtype once")
+        state_dtype = options["state_dtype"]
+    if options.get("master_remainders"):
+        if master_remainders is False:
+            raise RecipeError(f"recipe {name}[master_remainders] with master_remainders=False: give it once")
+        master_remainders = True
     return _named_recipe(name, scaler, policy, state_dtype, comm_dtype, fp8).with_master_remainders(master_remainders)
 
 

@@ -169,7 +169,7 @@ def _build(recipe: Recipe, build_model: Callable[[], Any], prepared: PreparedDat
                               "under float32: it must build the same model every call")
     for variable, value in zip(weights, prepared.initial):
         variable.assign(ops.cast(value, variable.dtype))
-    compiled["optimizer"] = master_optimizer(compiled["optimizer"], name, count_overflows=True)
+    compiled["optimizer"] = master_optimizer(compiled["optimizer"], recipe, count_overflows=True)  # label settings too
     model.compile(**compiled, jit_compile=False)
     return model
 

@@ -148,12 +148,13 @@ def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, sp
          progress: Callable[[int], None] | None) -> RunResult:
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    chosen = get_recipe(recipe)  # a label (fp8-mixed[rowwise]) carries its FP8 settings
+    chosen = get_recipe(recipe)  # a label (fp8-mixed[rowwise], bf16-sr[state_dtype=bfloat16]) carries its settings
     name = chosen.name
     pl.seed_everything(spec.seed, verbose=False)
     module = make_module()
     module.load_state_dict(prepared.initial)
-    plugin = MixedPrecision(name, "cpu", count_overflows=True, fp8=chosen.fp8)
+    plugin = MixedPrecision(name, "cpu", count_overflows=True, fp8=chosen.fp8, state_dtype=chosen.master.state_dtype,
+                            master_remainders=chosen.master.master_remainders)
     every = spec.sample_every
     monitor = MixedPrecisionMonitor(log_every_n_steps=every, log_memory=False)
     recorder = _Recorder(plugin, spec.steps, progress)

@@ -262,9 +262,10 @@ def run(recipe: str, spec: RunSpec, progress: Callable[[int], None] | None = Non
     """Train ``spec`` under ``recipe`` and measure it."""
     # The output layer runs in FP32, as keras_ext.apply_policy does for the layer producing the
     # model output (torch has no notion of "the output module": a rule names it).
-    chosen = get_recipe(recipe)  # a label (fp8-mixed[rowwise]) carries its FP8 settings
+    chosen = get_recipe(recipe)  # a label (fp8-mixed[rowwise], bf16-sr[state_dtype=bfloat16]) carries its settings
     policy = chosen.policy.with_fp32_modules(f"net.{2 * spec.depth}")
     plugin = MixedPrecision(chosen.name, "cpu", scaler=scaler_for(recipe, spec), policy=policy, fp8=chosen.fp8,
+                            state_dtype=chosen.master.state_dtype, master_remainders=chosen.master.master_remainders,
                             count_overflows=True)
     with PeakRSS() as rss:
         module, recorder = fit_once(plugin, spec, progress)
