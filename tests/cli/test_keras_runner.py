@@ -20,6 +20,9 @@ from mp_callbacks.app.compare import RunSpec  # noqa: E402
 
 from .baseline import check_against_baseline  # noqa: E402
 
+# One xdist worker runs this module, so its module-scoped runs happen once under --dist loadgroup.
+pytestmark = pytest.mark.xdist_group("keras_runner")
+
 ROOT = Path(__file__).resolve().parents[2]
 # Long enough to learn (lr 1e-2), so that each recipe can be compared with the 32-true run.
 SPEC = RunSpec(steps=30, batch_size=16, hidden=24, depth=2, inject=(3,), lr=1e-2)

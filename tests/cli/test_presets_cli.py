@@ -12,6 +12,9 @@ from mp_callbacks import ScalerConfig
 from mp_callbacks.loss_scale.config import PRESETS
 from mp_callbacks.recipes import RECIPE_NAMES
 
+# One xdist worker runs this module, so its module-scoped runs happen once under --dist loadgroup.
+pytestmark = pytest.mark.xdist_group("presets_cli")
+
 STEPS, INTERVAL = 400, 20
 
 

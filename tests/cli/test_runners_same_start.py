@@ -20,6 +20,9 @@ import pytest
 from mp_callbacks.app.compare import RunSpec, scaler_for
 from mp_callbacks.recipes import RECIPE_NAMES, get_recipe
 
+# One xdist worker runs this module, so its module-scoped runs happen once under --dist loadgroup.
+pytestmark = pytest.mark.xdist_group("runners_same_start")
+
 KERAS_RECIPES = list(RECIPE_NAMES)
 
 SPEC = RunSpec(steps=1, batch_size=8, hidden=8, depth=1, inject=(0,))

@@ -40,7 +40,8 @@ from tests.keras.helpers.util import ROOT, run_pytest
 from tests.keras.test_optimizer import _assert_same
 
 pytest.importorskip("jax")
-pytestmark = pytest.mark.skipif(keras.backend.backend() == "jax", reason="already running on the jax backend")
+pytestmark = [pytest.mark.skipif(keras.backend.backend() == "jax", reason="already running on the jax backend"),
+              pytest.mark.xdist_group("jax_backend")]  # one worker: the module's JAX and TF runs happen once
 
 
 @pytest.fixture(scope="module")
