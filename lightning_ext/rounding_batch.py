@@ -30,7 +30,7 @@ from torch.optim.optimizer import _to_scalar
 
 from mp_callbacks.rounding.random_source import s32
 
-from .rounding_step import CHUNK, Scratch, _direct_adam, _kahan_chunk, _sr_from_index
+from .rounding_step import CHUNK, Scratch, _direct_adam, _sr_from_index
 
 __all__ = ["BatchedStep"]
 
@@ -41,7 +41,7 @@ class _Segment:
     """One segment: ``parts`` ``(item, a, b, offset)`` (elements ``a..b`` of a parameter at ``offset``)."""
 
     __slots__ = ("n", "packed", "parts", "t", "t0", "g", "tv", "gv", "m", "v", "mx", "w", "c", "wl", "cl", "wv",
-                 "cv", "idx", "ids")
+                 "cv", "idx", "ids", "y", "new", "pre", "src", "post", "post_src")
 
     def __init__(self, parts: list[tuple[int, int, int, int]]) -> None:
         self.parts = parts
@@ -134,9 +134,9 @@ def _layout(sizes: list[int], seg: int) -> list[_Segment]:
 
 def _build(out: list[_Segment], items: list, kahan: bool, bufs: tuple[Tensor, ...], device: Any) -> None:
     """The segments' views of the parameters, their compensation and state, and of the buffers."""
-    t, t0, g, wb, cb = bufs
+    t, t0, g, wb, cb, y, new = bufs
     for s in out:
-        s.t, s.t0, s.g = t[:s.n], t0[:s.n], g[:s.n]
+        s.t, s.t0, s.g, s.y, s.new = t[:s.n], t0[:s.n], g[:s.n], y[:s.n], new[:s.n]
         flat = [(items[j][0].detach().view(-1), items[j][1], items[j][2], a, b, o) for j, a, b, o in s.parts]
         s.tv = [t[o:o + b - a] for _, _, _, a, b, o in flat]
         s.gv = [g[o:o + b - a] for _, _, _, a, b, o in flat]
@@ -149,6 +149,13 @@ def _build(out: list[_Segment], items: list, kahan: bool, bufs: tuple[Tensor, ..
         s.cv = [cb[o:o + b - a] for _, _, _, a, b, o in flat]
         s.w = wb[:s.n] if s.packed else s.wl[0]
         s.c = (cb[:s.n] if s.packed else s.cl[0]) if kahan else None
+        # the copies before the kernel (the gradients' views are the step's): into the FP32 buffers directly,
+        # or, packed, into the weight (and compensation) buffers first
+        if s.packed:
+            s.pre, s.src = s.wv + s.cv[:len(s.cl)] + s.gv, s.wl + s.cl
+            s.post, s.post_src = [s.t, s.t0][:1 + kahan], [s.w, s.c][:1 + kahan]
+        else:
+            s.pre, s.src = [s.t, s.t0][:1 + kahan] + [s.g], [s.w, s.c][:1 + kahan]
         s.idx = s.ids = None
         if s.packed and not kahan:  # each element's index in its parameter, and which part it is in
             s.idx = torch.cat([torch.arange(a, b, dtype=torch.int32, device=device) for _, a, b, _ in s.parts])
@@ -157,38 +164,45 @@ def _build(out: list[_Segment], items: list, kahan: bool, bufs: tuple[Tensor, ..
 
 
 def _buffers(scratch: Scratch, n: int, dtype: torch.dtype, device: Any) -> tuple[Tensor, ...]:
-    """The segment buffers: FP32 ``t``, ``t0``, ``g`` (the chunked step's) and the packed weight/compensation."""
+    """The segment buffers: FP32 ``t``, ``t0``, ``g``, the rule's ``y`` and ``new`` (the chunked step's) and the
+    packed weight/compensation."""
     f32 = torch.float32
     return (scratch.get("t", n, f32, device), scratch.get("t0", n, f32, device), scratch.get("g", n, f32, device),
-            scratch.get("wb", n, dtype, device), scratch.get("cb", n, dtype, device))
+            scratch.get("wb", n, dtype, device), scratch.get("cb", n, dtype, device),
+            scratch.get("y", n, dtype, device), scratch.get("new", n, dtype, device))
 
 
 def _run(group: dict, items: list, keys: list, segments: list[_Segment], kahan: bool, scratch: Scratch,
          device: Any) -> None:
-    """Count the steps, then per segment: FP32 value and gradient, the kernel on the pieces, the rule."""
+    """Count the steps, then per segment: FP32 value and gradient, the kernel on the pieces, the rule (Kahan:
+    :func:`~lightning_ext.rounding_step._kahan_chunk`'s operations, inline on the kept views)."""
     steps = [st["step"] for _, _, st in items]
     torch._foreach_add_(steps, 1)
     kernel = _kernel(group)
     grads = [p.grad.view(-1) for p, _, _ in items]
-    copy = torch._foreach_copy_
+    copy, add, sub = torch._foreach_copy_, torch.add, torch.sub
     for s in segments:
-        n, t, g = s.n, s.t, s.g
-        if s.packed:
-            copy(s.gv, [grads[j] for j, _, _, _ in s.parts])
-            copy(s.wv, s.wl)
-            if kahan:
-                copy(s.cv, s.cl)
+        t, t0, w, c = s.t, s.t0, s.w, s.c
+        if s.packed:  # gather the weights (and compensation) and the FP32 gradients, then the FP32 values
+            copy(s.pre, s.src + [grads[j] for j, _, _, _ in s.parts])
+            copy(s.post, s.post_src)
         else:
             j, a, b, _ = s.parts[0]
-            g.copy_(grads[j][a:b])
-        t.copy_(s.w)
-        if kahan:  # t0 = f32(c); t = f32(w) + t0; t0 = t (u = t_new - t0 after the kernel)
-            t.add_(s.t0.copy_(s.c))
-            s.t0.copy_(t)
+            copy(s.pre, s.src + [grads[j][a:b]])
+        if kahan:  # t = f32(w) + t0 with t0 = f32(c); then t0 = t (u = t_new - t0 after the kernel)
+            t.add_(t0)
+            t0.copy_(t)
         kernel(s.tv, s.gv, s.m, s.v, s.mx, [steps[j] for j, _, _, _ in s.parts])
-        if kahan:
-            _kahan_chunk(s.w, s.c, t, scratch)
+        if kahan:  # y = low(u) + c; new = w + y; c' = y - (new - w)
+            y, new = s.y, s.new
+            t.sub_(t0)
+            y.copy_(t).add_(c)
+            add(w, y, out=new)
+            sub(new, w, out=c)
+            sub(y, c, out=c)
+            w.copy_(new)
         else:
+            n = s.n
             x = scratch.get("x", n, torch.int32, device)
             if s.packed:
                 ks = torch.tensor([s32(keys[j]) for j, _, _, _ in s.parts], dtype=torch.int32, device=device)
@@ -197,11 +211,9 @@ def _run(group: dict, items: list, keys: list, segments: list[_Segment], kahan: 
             else:
                 j, a, _, _ = s.parts[0]
                 torch.add(scratch.arange(n, device), a, out=x).bitwise_xor_(s32(keys[j]))
-            _sr_from_index(s.w, t, x, scratch)
+            _sr_from_index(w, t, x, scratch)
         if s.packed:
-            copy(s.wl, s.wv)
-            if kahan:
-                copy(s.cl, s.cv)
+            copy(s.wl + s.cl, s.wv + (s.cv if kahan else []))
 
 
 def _kernel(group: dict) -> Callable[..., None]:
