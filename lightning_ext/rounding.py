@@ -19,7 +19,10 @@ that it computes that update in FP32 with FP32 states:
   rule writes ``t`` into the weight (:func:`~mp_callbacks.rounding.rules.kahan_apply` /
   :func:`~mp_callbacks.rounding.rules.stochastic_round`); elementwise optimizers
   do this in cache-sized chunks through reused buffers, bit for bit the whole
-  tensor's result; the spent bf16 gradient is released.  The optimizer's own
+  tensor's result; exact ``Adam``/``AdamW`` on torch's fused kernel step a param
+  group's parameters together (:class:`~lightning_ext.rounding_batch.BatchedStep`:
+  segments of :data:`~lightning_ext.rounding_step.CHUNK` elements, small parameters
+  packed, one kernel call per segment, the same bits); the spent bf16 gradient is released.  The optimizer's own
   loop then updates what is left: FP32 parameters (kept by the policy), exactly
   as without the plugin;
 * so a step holds the core estimate (weights, gradients, compensation,
