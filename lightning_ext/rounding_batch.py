@@ -41,7 +41,7 @@ class _Segment:
     """One segment: ``parts`` ``(item, a, b, offset)`` (elements ``a..b`` of a parameter at ``offset``)."""
 
     __slots__ = ("n", "packed", "parts", "t", "t0", "g", "tv", "gv", "m", "v", "mx", "w", "c", "wl", "cl", "wv",
-                 "cv", "idx", "ids", "y", "new", "pre", "src", "post", "post_src")
+                 "cv", "idx", "ids", "y", "new", "pre", "src", "post", "post_src", "sl", "sb")
 
     def __init__(self, parts: list[tuple[int, int, int, int]]) -> None:
         self.parts = parts
@@ -80,7 +80,7 @@ class BatchedStep:
         if not take:
             return rest
         items = [(params[i], comps[i], state[params[i]]) for i in take]
-        segments = self._plan(id(group), items, kahan, scratch, device)
+        segments = self._plan(id(group), items, kahan, state_dtype != torch.float32, scratch, device)
         _run(group, items, [keys[i] for i in take], segments, kahan, scratch, device)
         for p, _, _ in items:
             p.grad = None  # spent
@@ -90,7 +90,9 @@ class BatchedStep:
     def _fits(opt: Optimizer, group: dict, p: Tensor, c: Tensor | None, st: dict, state_dtype: torch.dtype,
               device: Any) -> bool:
         g = p.grad
-        if not _direct_adam(opt, group, st, state_dtype) or type(g) not in _PLAIN or type(p) not in _PLAIN:
+        if state_dtype not in (torch.float32, torch.bfloat16) or type(g) not in _PLAIN or type(p) not in _PLAIN:
+            return False
+        if not _direct_adam(opt, group, st, state_dtype, states=state_dtype):
             return False
         if device is not None and p.device != device:
             return False
@@ -100,17 +102,21 @@ class BatchedStep:
         return all(type(v) is Tensor and v.is_contiguous() and v.numel() == n and v.device == p.device
                    for k, v in st.items() if k != "step")
 
-    def _plan(self, gid: int, items: list, kahan: bool, scratch: Scratch, device: Any) -> list[_Segment]:
-        """The kept segments of the group, rebuilt when anything they view changed."""
+    def _plan(self, gid: int, items: list, kahan: bool, low: bool, scratch: Scratch,
+              device: Any) -> list[_Segment]:
+        """The kept segments of the group, rebuilt when anything they view changed (``low``: bf16 states)."""
         layout = _layout([p.numel() for p, _, _ in items], self.segment)
-        bufs = _buffers(scratch, max(s.n for s in layout), items[0][0].dtype, device)
-        key = (kahan, self.segment, tuple(b.data_ptr() for b in bufs),
+        top = max(s.n for s in layout)
+        bufs = _buffers(scratch, top, items[0][0].dtype, device)
+        sbufs = {k: scratch.get(f"state:{k}", top, torch.float32, device)
+                 for k in items[0][2] if k != "step"} if low else {}
+        key = (kahan, low, self.segment, tuple(b.data_ptr() for b in sbufs.values()), tuple(b.data_ptr() for b in bufs),
                tuple((id(p), p.data_ptr(), p.numel(), 0 if c is None else c.data_ptr(),
                       *(v.data_ptr() for k, v in st.items() if k != "step")) for p, c, st in items))
         kept = self._plans.get(gid)
         if kept is not None and kept[0] == key:
             return kept[1]
-        _build(layout, items, kahan, bufs, device)
+        _build(layout, items, kahan, bufs, sbufs, device)
         self._plans[gid] = (key, layout)
         return layout
 
@@ -132,17 +138,23 @@ def _layout(sizes: list[int], seg: int) -> list[_Segment]:
     return out
 
 
-def _build(out: list[_Segment], items: list, kahan: bool, bufs: tuple[Tensor, ...], device: Any) -> None:
-    """The segments' views of the parameters, their compensation and state, and of the buffers."""
+def _build(out: list[_Segment], items: list, kahan: bool, bufs: tuple[Tensor, ...], sbufs: dict[str, Tensor],
+           device: Any) -> None:
+    """The segments' views of the parameters, their compensation and state, and of the buffers (``sbufs``: the
+    FP32 copies of bf16 states, by key; empty for FP32 states, which the kernel updates in place)."""
     t, t0, g, wb, cb, y, new = bufs
     for s in out:
         s.t, s.t0, s.g, s.y, s.new = t[:s.n], t0[:s.n], g[:s.n], y[:s.n], new[:s.n]
         flat = [(items[j][0].detach().view(-1), items[j][1], items[j][2], a, b, o) for j, a, b, o in s.parts]
         s.tv = [t[o:o + b - a] for _, _, _, a, b, o in flat]
         s.gv = [g[o:o + b - a] for _, _, _, a, b, o in flat]
-        s.m = [st["exp_avg"].view(-1)[a:b] for _, _, st, a, b, _ in flat]
-        s.v = [st["exp_avg_sq"].view(-1)[a:b] for _, _, st, a, b, _ in flat]
-        s.mx = [st["max_exp_avg_sq"].view(-1)[a:b] for _, _, st, a, b, _ in flat if "max_exp_avg_sq" in st]
+        names = [k for k in items[s.parts[0][0]][2] if k != "step"]
+        views = {k: [st[k].view(-1)[a:b] for _, _, st, a, b, _ in flat] for k in names}
+        s.sl = [v for k in names for v in views[k]] if sbufs else []  # bf16 states: FP32 copies for the kernel
+        if sbufs:
+            views = {k: [sbufs[k][o:o + b - a] for _, _, _, a, b, o in flat] for k in names}
+        s.sb = [v for k in names for v in views[k]] if sbufs else []
+        s.m, s.v, s.mx = views["exp_avg"], views["exp_avg_sq"], views.get("max_exp_avg_sq", [])
         s.wl = [w[a:b] for w, _, _, a, b, _ in flat]
         s.cl = [c.view(-1)[a:b] for _, c, _, a, b, _ in flat] if kahan else []
         s.wv = [wb[o:o + b - a] for _, _, _, a, b, o in flat]
@@ -152,10 +164,10 @@ def _build(out: list[_Segment], items: list, kahan: bool, bufs: tuple[Tensor, ..
         # the copies before the kernel (the gradients' views are the step's): into the FP32 buffers directly,
         # or, packed, into the weight (and compensation) buffers first
         if s.packed:
-            s.pre, s.src = s.wv + s.cv[:len(s.cl)] + s.gv, s.wl + s.cl
+            s.pre, s.src = s.wv + s.cv[:len(s.cl)] + s.sb + s.gv, s.wl + s.cl + s.sl
             s.post, s.post_src = [s.t, s.t0][:1 + kahan], [s.w, s.c][:1 + kahan]
         else:
-            s.pre, s.src = [s.t, s.t0][:1 + kahan] + [s.g], [s.w, s.c][:1 + kahan]
+            s.pre, s.src = [s.t, s.t0][:1 + kahan] + s.sb + [s.g], [s.w, s.c][:1 + kahan] + s.sl
         s.idx = s.ids = None
         if s.packed and not kahan:  # each element's index in its parameter, and which part it is in
             s.idx = torch.cat([torch.arange(a, b, dtype=torch.int32, device=device) for _, a, b, _ in s.parts])
@@ -193,6 +205,8 @@ def _run(group: dict, items: list, keys: list, segments: list[_Segment], kahan: 
             t.add_(t0)
             t0.copy_(t)
         kernel(s.tv, s.gv, s.m, s.v, s.mx, [steps[j] for j, _, _, _ in s.parts])
+        if s.sl:  # bf16 states: the kernel's FP32 results rounded to nearest, as the per-parameter step stores them
+            copy(s.sl, s.sb)
         if kahan:  # y = low(u) + c; new = w + y; c' = y - (new - w)
             y, new = s.y, s.new
             t.sub_(t0)

@@ -154,19 +154,21 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
     return torch.cat(diffs)
 
 
-def _direct_adam(opt: Optimizer, group: dict, full: dict, state_dtype: torch.dtype) -> bool:
+def _direct_adam(opt: Optimizer, group: dict, full: dict, state_dtype: torch.dtype,
+                 states: torch.dtype = torch.float32) -> bool:
     """True when ``opt``'s step on ``group`` is torch's fused Adam/AdamW kernel, called here without torch's
     per-call bookkeeping (:func:`_fused_adam_kernel`): exact ``Adam``/``AdamW``, the implementation left to
-    torch (or ``fused=True``), the state already in the fused kernel's form."""
+    torch (or ``fused=True``), the state already in the fused kernel's form (its tensors in ``states``, the
+    state dtype; :mod:`lightning_ext.rounding_batch` also takes bf16 ones, stepped through FP32 copies)."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or group.get("foreach"):
         return False
     if group.get("fused") is False or group.get("differentiable") or group.get("capturable"):
         return False
     keys = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
     step = full.get("step")
-    if list(full) != keys or state_dtype != torch.float32 or not isinstance(step, Tensor):
+    if list(full) != keys or state_dtype != states or not isinstance(step, Tensor):
         return False
-    return step.dtype == torch.float32 and all(type(full[k]) is Tensor and full[k].dtype == torch.float32
+    return step.dtype == torch.float32 and all(type(full[k]) is Tensor and full[k].dtype == states
                                                for k in keys[1:]) and full["exp_avg"].device.type in _fused_devices()
 
 

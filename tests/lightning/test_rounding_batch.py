@@ -33,12 +33,12 @@ class Params(nn.Module):
         self.ps = nn.ParameterList([nn.Parameter(torch.randn(s, generator=g)) for s in shapes])
 
 
-def make(recipe, shapes=SHAPES, opt_factory=None, seed=0):
+def make(recipe, shapes=SHAPES, opt_factory=None, seed=0, states="float32"):
     """A bf16 module of ``shapes``, its optimizer and UpdateRounding (installed), and FP32 gradients per step."""
     net = Params(shapes, seed)
     originals = {n: p.detach().clone() for n, p in net.named_parameters()}
     net = net.to(torch.bfloat16)
-    store = UpdateRounding(get_recipe(recipe).master, seed=7)
+    store = UpdateRounding(get_recipe(recipe, state_dtype=states).master, seed=7)
     store.record_originals(net, originals)
     params = list(net.parameters())
     opt = (opt_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)))(params)
@@ -52,8 +52,8 @@ def grads_for(params, step):
             for p in params]
 
 
-def run(recipe, steps, opt_factory=None, shapes=SHAPES, each=None):
-    net, params, opt, store = make(recipe, shapes, opt_factory)
+def run(recipe, steps, opt_factory=None, shapes=SHAPES, each=None, states="float32"):
+    net, params, opt, store = make(recipe, shapes, opt_factory, states=states)
     for k in range(steps):
         for p, g in zip(params, grads_for(params, k)):
             p.grad = g
@@ -116,12 +116,13 @@ OPTS = {
 
 @pytest.mark.parametrize("recipe", ["bf16-kahan", "bf16-sr"])
 @pytest.mark.parametrize("opt", list(OPTS))
-def test_the_batched_step_is_the_per_parameter_step_bit_for_bit(recipe, opt, segments, monkeypatch):
-    batched = run(recipe, 5, OPTS[opt])
+@pytest.mark.parametrize("states", ["float32", "bfloat16"])
+def test_the_batched_step_is_the_per_parameter_step_bit_for_bit(recipe, opt, states, segments, monkeypatch):
+    batched = run(recipe, 5, OPTS[opt], states=states)
     assert segments["run"] == 4  # the first step creates the state per parameter; the four after it: batched
     assert segments["parts"] == 4 * (4 + 3 + 4)  # 800 and 600 in 4 and 3 slices; the four small ones packed
     per_parameter(monkeypatch)
-    assert_same(batched, run(recipe, 5, OPTS[opt]))
+    assert_same(batched, run(recipe, 5, OPTS[opt], states=states))
 
 
 @pytest.mark.parametrize("recipe", ["bf16-kahan", "bf16-sr"])
