@@ -4,15 +4,17 @@ The rule is :func:`~lightning_ext.rounding_step.update_parameter`'s, bit for bit
 kernel updates the FP32 value ``t`` (``f32(w) + f32(c)`` under Kahan, ``f32(w)`` under SR) from the FP32
 gradient and the FP32 state, and the core's rule writes ``t`` back (the same operations, on the same
 elements).  It applies where that function calls the kernel directly: exact ``Adam``/``AdamW`` with the
-implementation left to torch (or ``fused=True``), FP32 state already in the kernel's form (from the second
-update of a parameter on), contiguous tensors.
+implementation left to torch (or ``fused=True``), the state already in the kernel's form (from the second
+update of a parameter on; ``state_dtype`` ``bfloat16``: through FP32 copies of the segment's states, stored
+back rounded to nearest as that function stores them), contiguous tensors.
 
 How: the group's parameters are cut into segments of at most ``segment`` elements (:data:`CHUNK`): a large
 parameter into slices (multiples of 64 elements, as the chunks of
 :func:`~lightning_ext.rounding_step.update_parameter`), small ones packed together.  A segment is one call of
 the kernel over the list of its pieces and one pass of each operation of the rule over the segment's
-buffers (the :class:`~lightning_ext.rounding_step.Scratch` buffers of the chunked step: no new memory beyond
-the packed segments' element indices under SR), with no mixed-dtype operation (on CPU each would cast
+buffers (the :class:`~lightning_ext.rounding_step.Scratch` buffers of the chunked step, plus two bf16 ones of
+a segment for the packed weights and compensation, and under SR the packed elements' indices), with no
+mixed-dtype operation (on CPU each would cast
 through a hidden FP32 temporary).  The segments and their views are kept between steps, and rebuilt when
 the parameters, their state tensors or the buffers change.  Each parameter's step count is incremented once
 (``torch._foreach_add_``, as torch's fused path does); its bf16 gradient is released after the update.
