@@ -45,6 +45,7 @@ benchmarks/README.md for the figures and why the plugin keeps the three passes.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,7 +59,9 @@ FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Ada
 override ``step``)."""
 
 
+@functools.cache
 def _fused_devices() -> tuple[str, ...]:
+    """The device types torch has fused optimizer kernels for (asked once: torch's answer costs ~60 us a call)."""
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 

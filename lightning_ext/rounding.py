@@ -19,7 +19,10 @@ that it computes that update in FP32 with FP32 states:
   rule writes ``t`` into the weight (:func:`~mp_callbacks.rounding.rules.kahan_apply` /
   :func:`~mp_callbacks.rounding.rules.stochastic_round`); elementwise optimizers
   do this in cache-sized chunks through reused buffers, bit for bit the whole
-  tensor's result; the spent bf16 gradient is released.  The optimizer's own
+  tensor's result; exact ``Adam``/``AdamW`` on torch's fused kernel step a param
+  group's parameters together (:class:`~lightning_ext.rounding_batch.BatchedStep`:
+  segments of :data:`~lightning_ext.rounding_step.CHUNK` elements, small parameters
+  packed, one kernel call per segment, the same bits); the spent bf16 gradient is released.  The optimizer's own
   loop then updates what is left: FP32 parameters (kept by the policy), exactly
   as without the plugin;
 * so a step holds the core estimate (weights, gradients, compensation,
@@ -66,6 +69,7 @@ from mp_callbacks.settings import StateDictError
 from .fused_step import fusable_groups
 from .masters import MasterWeights
 from .policy import torch_dtype
+from .rounding_batch import BatchedStep
 from .rounding_ops import TORCH_ROUNDING_OPS, TorchRoundingOps  # TorchRoundingOps: re-exported
 from .rounding_step import CHUNK, Scratch, update_parameter
 
@@ -119,6 +123,7 @@ class UpdateRounding:
         self._sample: tuple[int | None] | None = None  # (meter samples,) when requested
         self.update_samples: dict[int, Tensor] = {}
         self._scratch = Scratch()  # the chunk buffers every step reuses (lightning_ext.rounding_step)
+        self._batched = BatchedStep()  # the kept segments of the fused path (lightning_ext.rounding_batch)
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, seed: int = 0) -> UpdateRounding | None:
@@ -232,6 +237,7 @@ class UpdateRounding:
     def clear_cache(self) -> None:
         """Release the step's chunk buffers (reallocated at the next step)."""
         self._scratch.clear()
+        self._batched.clear()
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` with the bf16 parameters updated by the recipe's rule (see the module docstring)."""
@@ -264,10 +270,16 @@ class UpdateRounding:
             for g in groups:
                 g["params"] = []
             for group, params in zip(groups, saved):
-                for p in params:
-                    entry = self._entries.get(id(p))
-                    if entry is not None and p.grad is not None and entry.param is p:
-                        self._update_one(opt, inner, group, entry, sample_request)
+                todo = [e for e, p in ((self._entries.get(id(p)), p) for p in params)
+                        if e is not None and p.grad is not None and e.param is p]
+                if sample_request is None and todo:  # the fused path first; the per-parameter step for the rest
+                    with torch.no_grad():
+                        left = self._batched.step(opt, group, [e.param for e in todo], [e.comp for e in todo],
+                                                  [None if self.kahan else self.stream.key(e.index) for e in todo],
+                                                  self.kahan, self.state_dtype, self._scratch, CHUNK)
+                    todo = [todo[i] for i in left]
+                for entry in todo:
+                    self._update_one(opt, inner, group, entry, sample_request)
         finally:
             for g, params in zip(groups, saved):
                 g["params"] = params

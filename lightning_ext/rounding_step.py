@@ -111,17 +111,17 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
     for a, b in slices:
         m, shape = b - a, p.shape if len(slices) == 1 else (b - a,)
         if whole:
-            t = pf.to(torch.float32) if cf is None else pf.to(torch.float32).add_(cf)
+            t = pf.to(torch.float32) if cf is None else pf.to(torch.float32).add_(cf.to(torch.float32))
             t.grad = gf.to(torch.float32)
-        else:
+        else:  # no mixed-dtype op (torch's CPU kernels would cast through a hidden FP32 temporary)
             t = scratch.get("t", m, torch.float32, p.device).view(shape)
             t.copy_(pf[a:b].view(shape))
-            if cf is not None:
-                t.add_(cf[a:b].view(shape))
+            if cf is not None:  # t0 = f32(c), then the compensated value before the update: u = t_new - t0
+                t0 = scratch.get("t0", m, torch.float32, p.device)
+                t.add_(t0.copy_(cf[a:b]).view(shape))
+                t0.copy_(t.view(-1))
             t.grad = scratch.get("g", m, torch.float32, p.device).view(shape)
             t.grad.copy_(gf[a:b].view(shape))
-            if cf is not None:  # the compensated value before the update: u = t_new - t
-                scratch.get("t0", m, torch.float32, p.device).copy_(t.view(-1))
         if samples is not None:
             before = _sample_part(t, a, n, samples[0]).clone()
         if kernel:  # torch's fused kernel on views of the FP32 state: no optimizer bookkeeping
@@ -154,19 +154,21 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
     return torch.cat(diffs)
 
 
-def _direct_adam(opt: Optimizer, group: dict, full: dict, state_dtype: torch.dtype) -> bool:
+def _direct_adam(opt: Optimizer, group: dict, full: dict, state_dtype: torch.dtype,
+                 states: torch.dtype = torch.float32) -> bool:
     """True when ``opt``'s step on ``group`` is torch's fused Adam/AdamW kernel, called here without torch's
     per-call bookkeeping (:func:`_fused_adam_kernel`): exact ``Adam``/``AdamW``, the implementation left to
-    torch (or ``fused=True``), the state already in the fused kernel's form."""
+    torch (or ``fused=True``), the state already in the fused kernel's form (its tensors in ``states``, the
+    state dtype; :mod:`lightning_ext.rounding_batch` also takes bf16 ones, stepped through FP32 copies)."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or group.get("foreach"):
         return False
     if group.get("fused") is False or group.get("differentiable") or group.get("capturable"):
         return False
     keys = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
     step = full.get("step")
-    if list(full) != keys or state_dtype != torch.float32 or not isinstance(step, Tensor):
+    if list(full) != keys or state_dtype != states or not isinstance(step, Tensor):
         return False
-    return step.dtype == torch.float32 and all(type(full[k]) is Tensor and full[k].dtype == torch.float32
+    return step.dtype == torch.float32 and all(type(full[k]) is Tensor and full[k].dtype == states
                                                for k in keys[1:]) and full["exp_avg"].device.type in _fused_devices()
 
 
@@ -267,6 +269,13 @@ def _sr_chunk(w: Tensor, t: Tensor, key: int, offset: int, scratch: Scratch) -> 
     n, dev = t.numel(), t.device
     x = scratch.get("x", n, torch.int32, dev)
     torch.add(scratch.arange(n, dev), offset, out=x).bitwise_xor_(s32(key))
+    _sr_from_index(w, t, x, scratch)
+
+
+def _sr_from_index(w: Tensor, t: Tensor, x: Tensor, scratch: Scratch) -> None:
+    """``w <- stochastic_round(t)`` given int32 ``x = index ^ key`` per element (consumed): the rest of
+    :func:`_sr_chunk`, shared with :mod:`lightning_ext.rounding_batch` (elements of several parameters)."""
+    n, dev = t.numel(), t.device
     y = scratch.get("y32", n, torch.int32, dev)
     for shift, mul in ((16, MIX_MUL1), (15, MIX_MUL2)):  # the head of mix32
         torch.bitwise_right_shift(x, shift, out=y).bitwise_and_((1 << (32 - shift)) - 1)
