@@ -51,12 +51,13 @@ _INSIDE = [False]  # tracing a whole step: the rules are plain ops of its XLA fu
 
 
 def fuses_whole_step() -> bool:
-    """True when :func:`whole_step` compiles the update: TensorFlow, :data:`WHOLE_STEP`, inside a traced step."""
+    """True when :func:`whole_step` compiles the update: TensorFlow, :data:`WHOLE_STEP`, inside a traced step,
+    no ``tf.distribute`` strategy in scope (a one-replica strategy keeps the per-variable kernels)."""
     if not (WHOLE_STEP and is_tf()):
         return False
     import tensorflow as tf
 
-    return not tf.executing_eagerly()
+    return not tf.executing_eagerly() and not tf.distribute.has_strategy()
 
 
 def whole_step(update: Callable[[list[Any]], None], grads: Sequence[Any]) -> None:
