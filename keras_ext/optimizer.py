@@ -43,6 +43,7 @@ from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.loss_scale.scaler import ScalerCounters
 from mp_callbacks.recipes import Recipe, get_recipe
 
+from . import rounding_step
 from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
 from .global_policy import coerce_recipe, optimizer_recipe
@@ -135,6 +136,8 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
         recipe_obj = recipe_obj.with_comm_dtype(given.comm_dtype) if given is not None else recipe_obj
         remainders = master_weights and recipe_obj.master.master_remainders  # bf16 + int16 remainder masters
         masters = RemainderMasters() if remainders else weight_store(recipe_obj, master_weights, seed)
+        if isinstance(masters, UpdateRounding):
+            masters.check_inner(inner_optimizer)  # use_ema, gradient_accumulation_steps: refused here
         inner_optimizer = eight_bit_inner(inner_optimizer, recipe_obj.master)  # state_dtype="8bit"
         scaler_state = KerasLossScaler(config)
         super().__init__(inner_optimizer, initial_scale=scaler_state.current_scale,
@@ -292,7 +295,7 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
             self.inner_optimizer.apply(grads, tvs)
 
     def _step(self, found_inf: Any, loss_finite: Any, unscaled: list[Any], tvs: list[Any],
-              apply_inner: Callable[[], None]) -> Any:
+              apply_inner: Callable[[list[Any]], None]) -> Any:
         """Transition (frozen after a divergence stop), divergence rule, the update when applied
         (``apply_inner`` + write-back), state write; returns the scale the gradients were produced
         with when a monitor is attached (else None)."""
@@ -301,19 +304,31 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
         new, applied = self._scaler.transition(found_inf, stopped)
         self._divergence.update(found_inf, loss_finite, self._scaler.variable("scale").value, new.steps, stopped)
 
-        def apply_fn() -> None:
-            apply_inner()
+        def update(grads: list[Any]) -> None:
+            apply_inner(grads)
             self._masters.write_back(tvs, self._get_variable_index)
+
+        def apply_fn() -> None:
+            if self.fuses_whole_step:  # bf16-kahan/bf16-sr traced on TensorFlow: the update is one XLA function
+                rounding_step.whole_step(update, unscaled)
+            else:
+                update(unscaled)
 
         run_if(applied, apply_fn, [*self.variables, *tvs])  # JAX: a select, no writes inside a cond branch
         self._scaler.write(new)
         return scale_used
 
+    @property
+    def fuses_whole_step(self) -> bool:
+        """True when this step's rounded update (inner optimizer and rules) runs as one XLA function
+        (:func:`keras_ext.rounding_step.fuses_whole_step`; ``bf16-kahan``/``bf16-sr`` only)."""
+        return self.update_rounding is not None and rounding_step.fuses_whole_step()
+
     def _eager_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
         found_inf = self._found_inf(grads)
         unscaled = self._unscaled(grads, tvs, unscaled_already)
         scale_used = self._step(found_inf, self._divergence.loss_finite(), unscaled, tvs,
-                                lambda: self._apply_inner(unscaled, tvs))
+                                lambda grads: self._apply_inner(grads, tvs))
         self._notify_monitor(found_inf, unscaled, tvs, scale_used)
 
     def _tf_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
@@ -336,9 +351,9 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
 
         def cross_replica(distribution, found_inf, loss_finite, unscaled, tvs):
             found, finite = (distribution.experimental_local_results(t)[0] for t in (found_inf, loss_finite))
-            def apply_inner() -> None:
+            def apply_inner(grads: list[Any]) -> None:
                 with inner_reduction_off(self.inner_optimizer) if reduced else contextlib.nullcontext():
-                    distribution.extended.call_for_each_replica(self._apply_inner, args=(unscaled, tvs, widen))
+                    distribution.extended.call_for_each_replica(self._apply_inner, args=(grads, tvs, widen))
 
             scale_used = self._step(found, finite, unscaled, tvs, apply_inner)
             if distribution.num_replicas_in_sync == 1:  # the monitor's device record is per replica

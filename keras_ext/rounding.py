@@ -208,6 +208,19 @@ class UpdateRounding:
         """The stream's seed (after a checkpoint load: the checkpoint's; one host read)."""
         return int(ops.convert_to_numpy(self._seed))
 
+    def check_inner(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """Refuse (``ValueError`` naming the option) inner-optimizer options the working values cannot carry:
+        ``use_ema`` (the averages of the FP32 working values would never reach the bf16 variables) and
+        ``gradient_accumulation_steps`` (the inner optimizer updates inside its own ``cond``, out of the
+        rule's reach; a step that only accumulates would still round and advance the stream)."""
+        given = [f"{name}={value!r}" for name, value in (("use_ema", getattr(optimizer, "use_ema", False)),
+                 ("gradient_accumulation_steps", getattr(optimizer, "gradient_accumulation_steps", None)))
+                 if value]
+        if given:
+            raise ValueError(f"recipe update rounding {self.mode!r} (bf16-kahan/bf16-sr) does not support "
+                             f"{' and '.join(given)} on the inner optimizer {type(optimizer).__name__}; "
+                             "use 'bf16-master' (FP32 masters) for it, or leave the option off")
+
     # -------------------------------------------------------------- build
     def build(self, optimizer: keras.optimizers.Optimizer, var_list: Sequence[Any]) -> list[Any]:
         """Create the compensation buffers, the stream's variables and the working variables on ``optimizer``;
