@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import alternate, by_clock, machine_line, summary, with_controls, write_json  # noqa: E402
+from common import alternate, by_clock, machine_line, per_step, summary, with_controls, write_json  # noqa: E402
 
 from mp_callbacks.memory.estimate import estimate_memory  # noqa: E402
 from mp_callbacks.recipes import get_recipe, recipe_label  # noqa: E402
@@ -151,7 +151,7 @@ def step_ratios(labels: Sequence[str], hidden: int, depth: int, rounds: int, ste
         setup = StepSetup(label, hidden, depth)
         for _ in range(2):  # warm-up: the states are created, torchao's 8-bit step compiled
             setup.step()
-        variants[label] = _timed(setup.step, steps)
+        variants[label] = per_step(setup.step, steps)
     times = alternate(with_controls(variants, [BASELINE]), rounds)
     out: dict[str, Any] = {"ratios": {}, "clocks": {}}
     for clock, per_clock in by_clock(times).items():
@@ -162,15 +162,6 @@ def step_ratios(labels: Sequence[str], hidden: int, depth: int, rounds: int, ste
         control = data["ratios"][0]["control"]
         out.setdefault("control", {})[clock] = control
     return out
-
-
-def _timed(body: Callable[[], None], steps: int) -> Callable[[], tuple[float, float]]:
-    def once() -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            body()
-        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
-    return once
 
 
 # ------------------------------------------------------------------------------------------ swamping
