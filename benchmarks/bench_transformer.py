@@ -1,18 +1,25 @@
 """Lightning on a small GPT-2-style transformer: every recipe, ours vs native, alternating, with controls.
 
-    python benchmarks/bench_transformer.py [--threads 1] [--rounds 4] [--steps 12] [--batch-size 4]
-        [--seq 32] [--d-model 128] [--layers 2] [--only TEXT ...] [--profile] [--json PATH]
+    python benchmarks/bench_transformer.py [--threads 1] [--rounds 6] [--steps 120] [--batch-size 4]
+        [--seq 32] [--d-model 128] [--layers 2] [--model tiny|hf] [--by-fit] [--only TEXT ...]
+        [--profile] [--json PATH]
 
 The MLP of bench_lightning.py has no attention, LayerNorm, GELU or embeddings,
 so it hides the cost of the policy's FP32 regions; this model has all of them
 (``bench_transformer_model.py``: GPT-2 as Hugging Face writes it, with its
-``NewGELUActivation`` module, which the op policy does not know).  Every
-variant trains the same model (same initial weights, same random-token
-batches, AdamW lr 1e-3) through ``Trainer``; variants alternate in one process
-(A B C / C B A), a fit's figure is its median timed window
-(:func:`mp_callbacks.app.measurement.step_timing`) in wall time and in CPU time, ratios are medians of per-round
-ratios with their min-max over rounds, and each native variant runs a second
-time as a control.
+``NewGELUActivation`` module, which the op policy does not know).  ``--model hf``
+trains Hugging Face's ``GPT2LMHeadModel`` built from a config of the same size
+instead (random init, no dropout; a third-party model with the same
+``NewGELUActivation``).  Every variant trains the same model (same initial
+weights, same random-token batches, AdamW lr 1e-3) through ``Trainer``, and
+each native variant runs a second time as a control.  By default the variants
+alternate step by step (``lockstep.py``: every fit in its own thread, one step
+at a time, A B C / C B A per step; a step's figures its wall time and its
+thread's CPU time), ``--rounds`` windows of the steps after a tenth of warm-up,
+a window's figure its median step, ratios the median of per-window ratios with
+their min-max; ``--by-fit`` alternates whole fits instead (``common.alternate``,
+``--rounds`` fits each, a fit's figure its median timed window:
+:func:`mp_callbacks.app.measurement.step_timing`).
 
 Variants: native (Lightning's ``Precision``/``MixedPrecision``) and ours
 (``lightning_ext.MixedPrecision``) for 32-true, 16-mixed and bf16-mixed; ours
@@ -42,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from bench_transformer_model import GPTConfig, TinyGPT, lm_loss, token_batches  # noqa: E402
+from bench_transformer_model import GPTConfig, TinyGPT, hf_gpt2, lm_loss, token_batches  # noqa: E402
 from common import (  # noqa: E402
     alternate,
     base_parser,
@@ -56,6 +63,7 @@ from common import (  # noqa: E402
 )
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
+from lockstep import StepClock, lockstep  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_ext import MixedPrecision  # noqa: E402
@@ -65,16 +73,20 @@ from mp_callbacks.recipes import get_recipe  # noqa: E402
 GELU_RULE = ("NewGELUActivation", "bfloat16")
 
 
+MODELS: dict[str, Callable[[GPTConfig], torch.nn.Module]] = {"tiny": TinyGPT, "hf": hf_gpt2}
+
+
 class LM(pl.LightningModule):
-    def __init__(self, cfg: GPTConfig, seed: int, fused_adamw: bool = False) -> None:
+    def __init__(self, cfg: GPTConfig, seed: int, fused_adamw: bool = False, model: str = "tiny") -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.net = TinyGPT(cfg)
+        self.net = MODELS[model](cfg)
         self.fused_adamw = fused_adamw
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return lm_loss(self.net(x), y)
+        out = self.net(x)
+        return lm_loss(out if isinstance(out, torch.Tensor) else out.logits, y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True if self.fused_adamw else None)
@@ -83,7 +95,8 @@ class LM(pl.LightningModule):
 class _Timer(pl.Callback):
     """Per-step wall time; bytes held at the optimizer step (start and end of the first two applied steps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: StepClock | None = None) -> None:
+        self.clock = clock  # lock-step: the step waits for its turn, the clock times it
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.held = 0
@@ -108,20 +121,33 @@ class _Timer(pl.Callback):
                        opt.register_step_post_hook(lambda o, a, k: measure(o, a, k, post=True))]
 
     def on_train_batch_start(self, *args: Any) -> None:
+        if self.clock is not None:
+            self.clock.begin()
         self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, *args: Any) -> None:
+        if self.clock is not None:
+            self.clock.end()
+            return
         self.times.append(time.perf_counter() - self._t0)
         self.cpu_times.append(time.process_time() - self._c0)
 
 
-def fit(plugin: Any, cfg: GPTConfig, batches: list, seed: int = 0, fused_adamw: bool = False) -> tuple[LM, _Timer]:
-    module = LM(cfg, seed, fused_adamw)
-    timer = _Timer()
+def prepare(plugin: Any, cfg: GPTConfig, batches: list, seed: int = 0, fused_adamw: bool = False,
+            model: str = "tiny", clock: StepClock | None = None) -> tuple[LM, _Timer, Callable[[], None]]:
+    """The module, its timer and the call that fits it (built now, trained when called)."""
+    module = LM(cfg, seed, fused_adamw, model)
+    timer = _Timer(clock)
     trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_steps=len(batches), max_epochs=1,
                          callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    return module, timer, lambda: trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+
+
+def fit(plugin: Any, cfg: GPTConfig, batches: list, seed: int = 0, fused_adamw: bool = False,
+        model: str = "tiny") -> tuple[LM, _Timer]:
+    module, timer, run = prepare(plugin, cfg, batches, seed, fused_adamw, model)
+    run()
     return module, timer
 
 
@@ -210,7 +236,7 @@ def profile(cfg: GPTConfig, batches: list, threads: int) -> None:
 
 
 def main() -> None:
-    parser = base_parser(__doc__, rounds=4, steps=12, batch_size=4)
+    parser = base_parser(__doc__, rounds=6, steps=120, batch_size=4)
     parser.set_defaults(threads=[1])
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=128)
@@ -219,6 +245,10 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                         help="run only the variants whose name contains one of these (and the natives they need)")
     parser.add_argument("--profile", action="store_true", help="profile instead of timing the variants")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="tiny: the hand-written GPT-2 twin; hf: Hugging Face's GPT2LMHeadModel from a config")
+    parser.add_argument("--by-fit", action="store_true",
+                        help="alternate whole fits (--rounds fits per variant) instead of single steps")
     args = parser.parse_args()
     import logging
     import warnings
@@ -228,7 +258,7 @@ def main() -> None:
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=4, layers=args.layers,
                     ff=4 * args.d_model)
     batches = token_batches(cfg, args.steps, args.batch_size)
-    n_params = sum(p.numel() for p in TinyGPT(cfg).parameters())
+    n_params = sum(p.numel() for p in MODELS[args.model](cfg).parameters())
     summaries = []
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -244,17 +274,35 @@ def main() -> None:
             make, fused = VARIANTS[name]
 
             def once() -> tuple[float, float]:
-                _, timer = fit(make(), cfg, batches, fused_adamw=fused)
+                _, timer = fit(make(), cfg, batches, fused_adamw=fused, model=args.model)
                 held[name] = timer.held / n_params  # noqa: B023 - one dict per thread count, read right after
                 return fit_figures(timer.times, timer.cpu_times)
             return once
 
-        variants = with_controls({n: measure(n) for n in names}, [n for n in NATIVES if n in names])
-        times = alternate(variants, args.rounds)
+        def stepped(name: str) -> Callable[[StepClock], Callable[[], None]]:
+            make, fused = VARIANTS[name]
+
+            def build(clock: StepClock) -> Callable[[], None]:
+                _, timer, run = prepare(make(), cfg, batches, fused_adamw=fused, model=args.model, clock=clock)
+
+                def train() -> None:
+                    run()
+                    held[name] = timer.held / n_params  # noqa: B023 - read after the join
+                return train
+            return build
+
+        if args.by_fit:
+            times = alternate(with_controls({n: measure(n) for n in names}, [n for n in NATIVES if n in names]),
+                              args.rounds)
+            how = f"{args.steps} steps/fit, {args.rounds} fits alternating"
+        else:
+            times = lockstep(with_controls({n: stepped(n) for n in names}, [n for n in NATIVES if n in names]),
+                             args.steps, args.rounds)
+            how = f"{args.steps} steps alternating step by step, {args.rounds} windows"
         data = print_tables(
-            f"Lightning, GPT-2-style transformer ({args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
-            f"vocab {args.vocab}, {n_params} params), batch {args.batch_size}, {args.steps} steps/fit, "
-            f"{threads} thread(s), AdamW", times, pairs)
+            f"Lightning, {'Hugging Face GPT2LMHeadModel' if args.model == 'hf' else 'GPT-2-style transformer'} "
+            f"({args.layers} layers, d_model {args.d_model}, seq {args.seq}, vocab {args.vocab}, {n_params} params), "
+            f"batch {args.batch_size}, {how}, {threads} thread(s), AdamW", times, pairs)
         print("  model state at the optimizer step (B/param): "
               + ", ".join(f"{k} {v:.2f}" for k, v in held.items() if k.startswith("ours")))
         data = {"clocks": data, "held_bytes_per_param": held}

@@ -106,3 +106,12 @@ def token_batches(cfg: GPTConfig, steps: int, batch_size: int, seed: int = 0) ->
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def hf_gpt2(cfg: GPTConfig) -> torch.nn.Module:
+    """Hugging Face's GPT-2 LM head model from a config of ``cfg``'s size (random init, no dropout)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=cfg.vocab, n_positions=cfg.seq, n_embd=cfg.d_model, n_layer=cfg.layers,
+                        n_head=cfg.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)

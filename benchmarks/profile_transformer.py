@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from bench_transformer_model import GPTConfig, TinyGPT, lm_loss, token_batches  # noqa: E402
+from bench_transformer_model import GPTConfig, TinyGPT, hf_gpt2, lm_loss, token_batches  # noqa: E402
 from common import machine_line  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixed  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
@@ -53,15 +53,6 @@ from lightning_ext import fabric as fabric_mod  # noqa: E402
 from mp_callbacks.recipes import get_recipe  # noqa: E402
 
 GELU_RULES = (("NewGELUActivation", "bfloat16"),)
-
-
-def hf_gpt2(cfg: GPTConfig) -> torch.nn.Module:
-    """Hugging Face's GPT-2 LM head model from a config of ``cfg``'s size (random init, no dropout)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(vocab_size=cfg.vocab, n_positions=cfg.seq, n_embd=cfg.d_model, n_layer=cfg.layers,
-                        n_head=cfg.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
 
 
 class LM(pl.LightningModule):
