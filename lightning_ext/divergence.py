@@ -5,8 +5,8 @@ The twin of :class:`keras_ext.divergence.KerasDivergence`, with the same rule
 (:meth:`DivergenceRule.error`).  In torch the decision is on the host already
 (the scaler reads ``found_inf`` once per step), so the rule runs there:
 
-* :meth:`TorchDivergence.record_loss` (from ``scaler.scale(loss)``) keeps whether a
-  scalar loss is finite, as a device flag (no sync);
+* :meth:`TorchDivergence.record_loss` (from ``scaler.scale(loss)``) keeps the scalar loss
+  (detached: no op runs; whether it is finite is asked only on a skipped step);
 * :meth:`TorchDivergence.observe` (from ``scaler.step``) feeds the rule: an applied
   step resets the streaks for free; a skipped one costs one more host read (the
   loss flag, the scale the step ran with, its 1-based number) and raises
@@ -38,7 +38,7 @@ class TorchDivergence:
 
     def __init__(self, rule: Any = None) -> None:
         self.rule = DivergenceRule.coerce(rule)
-        self._loss_finite: Tensor | None = None
+        self._loss: Tensor | None = None
 
     @property
     def active(self) -> bool:
@@ -46,9 +46,15 @@ class TorchDivergence:
         return self.rule.active
 
     def record_loss(self, outputs: Any) -> None:
-        """Remember whether a scalar loss is finite (a device flag); other outputs are ignored."""
+        """Keep a scalar loss (detached) for the next skipped step's question "was it finite?"; other
+        outputs are ignored."""
         if self.rule.active and isinstance(outputs, Tensor) and outputs.numel() == 1:
-            self._loss_finite = torch.isfinite(outputs.detach()).reshape(())
+            self._loss = outputs.detach()
+
+    def applied(self) -> None:
+        """An applied step: the streaks end (nothing is read)."""
+        if self.rule.active:
+            self.rule.observe(0, False)
 
     def observe(self, skipped: bool, grad_scale: Tensor, steps: Tensor) -> None:
         """Feed one step decision (``grad_scale``: the scale it ran with, ``steps``: transitions so far)."""
@@ -57,7 +63,8 @@ class TorchDivergence:
         if not skipped:
             self.rule.observe(0, False)
             return
-        finite = self._loss_finite if self._loss_finite is not None else torch.ones((), dtype=torch.bool)
+        loss = self._loss
+        finite = torch.isfinite(loss).reshape(()) if loss is not None else torch.ones((), dtype=torch.bool)
         device = grad_scale.device
         read = torch.stack([finite.to(device=device, dtype=torch.float64), grad_scale.double(),
                             steps.double() + 1]).tolist()

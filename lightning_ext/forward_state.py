@@ -11,14 +11,37 @@ into a kept copy (allocated once; a copy per buffer per step: the cost, measured
 ``benchmarks/bench_forward_state.py``); when the optimizer step is skipped, copy them back
 (:meth:`ForwardState.end`).  Gradient accumulation is covered: the copy is taken at the first
 micro-batch.  ``restore_forward_state=False`` on the plugin turns it off.
+
+Which modules own buffers is found by one walk of the model, kept until a module or buffer is
+registered anywhere in the process (torch's global registration hooks count them; ``register_buffer``,
+assigning a tensor to a buffer name and assigning a submodule all register), so a step reads the
+buffers of the modules that own some, not every module of the tree.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["ForwardState"]
+
+_registrations = [0]  # modules and buffers registered in this process since the hooks went in
+_hooked = False
+
+
+def _count(*_: object) -> None:
+    _registrations[0] += 1
+
+
+def _watch_registrations() -> None:
+    """Count every module and buffer registration from now on (once per process)."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        nn.modules.module.register_module_buffer_registration_hook(_count)
+        nn.modules.module.register_module_module_registration_hook(_count)
 
 
 class ForwardState:
@@ -28,6 +51,9 @@ class ForwardState:
         self._buffers: list[Tensor] = []
         self._kept: list[Tensor] = []
         self._armed = False
+        self._owners: list[nn.Module] = []  # the modules of the tree that own buffers
+        self._tree: tuple[weakref.ref, int] | None = None  # (root, registrations) the owners were found at
+        _watch_registrations()
 
     @property
     def kept_bytes(self) -> int:
@@ -39,8 +65,11 @@ class ForwardState:
         """Keep the buffers of ``root``'s training-mode modules, unless this step already did."""
         if self._armed or root is None or not root.training:
             return
+        if self._tree is None or self._tree[0]() is not root or self._tree[1] != _registrations[0]:
+            self._owners = [m for m in root.modules() if m._buffers]
+            self._tree = (weakref.ref(root), _registrations[0])
         buffers: list[Tensor] = []
-        for m in root.modules():  # a module's own buffers, read directly (``m.buffers()`` walks per module)
+        for m in self._owners:  # a module's own buffers, read directly (``m.buffers()`` walks per module)
             if m.training and m._buffers:
                 buffers.extend(dict.fromkeys(b for b in m._buffers.values() if b is not None))
         if len(buffers) != len(self._buffers) or any(a is not b for a, b in zip(buffers, self._buffers)):

@@ -32,7 +32,13 @@ step is an error, as in torch.  Rules:
   decision (:class:`~lightning_ext.divergence.TorchDivergence`).
 * ``update``: the transition with the flags of the optimizers stepped since
   the last update; a floor hit reacts per ``on_min_scale``
-  (:func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`).
+  (:func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`).  With scaling
+  off and every decision already read on the host (``skip_nonfinite``, the
+  default), the same :func:`~mp_callbacks.loss_scale.transition.next_state` runs
+  on the host (:data:`~mp_callbacks.ops.PYTHON_OPS`: NumPy's numbers in Python scalars) instead of
+  launching its ops: the state then lives on the
+  host until something reads it (:attr:`TorchLossScaler.state`,
+  :meth:`TorchLossScaler.latest`), which puts it back on the device.
 
 With scaling disabled (bf16 and FP32 recipes) the same object counts
 overflows for the monitor; the plugin then exposes it as ``loss_scaler`` only
@@ -57,6 +63,7 @@ from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.loss_scale.record import check_state_dict, make_state_dict, state_from_dict
 from mp_callbacks.loss_scale.scaler import ScalerCounters, react_to_floor_hit
 from mp_callbacks.loss_scale.transition import ScalerState, initial_state, next_state
+from mp_callbacks.ops import PYTHON_OPS
 
 from .divergence import TorchDivergence
 from .ops import TorchOps
@@ -113,14 +120,33 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self.divergence = TorchDivergence(divergence)
         self.count_overflows = count_overflows
         self._ops = TorchOps("cpu")
-        self._state: ScalerState = initial_state(config, self._ops)
+        self._host: ScalerState | None = None  # host (PYTHON_OPS) state, ahead of the device state when _stale
+        self._host_latest: tuple[ScalerState, ScalerState, bool, bool] | None = None  # (old, new, overflow, applied)
+        self._stale = False
+        self._state = initial_state(config, self._ops)
         self._grad_scale: Tensor | None = None
         self._stages: dict[int, tuple[OptState, Tensor | None]] = {}
         self._skips: dict[int, bool] = {}  # id(optimizer) -> this step's decision, once read
+        self._decided: dict[int, bool] = {}  # id(optimizer) -> the host decision its step() took
         self._latest: dict[str, Tensor] = {}
         self._last_applied: dict[int, bool] = {}  # id(optimizer) -> its latest step applied
         self._latest_applied: bool | None = None  # the latest step of any optimizer applied
         self._units: dict[torch.device, Tensor] = {}  # the unit inverse scale per device (scaling off)
+
+    # ------------------------------------------------------------ state
+    @property
+    def _state(self) -> ScalerState:
+        """The device state; after host transitions it is made from the host state on first read."""
+        if self._stale:
+            host, device = self._host, self._device_state.scale.device
+            self._device_state = ScalerState(torch.tensor(host.scale, dtype=torch.float32, device=device),
+                                             *(torch.tensor(v, dtype=torch.int32, device=device) for v in host[1:]))
+            self._stale = False
+        return self._device_state
+
+    @_state.setter
+    def _state(self, value: ScalerState) -> None:
+        self._device_state, self._host, self._stale, self._host_latest = value, None, False, None
 
     # ------------------------------------------------------------ reading
     @property
@@ -143,6 +169,8 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         return self._grad_scale if self._grad_scale is not None else self._state.scale
 
     def _counter(self, name: str) -> int:
+        if self._stale:
+            return int(getattr(self._host, name))
         return int(getattr(self._state, name).item())
 
     def is_enabled(self) -> bool:
@@ -190,6 +218,17 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         """Device tensors of the latest transition (no sync): ``scale`` (the one its gradients were
         produced with), ``next_scale``, ``overflow``, ``applied``, ``steps``, ``overflows_total``,
         ``skipped_total``, ``growths_total``.  Empty before the first transition."""
+        if self._host_latest is not None:  # a host transition: its figures go to the device now
+            old, new, overflow, applied = self._host_latest
+            self._host_latest = None
+            state = self._state
+            device = state.scale.device
+            self._latest = {"scale": torch.tensor(old.scale, dtype=torch.float32, device=device),
+                            "next_scale": state.scale,
+                            "overflow": torch.tensor(overflow, device=device),
+                            "applied": torch.tensor(applied, device=device), "steps": state.steps,
+                            "overflows_total": state.overflows, "skipped_total": state.skipped,
+                            "growths_total": state.growths}
         return dict(self._latest)
 
     def last_step_skipped(self, optimizer: Any | None = None) -> bool:
@@ -205,7 +244,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
     def to(self, device: torch.device | str) -> TorchLossScaler:
         """Move the state to ``device`` (a no-op when it is there)."""
         device = torch.device(device)
-        if self._state.scale.device != device:
+        if self._device_state.scale.device != device:
             self._ops = TorchOps(device)
             self._state = ScalerState(*(t.to(device) for t in self._state))
         return self
@@ -247,7 +286,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         stage, found = self._stages.get(id(raw), (OptState.READY, None))
         if stage is OptState.UNSCALED and found is not None:
             return found
-        device = self._state.scale.device
+        device = self._device_state.scale.device
         with torch.no_grad():
             if self.store is not None:
                 self.store.collect_grads(raw)
@@ -269,8 +308,13 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         skip = self.skips(raw)  # the one host read of the step
         self._stages[id(raw)] = (OptState.STEPPED, self._stages[id(raw)][1])
         self._skips.pop(id(raw), None)
+        if self.config.can_skip:
+            self._decided[id(raw)] = skip
         self._last_applied[id(raw)] = self._latest_applied = not skip
-        self.divergence.observe(skip, self.grad_scale, self._state.steps)
+        if skip:
+            self.divergence.observe(True, self.grad_scale, self._state.steps)
+        else:
+            self.divergence.applied()
         if skip:
             return None
         if self.store is not None:
@@ -293,7 +337,10 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
 
         ``new_scale`` sets the scale directly instead (no transition, as in torch).
         """
-        stepped = [found for stage, found in self._stages.values() if stage is OptState.STEPPED]
+        stepped_ids = [key for key, (stage, _) in self._stages.items() if stage is OptState.STEPPED]
+        stepped = [self._stages[key][1] for key in stepped_ids]
+        decided = self._decided
+        self._decided = {}
         self._stages.clear()
         self._skips.clear()
         if new_scale is not None:
@@ -302,8 +349,20 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
             return
         if not stepped:
             return
+        if not self.config.enabled and all(key in decided for key in stepped_ids):
+            self._host_transition(any(decided[key] for key in stepped_ids))
+            return
         found = stepped[0] if len(stepped) == 1 else torch.stack(stepped).amax()
         self.record_transition(found > 0)
+
+    def _host_transition(self, overflow: bool) -> None:
+        """The transition on the host (scaling off, the decision read already): no op is launched."""
+        old = self._host
+        if old is None:  # the device state once to the host (one read per field)
+            state = self._state
+            old = ScalerState(PYTHON_OPS.f32(state.scale.item()), *(PYTHON_OPS.i32(v.item()) for v in state[1:]))
+        new, applied = next_state(self.config, old, overflow, PYTHON_OPS)
+        self._host, self._stale, self._host_latest = new, True, (old, new, overflow, bool(applied))
 
     def record_transition(self, overflow: Tensor) -> None:
         """Advance the state by one step with device flag ``overflow``; react to a floor hit."""
@@ -326,26 +385,32 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self._last_applied[id(raw)] = self._latest_applied = False
 
     def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:
-        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+        grads: list[Tensor] = []  # dense local gradients
         param_groups = getattr(optimizer, "param_groups", None)
         for group in param_groups if isinstance(param_groups, (list, tuple)) else ():  # a test double: no grads
             for p in group["params"]:
                 grad = p.grad
                 if grad is None:
                     continue
+                if type(grad) is not Tensor and hasattr(grad, "device_mesh"):  # a DTensor (FSDP2 shard): check
+                    grad = grad.to_local()  # the local shard; the one all-reduce below makes the flag global
                 if grad.is_sparse:
                     if grad.dtype is torch.float16:
                         p.grad = grad = grad.coalesce()
                     grad = grad._values()
-                if hasattr(grad, "device_mesh"):  # a DTensor (FSDP2 shard): check the local shard; the one
-                    grad = grad.to_local()        # all-reduce below makes the flag global
-                groups[(grad.device, grad.dtype)].append(grad)
+                grads.append(grad)
+        groups: dict[tuple[torch.device, torch.dtype | None], list[Tensor]] = {}
+        if device.type == "cpu" and all(g.device == device for g in grads):
+            groups[(device, None)] = grads  # one call: the CPU kernel takes mixed dtypes
+        else:  # one call per device and dtype, as GradScaler
+            for g in grads:
+                groups.setdefault((g.device, g.dtype), []).append(g)
         inv_scale = self.grad_scale.double().reciprocal().float() if self.config.enabled else None
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        for (dev, _), grads in groups.items():
+        for (dev, _), group_grads in groups.items():
             local = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, local, inv_scale.to(dev) if inv_scale is not None else self._unit(dev))
+                group_grads, local, inv_scale.to(dev) if inv_scale is not None else self._unit(dev))
             if local is not found_inf:
                 found_inf = found_inf + local.to(device)
         if self.config.can_skip:  # every rank must take the same skip decision (nothing is decided otherwise)

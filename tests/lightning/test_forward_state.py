@@ -136,3 +136,40 @@ def test_hugging_face_resnet_stays_finite_after_an_inf_batch():
     with torch.no_grad(), plugin.forward_context():  # what the Fabric-wrapped module runs under
         assert torch.isfinite(net(plugin.convert_input(data[0][0])).float()).all()
     assert sum(isinstance(m, nn.BatchNorm2d) for m in net.modules()) >= 4
+
+
+class _Counter(nn.Module):
+    """Counts its training forwards in a buffer registered late (after the first step)."""
+
+    def forward(self, x):
+        if self.training and hasattr(self, "seen"):
+            self.seen += 1
+        return x
+
+
+@pytest.mark.parametrize("how", ["register_buffer", "new submodule"])
+def test_a_buffer_registered_after_the_first_step_is_kept(how):
+    # The buffer owners are found once and kept until a module or buffer is registered anywhere:
+    # a buffer that appears after the first step (or arrives inside a new submodule) is restored too.
+    from lightning_ext.forward_state import ForwardState
+
+    root = nn.Sequential(nn.Linear(2, 2), _Counter())
+    state = ForwardState()
+    state.begin(root)
+    state.end(False)
+    if how == "register_buffer":
+        root[1].register_buffer("seen", torch.zeros(()))
+        counter = root[1]
+    else:
+        counter = _Counter()
+        counter.register_buffer("seen", torch.zeros(()))
+        root.append(counter)
+    state.begin(root)
+    root(torch.ones(1, 2))
+    assert counter.seen.item() == 1
+    state.end(True)  # skipped: the forward's write goes back
+    assert counter.seen.item() == 0
+    state.begin(root)
+    root(torch.ones(1, 2))
+    state.end(False)
+    assert counter.seen.item() == 1

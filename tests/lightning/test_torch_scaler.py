@@ -141,3 +141,37 @@ def test_plugin_scaler_is_none_without_loss_scaling():
     scaled = MixedPrecision("16-mixed")
     assert isinstance(scaled.scaler, TorchLossScaler) and scaled.scaler.is_enabled()
     assert OptState.READY.value == 0
+
+
+@pytest.mark.parametrize("config", [ScalerConfig(enabled=False),
+                                    ScalerConfig(enabled=False, skip_nonfinite=False)], ids=["skip", "count"])
+def test_scaling_off_state_equals_the_reference_step_by_step(config):
+    # Scaling off with the decision read on the host: the transition runs on the host (PYTHON_OPS); the
+    # device state, latest() and the counters must equal the NumPy reference replayed on the same flags,
+    # as device tensors of the same dtypes; state is the same object until the next transition.
+    from mp_callbacks import NUMPY_OPS, initial_state, next_state
+
+    scaler = TorchLossScaler(config, count_overflows=True)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref = initial_state(config, NUMPY_OPS)
+    for step in range(12):
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x), y) * (float("inf") if step in INF_STEPS else 1.0)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        flag = not all(torch.isfinite(p.grad).all() for p in model.parameters())  # applied infs poison later steps
+        scaler.step(opt)
+        scaler.update()
+        ref, applied = next_state(config, ref, flag, NUMPY_OPS)
+        state = scaler.state
+        assert scaler.state is state
+        assert state.scale.dtype == torch.float32 and state.steps.dtype == torch.int32
+        for name, value in zip(state._fields, state):
+            assert value.item() == getattr(ref, name).item(), (step, name)
+        latest = scaler.latest()
+        assert bool(latest["overflow"]) is flag
+        assert bool(latest["applied"]) is bool(applied)
+        assert latest["skipped_total"].item() == ref.skipped.item()
+        assert scaler.skipped == int(ref.skipped) and scaler.overflows == int(ref.overflows)
+    assert scaler.skipped == (len(INF_STEPS) if config.skip_nonfinite else 0)
