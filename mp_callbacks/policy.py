@@ -11,7 +11,11 @@ Rules, in order of precedence, for a module or layer:
 3. anything else is *unknown* and runs in FP32.
 
 For an op kind: in ``low_precision_ops`` -> the compute dtype; in
-``fp32_ops`` -> float32; in ``passthrough_ops`` (elementwise activations,
+``fp32_ops`` -> float32; in ``float16_fp32_ops`` (elementwise ops whose
+intermediates leave float16's range: GPT-2's tanh GELU cubes its input, inf in
+float16 from ``|x| > 40``) -> float32 when the compute dtype is float16, else
+passthrough (bfloat16 has float32's range; measured: benchmarks/README.md,
+"The tanh GELU under bf16"); in ``passthrough_ops`` (elementwise activations,
 dropout, reshapes) -> the compute dtype (they follow their input); otherwise
 unknown -> float32.  Unknown or custom ops run in FP32 unless declared.
 
@@ -47,6 +51,7 @@ DEFAULT_FP32_OPS = frozenset({
     "kl_div", "loss", "exp", "log", "pow", "sum", "mean", "norm", "cumsum", "prod", "logsumexp",
     "softplus", "embedding",
 })
+DEFAULT_FLOAT16_FP32_OPS = frozenset({"tanh_gelu"})
 DEFAULT_PASSTHROUGH_OPS = frozenset({
     "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "elu", "activation", "dropout",
     "identity", "flatten", "reshape", "add", "max_pool", "avg_pool", "pool", "concatenate",
@@ -74,6 +79,10 @@ CLASS_TO_OP: dict[str, str] = {
     "MaxPool1d": "max_pool", "MaxPool2d": "max_pool", "AvgPool2d": "avg_pool",
     "MaxPooling2D": "max_pool", "AveragePooling2D": "avg_pool", "GlobalAveragePooling2D": "avg_pool",
     "GlobalAveragePooling1D": "avg_pool", "Concatenate": "concatenate", "InputLayer": "identity",
+    # Hugging Face transformers' activation modules (transformers.activations): plain tensor ops.
+    "NewGELUActivation": "tanh_gelu", "GELUTanh": "tanh_gelu", "PytorchGELUTanh": "tanh_gelu",
+    "FastGELUActivation": "tanh_gelu", "GELUActivation": "gelu", "QuickGELUActivation": "gelu",
+    "SiLUActivation": "silu",
 }
 
 _FIELDS = ("params", "compute", "output")
@@ -129,12 +138,13 @@ class PrecisionPolicy:
     low_precision_ops: frozenset[str] = DEFAULT_LOW_PRECISION_OPS
     fp32_ops: frozenset[str] = DEFAULT_FP32_OPS
     passthrough_ops: frozenset[str] = DEFAULT_PASSTHROUGH_OPS
+    float16_fp32_ops: frozenset[str] = DEFAULT_FLOAT16_FP32_OPS
     module_rules: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         for name in _FIELDS:
             object.__setattr__(self, name, _dtype(getattr(self, name), name))
-        for name in ("low_precision_ops", "fp32_ops", "passthrough_ops"):
+        for name in ("low_precision_ops", "fp32_ops", "passthrough_ops", "float16_fp32_ops"):
             object.__setattr__(self, name, _ops(getattr(self, name), name))
         both = self.low_precision_ops & self.fp32_ops
         if both:
@@ -190,6 +200,8 @@ class PrecisionPolicy:
             return "fp32"
         if op in self.low_precision_ops:
             return "low"
+        if op in self.float16_fp32_ops:
+            return "fp32" if self.compute == "float16" else "passthrough"
         if op in self.passthrough_ops:
             return "passthrough"
         return "unknown"
@@ -243,7 +255,7 @@ class PrecisionPolicy:
         return {
             "params": self.params, "compute": self.compute, "output": self.output,
             "low_precision_ops": sorted(self.low_precision_ops), "fp32_ops": sorted(self.fp32_ops),
-            "passthrough_ops": sorted(self.passthrough_ops),
+            "passthrough_ops": sorted(self.passthrough_ops), "float16_fp32_ops": sorted(self.float16_fp32_ops),
             "module_rules": [list(r) for r in self.module_rules],
         }
 

@@ -217,3 +217,24 @@ def test_core_imports_no_framework():
             "bad=[m for m in sys.modules if m.split('.')[0] in ('torch','keras','tensorflow','lightning','jax')];"
             "print(bad); sys.exit(1 if bad else 0)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_tanh_gelu_is_fp32_under_float16_only():
+    # Hugging Face's tanh GELU cubes its input (inf in float16 from |x| > 40): an FP32 op under float16
+    # compute, a passthrough activation under bfloat16 (FP32's range); a module rule still wins, and the
+    # list round-trips through to_dict.
+    from mp_callbacks.policy import PrecisionPolicy
+
+    bf16 = PrecisionPolicy.parse("params=float32,compute=bfloat16,output=float32")
+    fp16 = PrecisionPolicy.parse("params=float32,compute=float16,output=float32")
+    for name in ("NewGELUActivation", "GELUTanh", "FastGELUActivation"):
+        assert bf16.resolve(name) == "bfloat16" and not bf16.keeps_fp32(name)
+        assert fp16.resolve(name) == "float32" and fp16.keeps_fp32(name)
+    assert fp16.resolve("GELUActivation") == "float16"  # the erf GELU stays in range
+    assert "passthrough" in bf16.explain("NewGELUActivation")[1] and "FP32" in fp16.explain("NewGELUActivation")[1]
+    declared = PrecisionPolicy.parse("params=float32,compute=bfloat16,output=float32",
+                                     module_rules=(("NewGELUActivation", "float32"),))
+    assert declared.resolve("NewGELUActivation") == "float32"
+    assert PrecisionPolicy.from_dict(fp16.to_dict()) == fp16
+    old = {k: v for k, v in fp16.to_dict().items() if k != "float16_fp32_ops"}  # a checkpoint from before
+    assert PrecisionPolicy.from_dict(old).keeps_fp32("NewGELUActivation")

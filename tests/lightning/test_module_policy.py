@@ -123,3 +123,18 @@ def test_monitor_prints_the_policy_report_on_request(capsys):
                enable_model_summary=False).fit(Compiled(False), data)
     event = next(e for e in monitor.history.events if e["kind"] == "policy")
     assert [r["storage"] for r in event["modules"] if r["path"] in ("net.0", "net.1")] == ["bfloat16", "float32"]
+
+
+def test_hugging_face_gpt2_gelu_region_under_fp16_only():
+    # The tanh GELU of transformers' GPT-2: no FP32 region under bf16-mixed (it follows autocast, as
+    # native), an FP32 region under 16-mixed (x**3 leaves float16's range).
+    transformers = pytest.importorskip("transformers")
+    from lightning_ext.policy import fp32_compute_modules
+    from mp_callbacks.recipes import get_recipe
+
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    regions = {name: {type(m).__name__ for _, m in fp32_compute_modules(model, get_recipe(name).policy)}
+               for name in ("bf16-mixed", "16-mixed")}
+    assert "NewGELUActivation" not in regions["bf16-mixed"] and "LayerNorm" in regions["bf16-mixed"]
+    assert "NewGELUActivation" in regions["16-mixed"]
