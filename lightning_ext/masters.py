@@ -252,10 +252,13 @@ class MasterWeights:
         """
         entries = self.for_optimizer(optimizer)
         released = []
-        for entry in entries:  # one parameter at a time: the rebuilt master replaces remainder and weight
-            self._rebuild([entry])
-            if self.free_weights_during_step:
-                released += _release([entry])
+        if self._held:  # remainders: one parameter at a time, the rebuilt master replaces remainder and weight
+            for entry in entries:
+                self._rebuild([entry])
+                if self.free_weights_during_step:
+                    released += _release([entry])
+        elif self.free_weights_during_step:
+            released = _release(entries)
         try:
             with fused_implementation(optimizer) if self.fused_step else contextlib.nullcontext():
                 yield
