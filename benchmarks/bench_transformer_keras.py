@@ -292,6 +292,7 @@ def pieces(args: argparse.Namespace, models: dict[str, Any]) -> str:
             v.assign(ops.cast(m, v.dtype))
 
     graphs = {
+        "empty tf.function call (subtract from each piece)": tf.function(lambda: one),
         "finite check, bf16-mixed's FP32 gradients": tf.function(lambda: found_inf(g32)),
         "finite check, bf16-master's bf16 gradients": tf.function(lambda: found_inf(g16)),
         "unscale by 1 (divide), FP32 gradients": tf.function(lambda: [unscale(g, one) for g in g32]),

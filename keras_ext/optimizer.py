@@ -150,6 +150,7 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
         self._recipe = recipe_obj
         self.count_overflows = count_overflows
         self._grads_already_unscaled = False
+        self.fuse_masters = True  # read when the step is traced (see fuses_whole_step)
 
     # -- configuration ------------------------------------------------------------
     @property
@@ -320,9 +321,12 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
 
     @property
     def fuses_whole_step(self) -> bool:
-        """True when this step's rounded update (inner optimizer and rules) runs as one XLA function
-        (:func:`keras_ext.rounding_step.fuses_whole_step`; ``bf16-kahan``/``bf16-sr`` only)."""
-        return self.update_rounding is not None and rounding_step.fuses_whole_step()
+        """True when this step's update (inner optimizer, and the rounding rules or the masters' write-back) runs
+        as one XLA function (:func:`keras_ext.rounding_step.fuses_whole_step`): ``bf16-kahan``/``bf16-sr``, and
+        FP32 masters (``*-master``) while :attr:`fuse_masters`."""
+        fused = self.update_rounding is not None or (self.fuse_masters and type(self._masters) is MasterWeights
+                                                     and self.master_weights)
+        return fused and rounding_step.fuses_whole_step()
 
     def _eager_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
         found_inf = self._found_inf(grads)
