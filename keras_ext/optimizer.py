@@ -329,11 +329,9 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
         return fused and rounding_step.fuses_whole_step()
 
     def _decides_in_whole_step(self) -> bool:
-        """True when the whole step (finite check, scaler transition, divergence rule, the update) is traced into
-        the update's XLA function (:attr:`fuses_whole_step`): FP32 masters, no monitor attached (its device
-        writes stay in the graph), and no floor reaction to trace (scaling off, or ``on_min_scale="clamp"``:
-        XLA has no ``Assert``/``print``).  Only the masters' step: the rounding recipes keep the decision in the
-        graph as before."""
+        """True when the finite check, scaler transition and divergence rule join the update's XLA function
+        (:attr:`fuses_whole_step`): FP32 masters, no monitor, no floor reaction to trace (scaling off or
+        ``on_min_scale="clamp"``: XLA has no ``Assert``/``print``)."""
         config = self.scaler_config
         return (self.fuses_whole_step and self.update_rounding is None and self.monitor is None
                 and (not config.enabled or config.on_min_scale == "clamp"))
