@@ -1,16 +1,16 @@
 """Keras on a small GPT-2-style transformer: every recipe, ours vs native, alternating, with controls.
 
-    python benchmarks/bench_transformer_keras.py [--threads 1] [--rounds 4] [--steps 12] [--batch-size 4]
-        [--seq 32] [--d-model 128] [--layers 2] [--only TEXT ...] [--profile] [--json PATH]
+    python benchmarks/bench_transformer_keras.py [--threads 1] [--rounds 6] [--steps 120] [--batch-size 4]
+        [--seq 32] [--d-model 128] [--layers 2] [--model tiny|keras_hub] [--by-fit] [--only TEXT ...]
+        [--profile] [--json PATH]
 
-The Keras twin of bench_transformer.py (KerasHub is not installed here, so the
-model is written out): token and position ``Embedding``, pre-LayerNorm blocks
-with causal ``MultiHeadAttention`` and an MLP whose activation is a custom
-layer of plain ops (``NewGELU``, GPT-2's tanh GELU: a layer the op policy does
-not know, so keras_ext runs it in FP32 unless a module rule declares it), a
-final ``LayerNormalization`` and a ``Dense`` head; random-token batches,
-``model.fit``, AdamW lr 1e-3, ``jit_compile=False``, Grappler's remapper off
-for every variant (``mp_callbacks.app.keras_runner.graph_options``).
+The Keras twin of bench_transformer.py; the models are ``bench_transformer_keras_model.py``'s:
+``tiny`` (default) is written out (GPT-2's blocks with a custom ``NewGELU`` layer of plain ops, which
+the op policy does not know, so keras_ext runs it in FP32 unless a module rule declares it);
+``--model keras_hub`` trains keras_hub's ``GPT2Backbone`` built from a config of the same size with
+its tied LM head (random init, no dropout; a third-party model).  Random-token batches,
+``model.fit``, AdamW lr 1e-3, ``jit_compile=False``, Grappler's remapper off for every variant
+(``mp_callbacks.app.keras_runner.graph_options``).
 
 * native: Keras' own global policy (``float32``, ``mixed_float16``,
   ``mixed_bfloat16``), AdamW, ``keras.optimizers.LossScaleOptimizer`` under
@@ -18,14 +18,19 @@ for every variant (``mp_callbacks.app.keras_runner.graph_options``).
 * ours: the model built in FP32, ``keras_ext.set_global_policy(recipe)`` +
   ``keras_ext.apply_policy``, ``keras_ext.master_optimizer(AdamW, recipe)``
   (``*-master``: bf16/fp16 variables with FP32 masters); ours bf16-mixed also
-  with ``NewGELU`` declared low precision; ours bf16-master also with the whole
+  with ``NewGELU`` declared low precision (``tiny`` only); ours bf16-master also with the whole
   FP32 gradient list widened before the update (the step before each gradient
   was widened inside its own variable's update).
 
-Step time: ``on_train_batch_begin`` to ``on_train_batch_end``, a fit's figure
-the median of its timed windows, in wall time and in CPU time; ratios are medians of per-round ratios with
-their min-max; TensorFlow's thread pools are fixed at its start, so each
-thread count runs in a subprocess of this script.
+Each native variant runs a second time as a control.  By default the variants alternate step by step
+(``lockstep.py``: every ``model.fit`` in its own thread, a Keras callback calling the clock at
+``on_train_batch_begin`` / ``on_train_batch_end``, one step at a time, A B C / C B A per step; a step's
+figures its wall time and the process' CPU time: TF runs its kernels on its own pool threads),
+``--rounds`` windows of the steps after a tenth of
+warm-up, a window's figure its median step, ratios the median of per-window ratios with their min-max;
+``--by-fit`` alternates whole fits instead (``common.alternate``, ``--rounds`` fits each, a fit's figure
+its median timed window).  TensorFlow's thread pools are fixed at its start, so each thread count runs
+in a subprocess of this script.
 """
 
 from __future__ import annotations
@@ -47,9 +52,9 @@ from common import base_parser  # noqa: E402
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 PAIRS = [
-    ("ours 32-true", "native 32-true", "<= 1.03"),
-    ("ours 16-mixed", "native 16-mixed", "<= 1.03"),
-    ("ours bf16-mixed", "native bf16-mixed", "<= 1.03"),
+    ("ours 32-true", "native 32-true", "<= 1.02"),
+    ("ours 16-mixed", "native 16-mixed", "<= 1.02"),
+    ("ours bf16-mixed", "native bf16-mixed", "<= 1.02"),
     ("ours bf16-mixed", "ours bf16-mixed, NewGELU declared bf16", "FP32 region of the unknown GELU layer"),
     ("ours 16-master", "native 16-mixed", "<= 0.95"),
     ("ours bf16-master", "native bf16-mixed", "<= 0.95"),
@@ -61,72 +66,64 @@ NATIVES = ["native 32-true", "native 16-mixed", "native bf16-mixed"]
 
 
 def worker(args: argparse.Namespace) -> None:
-    import math
-
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
     import keras
-    import numpy as np
+    from bench_transformer_keras_model import build_model, token_data
     from common import alternate, fit_figures, machine_line, print_tables, with_controls
     from keras import ops
+    from lockstep import StepClock, lockstep
 
     import keras_ext
     from mp_callbacks.app.keras_runner import graph_options
     from mp_callbacks.app.keras_runner import run as keras_run
     from mp_callbacks.recipes import get_recipe
 
-    @keras.saving.register_keras_serializable(package="bench")
-    class NewGELU(keras.layers.Layer):
-        """GPT-2's GELU (tanh approximation) as a layer of plain ops."""
-
-        def call(self, x):  # noqa: ANN001
-            return 0.5 * x * (1.0 + ops.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * ops.power(x, 3.0))))
-
-    d, heads, seq, vocab = args.d_model, 4, args.seq, args.vocab
+    d, seq, vocab = args.d_model, args.seq, args.vocab
 
     def build() -> keras.Model:
-        idx = keras.Input((seq,), dtype="int32")
-        pos = keras.Input((seq,), dtype="int32")  # 0..seq-1 (an input, so the position embedding is trained)
-        x = keras.layers.Embedding(vocab, d, name="wte")(idx)
-        x = x + keras.layers.Embedding(seq, d, name="wpe")(pos)
-        for i in range(args.layers):
-            h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_1_{i}")(x)
-            h = keras.layers.MultiHeadAttention(heads, d // heads, name=f"attn_{i}")(h, h, use_causal_mask=True)
-            x = x + h
-            h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_2_{i}")(x)
-            h = keras.layers.Dense(4 * d, name=f"c_fc_{i}")(h)
-            h = NewGELU(name=f"act_{i}")(h)
-            x = x + keras.layers.Dense(d, name=f"c_proj_{i}")(h)
-        x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(x)
-        return keras.Model([idx, pos], keras.layers.Dense(vocab, use_bias=False, name="lm_head")(x))
+        return build_model(args.model, vocab, seq, d, args.layers)
 
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, (args.steps * args.batch_size, seq + 1)).astype("int32")
-    xs, ys = [tokens[:, :-1], np.tile(np.arange(seq, dtype="int32"), (len(tokens), 1))], tokens[:, 1:]
+    xs, ys = token_data(args.model, vocab, seq, args.steps * args.batch_size)
 
     class Timer(keras.callbacks.Callback):
-        def __init__(self) -> None:
+        """Per-step wall and CPU time of one fit (``--by-fit``), or the lock-step clock's begin/end."""
+
+        def __init__(self, clock: StepClock | None = None) -> None:
             super().__init__()
+            self.clock = clock
             self.times: list[float] = []
             self.cpu_times: list[float] = []
 
         def on_train_batch_begin(self, batch, logs=None):  # noqa: ANN001
+            if self.clock is not None:
+                self.clock.begin()
             self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, batch, logs=None):  # noqa: ANN001
             ops.convert_to_numpy(logs["loss"])  # the step is done on the host
             self.times.append(time.perf_counter() - self.t0)
             self.cpu_times.append(time.process_time() - self.c0)
+            if self.clock is not None:
+                self.clock.end()
 
-    def fit(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> tuple[float, float]:
+    def compiled(model: keras.Model, optimizer: keras.optimizers.Optimizer, clock: StepClock | None = None):
+        """The model compiled (main thread); returns the fit (in lock-step: run in the variant's thread)."""
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)
-        timer = Timer()
-        with graph_options():
+        timer = Timer(clock)
+
+        def train() -> Timer:
             model.fit(xs, ys, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+            return timer
+        return train
+
+    def fit(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> tuple[float, float]:
+        with graph_options():
+            timer = compiled(model, optimizer)()
         return fit_figures(timer.times, timer.cpu_times)
 
     def make_native(policy: str) -> tuple[keras.Model, keras.optimizers.Optimizer]:
@@ -141,12 +138,6 @@ def worker(args: argparse.Namespace) -> None:
         if policy == "mixed_float16":
             opt = keras.optimizers.LossScaleOptimizer(opt)
         return model, opt
-
-    def native(policy: str):
-        return lambda: fit(*make_native(policy))
-
-    def ours(recipe: str, gelu_low: bool = False, fp32_list: bool = False):
-        return lambda: fit(*make_ours(recipe, gelu_low, fp32_list))
 
     def make_ours(recipe: str, gelu_low: bool = False,
                   fp32_list: bool = False) -> tuple[keras.Model, keras.optimizers.Optimizer]:
@@ -174,28 +165,47 @@ def worker(args: argparse.Namespace) -> None:
         profile(args, fit, make_native, make_ours)
         return
 
-    variants = {
-        "native 32-true": native("float32"), "ours 32-true": ours("32-true"),
-        "native 16-mixed": native("mixed_float16"), "ours 16-mixed": ours("16-mixed"),
-        "native bf16-mixed": native("mixed_bfloat16"), "ours bf16-mixed": ours("bf16-mixed"),
-        "ours bf16-mixed, NewGELU declared bf16": ours("bf16-mixed", gelu_low=True),
-        "ours 16-master": ours("16-master"), "ours bf16-master": ours("bf16-master"),
-        "ours bf16-master, FP32 gradient list": ours("bf16-master", fp32_list=True),
+    makers = {
+        "native 32-true": (make_native, ("float32",)), "ours 32-true": (make_ours, ("32-true",)),
+        "native 16-mixed": (make_native, ("mixed_float16",)), "ours 16-mixed": (make_ours, ("16-mixed",)),
+        "native bf16-mixed": (make_native, ("mixed_bfloat16",)), "ours bf16-mixed": (make_ours, ("bf16-mixed",)),
+        "ours 16-master": (make_ours, ("16-master",)), "ours bf16-master": (make_ours, ("bf16-master",)),
+        "ours bf16-master, FP32 gradient list": (make_ours, ("bf16-master", False, True)),
     }
+    if args.model == "tiny":  # keras_hub's GELU is the Dense layer's activation, not a layer of its own
+        makers["ours bf16-mixed, NewGELU declared bf16"] = (make_ours, ("bf16-mixed", True))
     for recipe in ("bf16-kahan", "bf16-sr"):
         if getattr(keras_run, "supports", lambda _: True)(recipe):
-            variants[f"ours {recipe}"] = ours(recipe)
-    pairs = [p for p in PAIRS if p[0] in variants and p[1] in variants
+            makers[f"ours {recipe}"] = (make_ours, (recipe,))
+
+    def by_fit(name: str):
+        make, make_args = makers[name]
+        return lambda: fit(*make(*make_args))
+
+    def stepped(name: str):
+        make, make_args = makers[name]
+        return lambda clock: compiled(*make(*make_args), clock=clock)
+
+    pairs = [p for p in PAIRS if p[0] in makers and p[1] in makers
              and (args.only is None or any(t in p[0] for t in args.only))]
     names = list(dict.fromkeys(n for p in pairs for n in p[:2]))
+    natives = [n for n in NATIVES if n in names]
     print(machine_line(args.threads))
-    times = alternate(with_controls({n: variants[n] for n in names}, [n for n in NATIVES if n in names]), args.rounds)
+    if args.by_fit:
+        times = alternate(with_controls({n: by_fit(n) for n in names}, natives), args.rounds)
+        how = f"{args.steps} steps/fit, {args.rounds} fits alternating"
+    else:
+        with graph_options():  # process-wide: set once around every thread's fit
+            times = lockstep(with_controls({n: stepped(n) for n in names}, natives), args.steps, args.rounds,
+                             cpu=time.process_time)  # TF's kernels run on its own pool threads
+        how = f"{args.steps} steps alternating step by step, {args.rounds} windows"
     n_params = build().count_params()
+    model_name = "keras_hub GPT2Backbone + tied head" if args.model == "keras_hub" else "GPT-2-style transformer"
     data = print_tables(
-        f"Keras {keras.__version__} ({keras.backend.backend()}), GPT-2-style transformer ({args.layers} layers, "
-        f"d_model {d}, seq {seq}, vocab {vocab}, {n_params} params), batch {args.batch_size}, {args.steps} steps/fit, "
+        f"Keras {keras.__version__} ({keras.backend.backend()}), {model_name} ({args.layers} layers, "
+        f"d_model {d}, seq {seq}, vocab {vocab}, {n_params} params), batch {args.batch_size}, {how}, "
         f"{args.threads} thread(s), AdamW, jit_compile=False", times, pairs)
-    skipped = [r for r in ("bf16-kahan", "bf16-sr") if f"ours {r}" not in variants]
+    skipped = [r for r in ("bf16-kahan", "bf16-sr") if f"ours {r}" not in makers]
     if skipped:
         print(f"  not run: {', '.join(skipped)} (keras_ext does not implement them here)")
     if args.json:
@@ -282,6 +292,7 @@ def pieces(args: argparse.Namespace, models: dict[str, Any]) -> str:
             v.assign(ops.cast(m, v.dtype))
 
     graphs = {
+        "empty tf.function call (subtract from each piece)": tf.function(lambda: one),
         "finite check, bf16-mixed's FP32 gradients": tf.function(lambda: found_inf(g32)),
         "finite check, bf16-master's bf16 gradients": tf.function(lambda: found_inf(g16)),
         "unscale by 1 (divide), FP32 gradients": tf.function(lambda: [unscale(g, one) for g in g32]),
@@ -309,13 +320,17 @@ def pieces(args: argparse.Namespace, models: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = base_parser(__doc__, rounds=4, steps=12, batch_size=4)
+    parser = base_parser(__doc__, rounds=6, steps=120, batch_size=4)
     parser.set_defaults(threads=[1])
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT")
+    parser.add_argument("--model", choices=["tiny", "keras_hub"], default="tiny",
+                        help="tiny: the hand-written GPT-2 twin; keras_hub: keras_hub's GPT2Backbone from a config")
+    parser.add_argument("--by-fit", action="store_true",
+                        help="alternate whole fits (--rounds fits per variant) instead of single steps")
     parser.add_argument("--profile", action="store_true",
                         help="count the train step's ops per variant (bf16) instead of timing the variants")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -326,11 +341,13 @@ def main() -> None:
         return
     passthrough = ["--rounds", str(args.rounds), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                    "--seq", str(args.seq), "--d-model", str(args.d_model), "--layers", str(args.layers),
-                   "--vocab", str(args.vocab)]
+                   "--vocab", str(args.vocab), "--model", args.model]
     if args.only:
         passthrough += ["--only", *args.only]
     if args.profile:
         passthrough.append("--profile")
+    if args.by_fit:
+        passthrough.append("--by-fit")
     env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "tensorflow"))
     for threads in args.threads:
         env["OMP_NUM_THREADS"] = str(threads)

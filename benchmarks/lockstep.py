@@ -16,7 +16,8 @@ twin in the middle).  The rule:
 * after its last step a fit waits until every fit has taken its last step, so no set-up or teardown runs
   beside a timed step;
 * a step's figures are its wall time and its thread's CPU time (``time.thread_time``: another thread's
-  waiting or teardown does not count).
+  waiting or teardown does not count); ``cpu=time.process_time`` for a framework that runs its kernels
+  on threads of its own (TensorFlow's executor pools: the fits that wait use no CPU meanwhile).
 
 The per-step times are cut into ``windows`` consecutive windows after ``warmup`` steps; a window's figure
 is its median step: the rounds that :func:`common.print_tables` summarises (median of per-window ratios,
@@ -67,36 +68,39 @@ class _Turns:
 class StepClock:
     """One variant's step timer and turn: call :meth:`begin` at a step's start and :meth:`end` at its end."""
 
-    def __init__(self, turns: _Turns, index: int, steps: int, done: threading.Barrier) -> None:
-        self._turns, self._index, self._steps, self._done = turns, index, steps, done
+    def __init__(self, turns: _Turns, index: int, steps: int, done: threading.Barrier,
+                 cpu: Callable[[], float] = time.thread_time) -> None:
+        self._turns, self._index, self._steps, self._done, self._cpu = turns, index, steps, done, cpu
         self.times: list[tuple[float, float]] = []  # (wall, thread cpu) seconds per step
         self._t0 = self._c0 = 0.0
 
     def begin(self) -> None:
         """Wait for this variant's turn, then start the step's clocks."""
         self._turns.wait(self._index)
-        self._t0, self._c0 = time.perf_counter(), time.thread_time()
+        self._t0, self._c0 = time.perf_counter(), self._cpu()
 
     def end(self) -> None:
         """Stop the clocks, pass the turn; after the last step, wait for every variant's last step."""
-        self.times.append((time.perf_counter() - self._t0, time.thread_time() - self._c0))
+        self.times.append((time.perf_counter() - self._t0, self._cpu() - self._c0))
         self._turns.passed()
         if len(self.times) == self._steps:
             self._done.wait()
 
 
 def lockstep(variants: Mapping[str, Callable[[StepClock], Callable[[], object]]], steps: int, windows: int,
-             warmup: int | None = None) -> dict[str, list[tuple[float, float]]]:
+             warmup: int | None = None, cpu: Callable[[], float] = time.thread_time,
+             ) -> dict[str, list[tuple[float, float]]]:
     """Run the variants' fits step by step in turn; returns ``{name: [(wall, cpu) per window]}``.
 
     ``variants[name](clock)`` builds the variant (in the main thread, in order) and returns the function
     that trains it for ``steps`` steps, calling ``clock.begin()`` / ``clock.end()`` around every step.
     ``warmup`` steps (default: a tenth) are left out; the rest are cut into ``windows`` windows.
+    ``cpu``: the CPU clock of a step (default the thread's; see the module's rule).
     """
     names = list(variants)
     turns = _Turns(len(names))
     done = threading.Barrier(len(names))
-    clocks = [StepClock(turns, i, steps, done) for i in range(len(names))]
+    clocks = [StepClock(turns, i, steps, done, cpu) for i in range(len(names))]
     fits = [variants[name](clock) for name, clock in zip(names, clocks)]
     errors: list[BaseException] = []
 

@@ -150,6 +150,7 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
         self._recipe = recipe_obj
         self.count_overflows = count_overflows
         self._grads_already_unscaled = False
+        self.fuse_masters = True  # read when the step is traced (see fuses_whole_step)
 
     # -- configuration ------------------------------------------------------------
     @property
@@ -320,9 +321,20 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
 
     @property
     def fuses_whole_step(self) -> bool:
-        """True when this step's rounded update (inner optimizer and rules) runs as one XLA function
-        (:func:`keras_ext.rounding_step.fuses_whole_step`; ``bf16-kahan``/``bf16-sr`` only)."""
-        return self.update_rounding is not None and rounding_step.fuses_whole_step()
+        """True when this step's update (inner optimizer, and the rounding rules or the masters' write-back) runs
+        as one XLA function (:func:`keras_ext.rounding_step.fuses_whole_step`): ``bf16-kahan``/``bf16-sr``, and
+        FP32 masters (``*-master``) while :attr:`fuse_masters`."""
+        fused = self.update_rounding is not None or (self.fuse_masters and type(self._masters) is MasterWeights
+                                                     and self.master_weights)
+        return fused and rounding_step.fuses_whole_step()
+
+    def _decides_in_whole_step(self) -> bool:
+        """True when the finite check, scaler transition and divergence rule join the update's XLA function
+        (:attr:`fuses_whole_step`): FP32 masters, no monitor, no floor reaction to trace (scaling off or
+        ``on_min_scale="clamp"``: XLA has no ``Assert``/``print``)."""
+        config = self.scaler_config
+        return (self.fuses_whole_step and self.update_rounding is None and self.monitor is None
+                and (not config.enabled or config.on_min_scale == "clamp"))
 
     def _eager_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
         found_inf = self._found_inf(grads)
@@ -339,7 +351,9 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
         ctx = tf.distribute.get_replica_context()
         reduced = reduces_itself(self._recipe.comm_dtype, ctx)  # comm_dtype: reduce here, check the result
         grads = reduce_gradients(ctx, grads, self._recipe.comm_dtype) if reduced else grads
-        found_inf, loss_finite = self._found_inf(grads), self._divergence.loss_finite()
+        decides_inside = self._decides_in_whole_step()
+        found_inf = None if decides_inside else self._found_inf(grads)
+        loss_finite = self._divergence.loss_finite()
         if ctx.num_replicas_in_sync > 1 and self.checks_overflow:
             # The decision is global: sum the per-replica overflow (and non-finite loss) flags first.
             total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(
@@ -350,11 +364,16 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
         widen = functools.partial(unscale, scale=self._scale_to_divide()) if late else None
 
         def cross_replica(distribution, found_inf, loss_finite, unscaled, tvs):
-            found, finite = (distribution.experimental_local_results(t)[0] for t in (found_inf, loss_finite))
+            found, finite = (None if t is None else distribution.experimental_local_results(t)[0]
+                             for t in (found_inf, loss_finite))
             def apply_inner(grads: list[Any]) -> None:
                 with inner_reduction_off(self.inner_optimizer) if reduced else contextlib.nullcontext():
                     distribution.extended.call_for_each_replica(self._apply_inner, args=(grads, tvs, widen))
 
+            if decides_inside:  # finite check, transition, divergence rule and update: one XLA function
+                rounding_step.whole_step(lambda g: self._step(self._found_inf(g), finite, g, tvs, apply_inner),
+                                         unscaled)
+                return
             scale_used = self._step(found, finite, unscaled, tvs, apply_inner)
             if distribution.num_replicas_in_sync == 1:  # the monitor's device record is per replica
                 local = [None if g is None else distribution.experimental_local_results(g)[0] for g in unscaled]

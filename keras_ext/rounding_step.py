@@ -63,6 +63,9 @@ def fuses_whole_step() -> bool:
 def whole_step(update: Callable[[list[Any]], None], grads: Sequence[Any]) -> None:
     """``update(grads)`` (it reads and assigns variables) as one ``tf.function(jit_compile=True)`` inside the
     traced step; ``grads`` (tensors or None) are its arguments."""
+    if _INSIDE[0]:  # already inside a whole step's XLA function (the optimizer's decision compiled with it)
+        update(list(grads))
+        return
     import tensorflow as tf
 
     def body(grads: list[Any]) -> None:

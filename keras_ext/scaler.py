@@ -105,6 +105,7 @@ class KerasLossScaler(ScalerCounters):
     def __init__(self, config: ScalerConfig) -> None:
         self.config = config
         self._vars: dict[str, Any] = {}
+        self._old: ScalerState | None = None  # the state read by the last transition (write skips what it kept)
 
     # ------------------------------------------------------------ building
     @property
@@ -168,18 +169,27 @@ class KerasLossScaler(ScalerCounters):
         ``frozen`` (a 0-d bool, e.g. a latched divergence stop): when True the state stays and the
         step is not applied."""
         old = ScalerState(*(self._vars[f].value for f in STATE_FIELDS))
+        self._old = old
         new, applied = next_state(self.config, old, found_inf, KERAS_OPS)
         if frozen is None:
             return new, applied
-        return ScalerState(*(ops.where(frozen, o, n) for o, n in zip(old, new))), \
+        # A field the core left as it was (the same object: it cannot move in this configuration) needs no select.
+        return ScalerState(*(o if n is o else ops.where(frozen, o, n) for o, n in zip(old, new))), \
             ops.logical_and(applied, ops.logical_not(frozen))
 
     def write(self, new: ScalerState) -> None:
-        """React to a floor hit of ``new`` (per ``on_min_scale``), then assign it to the variables."""
-        if self.config.on_min_scale != "clamp":
+        """React to a floor hit of ``new`` (per ``on_min_scale``), then assign it to the variables.
+
+        After :meth:`transition`, a field whose new value is the very state read it was computed from (the
+        core returns it untouched when the configuration cannot move it: the scale with scaling off) is not
+        written again, and no floor reaction is traced when ``floor_hits`` cannot move."""
+        old, self._old = self._old, None
+        unchanged = {f for f in STATE_FIELDS if old is not None and getattr(new, f) is getattr(old, f)}
+        if self.config.on_min_scale != "clamp" and "floor_hits" not in unchanged:
             self._react_to_floor(ops.greater(new.floor_hits, self._vars["floor_hits"].value), new)
         for field in STATE_FIELDS:
-            self._vars[field].assign(getattr(new, field))
+            if field not in unchanged:
+                self._vars[field].assign(getattr(new, field))
 
     def _react_to_floor(self, hit: Any, new: ScalerState) -> None:
         if not is_tf():
