@@ -35,9 +35,8 @@ step is an error, as in torch.  Rules:
   (:func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`).  With scaling
   off and every decision already read on the host (``skip_nonfinite``, the
   default), the same :func:`~mp_callbacks.loss_scale.transition.next_state` runs
-  on the host (:data:`~mp_callbacks.ops.PYTHON_OPS`: NumPy's numbers in Python scalars) instead of
-  launching its ops: the state then lives on the
-  host until something reads it (:attr:`TorchLossScaler.state`,
+  on the host instead of launching its ops (:class:`~lightning_ext.scaler_state.ScalerStateMirror`):
+  the state then lives on the host until something reads it (:attr:`TorchLossScaler.state`,
   :meth:`TorchLossScaler.latest`), which puts it back on the device.
 
 With scaling disabled (bf16 and FP32 recipes) the same object counts
@@ -63,10 +62,10 @@ from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.loss_scale.record import check_state_dict, make_state_dict, state_from_dict
 from mp_callbacks.loss_scale.scaler import ScalerCounters, react_to_floor_hit
 from mp_callbacks.loss_scale.transition import ScalerState, initial_state, next_state
-from mp_callbacks.ops import PYTHON_OPS
 
 from .divergence import TorchDivergence
 from .ops import TorchOps
+from .scaler_state import ScalerStateMirror
 
 __all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unwrap_optimizer"]
 
@@ -120,10 +119,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self.divergence = TorchDivergence(divergence)
         self.count_overflows = count_overflows
         self._ops = TorchOps("cpu")
-        self._host: ScalerState | None = None  # host (PYTHON_OPS) state, ahead of the device state when _stale
-        self._host_latest: tuple[ScalerState, ScalerState, bool, bool] | None = None  # (old, new, overflow, applied)
-        self._stale = False
-        self._state = initial_state(config, self._ops)
+        self._mirror = ScalerStateMirror(initial_state(config, self._ops))
         self._grad_scale: Tensor | None = None
         self._stages: dict[int, tuple[OptState, Tensor | None]] = {}
         self._skips: dict[int, bool] = {}  # id(optimizer) -> this step's decision, once read
@@ -136,17 +132,12 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
     # ------------------------------------------------------------ state
     @property
     def _state(self) -> ScalerState:
-        """The device state; after host transitions it is made from the host state on first read."""
-        if self._stale:
-            host, device = self._host, self._device_state.scale.device
-            self._device_state = ScalerState(torch.tensor(host.scale, dtype=torch.float32, device=device),
-                                             *(torch.tensor(v, dtype=torch.int32, device=device) for v in host[1:]))
-            self._stale = False
-        return self._device_state
+        """The device state (:class:`~lightning_ext.scaler_state.ScalerStateMirror`)."""
+        return self._mirror.device
 
     @_state.setter
     def _state(self, value: ScalerState) -> None:
-        self._device_state, self._host, self._stale, self._host_latest = value, None, False, None
+        self._mirror.device = value
 
     # ------------------------------------------------------------ reading
     @property
@@ -169,9 +160,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         return self._grad_scale if self._grad_scale is not None else self._state.scale
 
     def _counter(self, name: str) -> int:
-        if self._stale:
-            return int(getattr(self._host, name))
-        return int(getattr(self._state, name).item())
+        return self._mirror.counter(name)
 
     def is_enabled(self) -> bool:
         """True when the loss is scaled."""
@@ -218,17 +207,9 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         """Device tensors of the latest transition (no sync): ``scale`` (the one its gradients were
         produced with), ``next_scale``, ``overflow``, ``applied``, ``steps``, ``overflows_total``,
         ``skipped_total``, ``growths_total``.  Empty before the first transition."""
-        if self._host_latest is not None:  # a host transition: its figures go to the device now
-            old, new, overflow, applied = self._host_latest
-            self._host_latest = None
-            state = self._state
-            device = state.scale.device
-            self._latest = {"scale": torch.tensor(old.scale, dtype=torch.float32, device=device),
-                            "next_scale": state.scale,
-                            "overflow": torch.tensor(overflow, device=device),
-                            "applied": torch.tensor(applied, device=device), "steps": state.steps,
-                            "overflows_total": state.overflows, "skipped_total": state.skipped,
-                            "growths_total": state.growths}
+        host_latest = self._mirror.take_host_latest()  # a host transition: its figures go to the device now
+        if host_latest is not None:
+            self._latest = host_latest
         return dict(self._latest)
 
     def last_step_skipped(self, optimizer: Any | None = None) -> bool:
@@ -244,7 +225,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
     def to(self, device: torch.device | str) -> TorchLossScaler:
         """Move the state to ``device`` (a no-op when it is there)."""
         device = torch.device(device)
-        if self._device_state.scale.device != device:
+        if self._mirror.on_device != device:
             self._ops = TorchOps(device)
             self._state = ScalerState(*(t.to(device) for t in self._state))
         return self
@@ -286,7 +267,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         stage, found = self._stages.get(id(raw), (OptState.READY, None))
         if stage is OptState.UNSCALED and found is not None:
             return found
-        device = self._device_state.scale.device
+        device = self._mirror.on_device
         with torch.no_grad():
             if self.store is not None:
                 self.store.collect_grads(raw)
@@ -350,19 +331,10 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         if not stepped:
             return
         if not self.config.enabled and all(key in decided for key in stepped_ids):
-            self._host_transition(any(decided[key] for key in stepped_ids))
+            self._mirror.host_transition(self.config, any(decided[key] for key in stepped_ids))
             return
         found = stepped[0] if len(stepped) == 1 else torch.stack(stepped).amax()
         self.record_transition(found > 0)
-
-    def _host_transition(self, overflow: bool) -> None:
-        """The transition on the host (scaling off, the decision read already): no op is launched."""
-        old = self._host
-        if old is None:  # the device state once to the host (one read per field)
-            state = self._state
-            old = ScalerState(PYTHON_OPS.f32(state.scale.item()), *(PYTHON_OPS.i32(v.item()) for v in state[1:]))
-        new, applied = next_state(self.config, old, overflow, PYTHON_OPS)
-        self._host, self._stale, self._host_latest = new, True, (old, new, overflow, bool(applied))
 
     def record_transition(self, overflow: Tensor) -> None:
         """Advance the state by one step with device flag ``overflow``; react to a floor hit."""
