@@ -18,6 +18,12 @@ mixed-dtype operation (on CPU each would cast
 through a hidden FP32 temporary).  The segments and their views are kept between steps, and rebuilt when
 the parameters, their state tensors or the buffers change.  Each parameter's step count is incremented once
 (``torch._foreach_add_``, as torch's fused path does); its bf16 gradient is released after the update.
+
+Kahan on CPU (bf16 weights, one intra-op thread): the value build before the kernel and the write-back after it
+are one native pass each (:mod:`lightning_ext.kahan_native`: the same operations and roundings in a loop of C,
+bit for bit these eager passes), built with the C compiler at the first step (~0.2 s, then cached on disk).
+Switch: ``lightning_ext.kahan_native.NATIVE = False`` keeps the eager passes; they are also used, after one
+warning, where no compiler is found or the built library fails its check.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch.optim.optimizer import _to_scalar
 
 from mp_callbacks.rounding.random_source import s32
 
+from .kahan_native import NativeKahan, native_kahan
 from .rounding_step import CHUNK, Scratch, _direct_adam, _sr_from_index
 
 __all__ = ["BatchedStep"]
@@ -189,27 +196,39 @@ def _buffers(scratch: Scratch, n: int, dtype: torch.dtype, device: Any) -> tuple
 def _run(group: dict, items: list, keys: list, segments: list[_Segment], kahan: bool, scratch: Scratch,
          device: Any) -> None:
     """Count the steps, then per segment: FP32 value and gradient, the kernel on the pieces, the rule (Kahan:
-    :func:`~lightning_ext.rounding_step._kahan_chunk`'s operations, inline on the kept views)."""
+    :func:`~lightning_ext.rounding_step._kahan_chunk`'s operations, inline on the kept views, or in one native
+    pass each side of the kernel: :func:`_native`)."""
     steps = [st["step"] for _, _, st in items]
     torch._foreach_add_(steps, 1)
     kernel = _kernel(group)
     grads = [p.grad.view(-1) for p, _, _ in items]
+    native = _native(items, kahan, device)
     copy, add, sub = torch._foreach_copy_, torch.add, torch.sub
     for s in segments:
         t, t0, w, c = s.t, s.t0, s.w, s.c
         if s.packed:  # gather the weights (and compensation) and the FP32 gradients, then the FP32 values
             copy(s.pre, s.src + [grads[j] for j, _, _, _ in s.parts])
-            copy(s.post, s.post_src)
+            if native is not None:
+                native.value(w, c, t)
+            else:
+                copy(s.post, s.post_src)
+        elif native is not None:  # t = f32(w) + f32(c) and the FP32 gradient in one pass (t0 is not kept)
+            j, a, b, _ = s.parts[0]
+            if s.sl:
+                copy(s.sb, s.sl)
+            native.value(w, c, t, grads[j][a:b], s.g)
         else:
             j, a, b, _ = s.parts[0]
             copy(s.pre, s.src + [grads[j][a:b]])
-        if kahan:  # t = f32(w) + t0 with t0 = f32(c); then t0 = t (u = t_new - t0 after the kernel)
+        if kahan and native is None:  # t = f32(w) + t0 with t0 = f32(c); then t0 = t (u = t_new - t0 after the kernel)
             t.add_(t0)
             t0.copy_(t)
         kernel(s.tv, s.gv, s.m, s.v, s.mx, [steps[j] for j, _, _, _ in s.parts])
         if s.sl:  # bf16 states: the kernel's FP32 results rounded to nearest, as the per-parameter step stores them
             copy(s.sl, s.sb)
-        if kahan:  # y = low(u) + c; new = w + y; c' = y - (new - w)
+        if native is not None:  # the same rule in one pass, t0 recomputed from w and c
+            native.write(t, w, c)
+        elif kahan:  # y = low(u) + c; new = w + y; c' = y - (new - w)
             y, new = s.y, s.new
             t.sub_(t0)
             y.copy_(t).add_(c)
@@ -230,6 +249,19 @@ def _run(group: dict, items: list, keys: list, segments: list[_Segment], kahan: 
             _sr_from_index(w, t, x, scratch)
         if s.packed:
             copy(s.wl + s.cl, s.wv + (s.cv if kahan else []))
+    if native is not None:  # written behind torch's back: autograd's in-place check still sees the change
+        torch.autograd.graph.increment_version([x for p, c, _ in items for x in (p, c)])
+
+
+def _native(items: list, kahan: bool, device: Any) -> NativeKahan | None:
+    """The native Kahan passes (:mod:`lightning_ext.kahan_native`) where they apply: Kahan, CPU, bf16 weights
+    and compensation; else None."""
+    if not kahan or device.type != "cpu":
+        return None
+    bf16 = torch.bfloat16
+    if not all(p.dtype == bf16 and c.dtype == bf16 for p, c, _ in items):
+        return None
+    return native_kahan()
 
 
 def _kernel(group: dict) -> Callable[..., None]:
