@@ -164,6 +164,25 @@ def step_ratios(labels: Sequence[str], hidden: int, depth: int, rounds: int, ste
     return out
 
 
+def grouped_step_ratios(labels: Sequence[str], hidden: int, depth: int, rounds: int, steps: int,
+                        threads: int = 1) -> dict[str, Any]:
+    """:func:`step_ratios` for the eager labels together, then for the 8-bit ones (torchao's compiled step)
+    together, each group against its own ``bf16-master`` and control: measured in one group, torchao's
+    compiled 8-bit steps slowed the eager steps timed beside them (``bf16-kahan`` 0.54-0.65x ``bf16-master``
+    alone, 1.47-1.55x with them; 2026-12-03).  ``control`` is the first group's; ``controls`` all of them."""
+    groups = [[label for label in labels if ("8bit" in label) is compiled] for compiled in (False, True)]
+    out: dict[str, Any] = {"ratios": {}, "controls": []}
+    for group in groups:
+        if not group:
+            continue
+        part = step_ratios(group, hidden, depth, rounds, steps, threads)
+        out["ratios"].update(part["ratios"])
+        out["controls"].append(part["control"])
+        out.setdefault("control", part["control"])
+        out.setdefault("clocks", part["clocks"])
+    return out
+
+
 # ------------------------------------------------------------------------------------------ swamping
 def swamp_weights(label: str, steps: int, lr: float) -> tuple[Any, Any]:
     """``(w_0, final stored weights)`` (FP32 copies) of the swamping run under ``label``."""
@@ -234,7 +253,7 @@ def guidance_rows(labels: Sequence[str], *, hidden: int, depth: int, rounds: int
         for label in labels:
             rows[label].bytes_per_param = bytes_per_param(label, hidden, depth)
     if "step" in parts:
-        raw["step"] = step_ratios(labels, hidden, depth, rounds, steps)
+        raw["step"] = grouped_step_ratios(labels, hidden, depth, rounds, steps)
         for label in labels:
             rows[label].step_ratio = raw["step"]["ratios"][label]["cpu"]
     if "swamp" in parts:
@@ -271,8 +290,11 @@ def markdown_table(rows: Sequence[Row], raw: dict[str, Any], frameworks: Sequenc
         lines.append("| " + " | ".join(cells) + " |")
     notes = []
     if "step" in raw:
-        c = raw["step"]["control"]["cpu"]
-        notes.append(f"control (bf16-master / bf16-master): {c['median']:.2f} ({c['min']:.2f}-{c['max']:.2f})")
+        for i, control in enumerate(raw["step"].get("controls", [raw["step"]["control"]])):
+            c = control["cpu"]
+            group = "" if len(raw["step"].get("controls", ())) < 2 else (" (eager group)", " (8-bit group)")[i]
+            notes.append(f"control{group} (bf16-master / bf16-master): {c['median']:.2f} "
+                         f"({c['min']:.2f}-{c['max']:.2f})")
     if "swamp" in raw:
         notes.append(f"swamping floor ({ROUNDED}): {raw['swamp'][ROUNDED]:.3f}")
     if "task" in raw:
