@@ -1,35 +1,24 @@
 """Two CPU processes (gloo, launched once by torchrun): lightning_ext.fabric.MixedPrecision under Fabric's
 DDPStrategy and ModelParallelStrategy (FSDP2).
 
-The scenarios run in ``helpers/fabric_worker.py`` (one launch); each test reads what both ranks saved.
+The scenarios run in ``helpers/fabric_worker.py`` (in the test run's one torchrun launch); each test reads
+what both ranks saved.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from filelock import FileLock
 
 from tests.lightning.helpers.fabric_worker import INF_STEP, STEPS
-from tests.lightning.helpers.torchrun import run_two_ranks
 
-pytestmark = pytest.mark.multiprocess  # one torchrun launch: shares the xdist worker of process-launching tests
+pytestmark = pytest.mark.multiprocess  # the torchrun launch: shares the xdist worker of process-launching tests
 
 
-@pytest.fixture(scope="session")
-def ranks(tmp_path_factory, worker_id):
-    """Run every scenario on 2 processes, once per test run; ``ranks(name)`` -> [rank 0's result, rank 1's].
-
-    Once even when xdist hands these tests to both workers (its loadgroup does not group them under the
-    installed pytest): the workers share the run's base temp folder, and a file lock lets one launch.
-    """
-    base = tmp_path_factory.getbasetemp()
-    out = (base.parent if worker_id != "master" else base) / "fabric_ddp"
-    with FileLock(f"{out}.lock"):
-        if not (out / "done").exists():
-            out.mkdir(exist_ok=True)
-            run_two_ranks("tests.lightning.helpers.fabric_worker", out, timeout=300)
-            (out / "done").touch()
+@pytest.fixture(scope="module")
+def ranks(torchrun_out):
+    """Every scenario on 2 processes; ``ranks(name)`` -> [rank 0's result, rank 1's]."""
+    out = torchrun_out(__name__)
     return lambda name: [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

@@ -8,7 +8,6 @@ estimate (``fsdp_step_bytes``), and the same runs all-gathering bf16 (the traini
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from lightning_ext import MixedPrecision
 from mp_callbacks.fp8.allgather import sharded_fp8_cast
 from mp_callbacks.fp8.recipe import FP8Recipe
 from mp_callbacks.fp8.scaling import FP8State
-from tests.lightning.helpers.torchrun import quiet_rank, run_two_ranks
+from tests.lightning.helpers.torchrun import quiet_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,10 +38,9 @@ GATHERED = ("net.0", "net.2", "net.4")  # the FP8 Linear layers (every one: the 
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(torchrun_out):
     """Every run on 2 processes; returns [rank 0's results, rank 1's results]."""
-    out = tmp_path_factory.mktemp("fp8_allgather")
-    run_two_ranks("tests.lightning.test_fp8_allgather", out, timeout=600)
+    out = torchrun_out(__name__)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
@@ -140,7 +138,6 @@ def test_training_equals_the_bf16_all_gather_run_within_fp8_bounds(ranks):
 # --------------------------------------------------------------------------- the worker (under torchrun)
 def worker(out: str) -> None:
     import lightning.pytorch as pl
-    import torch.distributed as dist
     import torch.nn.functional as F
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch import nn
@@ -252,8 +249,3 @@ def worker(out: str) -> None:
         gathered.append(now.pop("now"))
     results["ao"] = {"by_op": counter.by_op, "gathered": gathered}
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    worker(sys.argv[1])

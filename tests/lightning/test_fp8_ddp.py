@@ -1,4 +1,4 @@
-"""``fp8-mixed`` under DDP (2 CPU processes, ddp_spawn, gloo): the FP8 amaxes are reduced (MAX) over ranks
+"""``fp8-mixed`` under DDP (2 CPU processes, ddp_fork, gloo): the FP8 amaxes are reduced (MAX) over ranks
 before the delayed-scaling update, as Transformer Engine does, so ranks fed different data hold the same
 FP8 scales and the same weights.  Reference: the core's transition (NumPy) replayed on the element-wise max
 of both ranks' own amaxes.
@@ -16,7 +16,7 @@ from torch import nn
 from lightning_ext import MixedPrecision
 from mp_callbacks.fp8.recipe import FP8_ROLES
 from mp_callbacks.fp8.scaling import initial_fp8_state, next_fp8_state
-from tests.lightning.helpers.models import loader, trainer_kwargs
+from tests.lightning.helpers.models import ddp_fork, loader, trainer_kwargs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -58,7 +58,7 @@ class Record(pl.Callback):
 
 def test_ranks_with_different_data_take_the_same_fp8_scales(tmp_path):
     plugin = MixedPrecision("fp8-mixed", fp8={"history_len": 3})
-    trainer = pl.Trainer(plugins=[plugin], strategy="ddp_spawn", max_steps=STEPS,
+    trainer = pl.Trainer(plugins=[plugin], strategy=ddp_fork(), max_steps=STEPS,
                          callbacks=[Record(str(tmp_path))], **trainer_kwargs(devices=2))
     trainer.fit(Net(), loader(n=64))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))

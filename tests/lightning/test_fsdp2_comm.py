@@ -1,4 +1,5 @@
-"""FSDP2 communication precision on two CPU processes (gloo, one torchrun launch of this file's ``worker``).
+"""FSDP2 communication precision on two CPU processes (gloo; this file's ``worker`` runs in the test
+run's one torchrun launch, helpers/torchrun.py).
 
 ``plugin.comm_counter`` counts what FSDP2 hands to its reduce-scatters and all-gathers; references: the
 core's estimate (``fsdp_step_bytes``, from the units' shapes and policies), the same run without the
@@ -7,13 +8,12 @@ counter (bit for bit), and an FP32 reduction of the same injected gradient (no o
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.lightning.helpers.torchrun import quiet_rank, run_two_ranks
+from tests.lightning.helpers.torchrun import quiet_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,10 +28,9 @@ RUNS = {  # name: (recipe, comm_dtype, counted, boosted)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(torchrun_out):
     """Every run on 2 processes; returns [rank 0's results, rank 1's results]."""
-    out = tmp_path_factory.mktemp("fsdp2_comm")
-    run_two_ranks("tests.lightning.test_fsdp2_comm", out, timeout=300)
+    out = torchrun_out(__name__)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
@@ -78,7 +77,6 @@ def test_fp16_reduce_scatter_overflow_on_one_shard_is_skipped_by_every_rank(rank
 # --------------------------------------------------------------------------- the worker (under torchrun)
 def worker(out: str) -> None:
     import lightning.pytorch as pl
-    import torch.distributed as dist
     import torch.nn.functional as F
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch import nn
@@ -153,8 +151,3 @@ def worker(out: str) -> None:
                          "by_op": None if not counted else plugin.comm_counter.by_op,
                          "estimate": fsdp_step_bytes(units, world)}
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    worker(sys.argv[1])

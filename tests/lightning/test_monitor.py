@@ -20,7 +20,7 @@ from mp_callbacks.diagnostics.divergence import DivergenceError
 from mp_callbacks.diagnostics.metrics import METRICS, OVERFLOW_MODULE, plot
 from mp_callbacks.policy import PrecisionPolicy
 from tests.helpers.series import SCALER_SERIES, expected_series, read_csv_series
-from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.models import TinyRegressor, ddp_fork, loader, trainer_kwargs
 from tests.lightning.helpers.monitor_models import (
     AMPLIFY_FP16,
     AmplifiedRegressor,
@@ -393,7 +393,7 @@ def test_ddp_ranks_blame_and_move_the_same_module(tmp_path):
     monitor = MixedPrecisionMonitor(attribute_overflows=True, log_every_n_steps=50, auto_fallback_after=2)
     trainer = pl.Trainer(
         plugins=[MixedPrecision("16-mixed", policy=AMPLIFY_FP16, scaler={"init_scale": 2.0**8})],
-        strategy="ddp_spawn", max_steps=5, callbacks=[monitor, SaveMonitorState(str(tmp_path), monitor)],
+        strategy=ddp_fork(), max_steps=5, callbacks=[monitor, SaveMonitorState(str(tmp_path), monitor)],
         **trainer_kwargs(devices=2),
     )
     trainer.fit(AmplifiedRegressor(only_rank=1), loader(n=128))

@@ -1,7 +1,7 @@
 """Two CPU processes (gloo, launched once by torchrun): FSDP2 under ModelParallelStrategy and DDP comm dtypes.
 
-The scenarios run in ``helpers/scale_out_worker.py`` (one launch, ~30 s); each test reads what both ranks
-saved.  References: torch's ShardedGradScaler driving the same sharded model (bit for bit), full-tensor
+The scenarios run in ``helpers/scale_out_worker.py`` (in the test run's one torchrun launch); each test reads
+what both ranks saved.  References: torch's ShardedGradScaler driving the same sharded model (bit for bit), full-tensor
 meters, an uninterrupted run, torch's own DDP compress hooks, byte counts written out by hand.
 """
 
@@ -14,19 +14,14 @@ import pytest
 import torch
 
 from tests.lightning.helpers.scale_out_worker import BOOST_STEP, INF_STEP, STEPS
-from tests.lightning.helpers.torchrun import run_two_ranks
 
-pytestmark = pytest.mark.multiprocess
-
-
-pytestmark = pytest.mark.multiprocess  # one torchrun launch: shares the xdist worker of process-launching tests
+pytestmark = pytest.mark.multiprocess  # the torchrun launch: shares the xdist worker of process-launching tests
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """Run every scenario on 2 processes; ``ranks(name)`` -> [rank 0's result, rank 1's result]."""
-    out = tmp_path_factory.mktemp("scale_out")
-    run_two_ranks("tests.lightning.helpers.scale_out_worker", out, timeout=480)
+def ranks(torchrun_out):
+    """Every scenario on 2 processes; ``ranks(name)`` -> [rank 0's result, rank 1's result]."""
+    out = torchrun_out(__name__)
 
     def load(name: str) -> list:
         return [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]

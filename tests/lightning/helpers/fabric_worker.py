@@ -1,6 +1,5 @@
-"""Two-process scenarios of tests/lightning/test_fabric_ddp.py, launched once by torchrun.
-
-``python -m torch.distributed.run --nproc_per_node=2 -m tests.lightning.helpers.fabric_worker OUT``
+"""Two-process scenarios of tests/lightning/test_fabric_ddp.py: ``worker(out)``, run in the test run's one
+torchrun launch (helpers/torchrun.py).
 
 Each rank runs every scenario in turn (Fabric's DDPStrategy and ModelParallelStrategy take the processes
 torchrun made; gloo on CPU) and saves plain data to ``OUT/<scenario>_rank<r>.pt``; the test file asserts.
@@ -11,14 +10,10 @@ resume (``ddp_resume``).
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
@@ -145,16 +140,7 @@ def fsdp_skip(out: Path) -> dict:
 SCENARIOS = {"ddp_skip": ddp_skip, "ddp_resume": ddp_resume, "fsdp_skip": fsdp_skip}
 
 
-def main(out: str, names: list[str]) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    out_dir = Path(out)
-    for name in names or list(SCENARIOS):
-        torch.save(SCENARIOS[name](out_dir), out_dir / f"{name}_rank{rank()}.pt")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+def worker(out: str) -> None:
+    """Every scenario in turn (in a rank of helpers/torchrun.py's launch, which made the rank quiet)."""
+    for name, scenario in SCENARIOS.items():
+        torch.save(scenario(Path(out)), Path(out) / f"{name}_rank{rank()}.pt")

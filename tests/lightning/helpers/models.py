@@ -25,6 +25,19 @@ def loader(n: int = 64, batch_size: int = 8, dim: int = 8, seed: int = 0) -> Dat
     return DataLoader(regression_data(n, dim, seed), batch_size=batch_size, shuffle=False)
 
 
+def ddp_fork() -> str:
+    """``strategy=`` for 2 CPU ranks forked from this process: no re-import (a spawned rank imports ~15 s).
+
+    Forking is safe here when this process holds no process group (the children would inherit it) and runs one
+    intra-op thread (a child of a multi-threaded OpenMP process can hang in its next parallel region).
+    """
+    import torch.distributed as dist
+
+    assert not (dist.is_available() and dist.is_initialized()), "a process group in the test process"
+    torch.set_num_threads(1)
+    return "ddp_fork"
+
+
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     """Quiet, CPU-only Trainer settings."""
     kw: dict[str, Any] = dict(

@@ -1,6 +1,5 @@
-"""Two-process scenarios of tests/lightning/test_scale_out.py, launched once by torchrun.
-
-``python -m torch.distributed.run --nproc_per_node=2 -m tests.lightning.helpers.scale_out_worker OUT``
+"""Two-process scenarios of tests/lightning/test_scale_out.py: ``worker(out)``, run in the test run's one
+torchrun launch (helpers/torchrun.py).
 
 Each rank runs every scenario in turn (Lightning's ModelParallelStrategy and DDPStrategy take the
 processes torchrun made) and saves plain data to ``OUT/<scenario>_rank<r>.pt``; the test file asserts.
@@ -13,8 +12,6 @@ model sharded against the recipe (``fsdp_refused``), and DDP communication dtype
 from __future__ import annotations
 
 import os
-import sys
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -320,19 +317,7 @@ SCENARIOS = {"fsdp_skip": fsdp_skip, "fsdp_memory": fsdp_memory, "fsdp_resume": 
              "fsdp_refused": fsdp_refused, "ddp_comm": ddp_comm}
 
 
-def main(out: str, names: list[str]) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    import logging
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    out_dir = Path(out)
-    for name in names or list(SCENARIOS):
-        result = SCENARIOS[name](out_dir)
-        torch.save(result, out_dir / f"{name}_rank{rank()}.pt")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+def worker(out: str) -> None:
+    """Every scenario in turn (in a rank of helpers/torchrun.py's launch, which made the rank quiet)."""
+    for name, scenario in SCENARIOS.items():
+        torch.save(scenario(Path(out)), Path(out) / f"{name}_rank{rank()}.pt")
