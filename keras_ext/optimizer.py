@@ -336,6 +336,12 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
         return (self.fuses_whole_step and self.update_rounding is None and self.monitor is None
                 and (not config.enabled or config.on_min_scale == "clamp"))
 
+    def _unscales_in_whole_step(self) -> bool:
+        """True when ``bf16-kahan``/``bf16-sr`` widen and unscale the gradients inside the update's XLA function
+        (:attr:`fuses_whole_step`, no monitor: it reads the unscaled list): XLA then reads each bf16 gradient
+        in the optimizer's own passes instead of a materialised FP32 copy (the same numbers)."""
+        return self.update_rounding is not None and self.monitor is None and self.fuses_whole_step
+
     def _eager_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
         found_inf = self._found_inf(grads)
         unscaled = self._unscaled(grads, tvs, unscaled_already)
@@ -360,13 +366,15 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
                 tf.stack([found_inf, tf.logical_not(loss_finite)]), tf.float32))
             found_inf, loss_finite = tf.greater(total[0], 0.0), tf.equal(total[1], 0.0)
         late = not unscaled_already and self.master_weights and not self.fp32_master_grads  # widened in the update
-        unscaled = grads if late else self._unscaled(grads, tvs, unscaled_already)
+        inside = not unscaled_already and self._unscales_in_whole_step()  # widened in the update's XLA function
+        unscaled = grads if late or inside else self._unscaled(grads, tvs, unscaled_already)
         widen = functools.partial(unscale, scale=self._scale_to_divide()) if late else None
 
         def cross_replica(distribution, found_inf, loss_finite, unscaled, tvs):
             found, finite = (None if t is None else distribution.experimental_local_results(t)[0]
                              for t in (found_inf, loss_finite))
             def apply_inner(grads: list[Any]) -> None:
+                grads = self._unscaled(grads, tvs, False) if inside else grads
                 with inner_reduction_off(self.inner_optimizer) if reduced else contextlib.nullcontext():
                     distribution.extended.call_for_each_replica(self._apply_inner, args=(grads, tvs, widen))
 

@@ -9,7 +9,10 @@ own pass over a new tensor, so here they are compiled:
   ``tf.function(jit_compile=True)``, so XLA fuses each variable's reads, optimizer math, rounding and
   writes (weight, compensation, slots) into a few passes over it.  The inner optimizer's FP32 arithmetic
   is then XLA's, as under ``jit_compile=True`` (XLA contracts ``a * b + c`` into one FMA: slots and FP32
-  variables may differ from the graph's in the last bit); the rules are the core's bit for bit;
+  variables may differ from the graph's in the last bit); the rules are the core's bit for bit.  XLA's CPU
+  fusion writes one array per loop, so Kahan's write-back is arranged for it (:func:`_kahan_ordered`:
+  ``y``, then ``c'``, then ``w'`` in place; no copy of ``w``), and the optimizer widens and unscales the
+  bf16 gradients inside the function (no FP32 copy of them before it);
 * otherwise (eager steps, :data:`WHOLE_STEP` off) each rule of a variable is one compiled kernel:
   :func:`compensated` (:func:`~mp_callbacks.rounding.rules.compensated_value`), :func:`kahan`
   (:func:`~mp_callbacks.rounding.rules.kahan_apply`) and :func:`stochastic` (the canonical element index,
@@ -29,12 +32,12 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from keras import backend
+from keras import backend, ops
 
 from mp_callbacks.rounding.random_source import sr_key, sr_thresholds
-from mp_callbacks.rounding.rules import compensated_value, kahan_apply, round_with_thresholds
+from mp_callbacks.rounding.rules import compensated_value, kahan_add, kahan_apply, round_with_thresholds
 
-from .ops import is_tf
+from .ops import dtype_name, is_tf
 from .rounding_ops import KERAS_ROUNDING_OPS as K
 from .rounding_ops import element_index
 
@@ -125,6 +128,23 @@ def _stochastic(t_new: Any, seed: Any, tensor_index: int, counter: Any, to_canon
     return round_with_thresholds(t_new, sr_thresholds(key, element_index(t_new.shape, to_canonical), K), K)
 
 
+def _kahan_ordered(w: Any, c: Any, t_new: Any) -> tuple[Any, Any]:
+    """:func:`kahan_apply`'s ``(w', c')``, arranged for XLA's CPU fusion (one output per loop): ``c'`` first,
+    from ``y`` and ``w`` alone; then ``w' = w + y`` with ``w`` read through :func:`_after` ``c'``, so that
+    ``w'`` is written over ``w`` in place (no copy) and ``y`` is the only value materialised between them."""
+    u = K.sub(t_new, compensated_value(w, c, K))  # kahan_apply's u
+    _, comp = kahan_add(w, c, u, K)
+    y = K.add(K.to_like(u, w), c)  # kahan_add's y (the same HLO: XLA computes it once)
+    return K.add(_after(w, comp), y), comp
+
+
+def _after(x: Any, earlier: Any) -> Any:
+    """``x``'s bits, made to depend on ``earlier`` (``x | (e & ~e)``, ``e``: its 16-bit pattern): XLA
+    cannot fold it before fusion, so the value is a different instruction from ``x`` read after ``earlier``."""
+    e = ops.view(earlier, "int16")
+    return ops.view(ops.bitwise_or(ops.view(x, "int16"), ops.bitwise_and(e, ops.bitwise_not(e))), dtype_name(x))
+
+
 def compensated(w: Any, c: Any) -> Any:
     """The FP32 value the optimizer updates under Kahan: ``f32(w) + f32(c)``."""
     return _jit(_compensated)(w, c)
@@ -132,6 +152,8 @@ def compensated(w: Any, c: Any) -> Any:
 
 def kahan(w: Any, c: Any, t_new: Any) -> tuple[Any, Any]:
     """``(w', c') = kahan_apply(w, c, t_new)``."""
+    if _INSIDE[0]:
+        return _kahan_ordered(w, c, t_new)
     return tuple(_jit(_kahan)(w, c, t_new))
 
 
