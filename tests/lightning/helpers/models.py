@@ -29,11 +29,14 @@ def ddp_fork() -> str:
     """``strategy=`` for 2 CPU ranks forked from this process: no re-import (a spawned rank imports ~15 s).
 
     Forking is safe here when this process holds no process group (the children would inherit it) and runs one
-    intra-op thread (a child of a multi-threaded OpenMP process can hang in its next parallel region).
+    intra-op thread (a child of a multi-threaded OpenMP process can hang in its next parallel region).  Where
+    this process has initialized CUDA (a GPU machine that ran tests/cuda first): ``ddp_spawn``, the slow way.
     """
     import torch.distributed as dist
 
     assert not (dist.is_available() and dist.is_initialized()), "a process group in the test process"
+    if torch.cuda.is_initialized():
+        return "ddp_spawn"
     torch.set_num_threads(1)
     return "ddp_fork"
 
