@@ -67,8 +67,12 @@ def test_unsupported_strategies_are_refused_through_the_trainer():
 
     trainer = pl.Trainer(plugins=[MixedPrecision("16-mixed")], strategy=DeepSpeedStrategy(), max_steps=1,
                          **trainer_kwargs())
-    with pytest.raises(MisconfigurationException, match="DeepSpeedStrategy.*DeepSpeed's own fp16/bf16"):
-        trainer.fit(TinyRegressor(), loader())
+    try:
+        with pytest.raises(MisconfigurationException, match="DeepSpeedStrategy.*DeepSpeed's own fp16/bf16"):
+            trainer.fit(TinyRegressor(), loader())
+    finally:  # the refused fit leaves its 1-rank process group behind: later DDP tests fork from this process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     # FSDP (FSDP1) refuses the CPU itself; the plugin's message is checked on the object
     with pytest.raises(MisconfigurationException, match="FSDPStrategy.*FSDPMixedPrecision.*precision='bf16-mixed'"):
         check_strategy(FSDPStrategy())
