@@ -60,7 +60,6 @@ class ForwardState:
         """Bytes of the kept copies (allocated at the first step, reused after)."""
         return sum(t.numel() * t.element_size() for t in self._kept)
 
-    @torch.no_grad()
     def begin(self, root: nn.Module | None) -> None:
         """Keep the buffers of ``root``'s training-mode modules, unless this step already did."""
         if self._armed or root is None or not root.training:
@@ -68,6 +67,9 @@ class ForwardState:
         if self._tree is None or self._tree[0]() is not root or self._tree[1] != _registrations[0]:
             self._owners = [m for m in root.modules() if m._buffers]
             self._tree = (weakref.ref(root), _registrations[0])
+        if not self._owners and not self._buffers:  # nothing to keep (most transformers): no op, no grad mode
+            self._armed = True
+            return
         buffers: list[Tensor] = []
         for m in self._owners:  # a module's own buffers, read directly (``m.buffers()`` walks per module)
             if m.training and m._buffers:
@@ -75,14 +77,15 @@ class ForwardState:
         if len(buffers) != len(self._buffers) or any(a is not b for a, b in zip(buffers, self._buffers)):
             self._buffers = buffers
             self._kept = [torch.empty_like(b) for b in buffers]
-        for kept, b in zip(self._kept, self._buffers):
-            kept.copy_(b)
+        with torch.no_grad():
+            for kept, b in zip(self._kept, self._buffers):
+                kept.copy_(b)
         self._armed = True
 
-    @torch.no_grad()
     def end(self, skipped: bool) -> None:
         """The optimizer step is over: put the buffers back when it was skipped; the next forward keeps anew."""
-        if self._armed and skipped:
-            for kept, b in zip(self._kept, self._buffers):
-                b.copy_(kept)
+        if self._armed and skipped and self._buffers:
+            with torch.no_grad():
+                for kept, b in zip(self._kept, self._buffers):
+                    b.copy_(kept)
         self._armed = False

@@ -23,7 +23,8 @@ step is an error, as in torch.  Rules:
   ``_amp_foreach_non_finite_check_and_unscale_`` unscales by ``1/scale``
   (computed in float64, as ``GradScaler``) and sets ``found_inf``, which is
   all-reduced (MAX) over the process group so every rank decides alike
-  (under FSDP2 each rank checks its local gradient shards: ``ShardedGradScaler``'s semantics).
+  (under FSDP2 each rank checks its local gradient shards: ``ShardedGradScaler``'s
+  semantics): :func:`~lightning_ext.grad_check.non_finite_check`.
 * ``step``: one host read of ``found_inf`` when scaling is on (as
   ``GradScaler.step``; :meth:`TorchLossScaler.skips` may read it earlier, once); a
   skipped step calls nothing, so parameters, masters, compensation buffers, the
@@ -32,12 +33,14 @@ step is an error, as in torch.  Rules:
   decision (:class:`~lightning_ext.divergence.TorchDivergence`).
 * ``update``: the transition with the flags of the optimizers stepped since
   the last update; a floor hit reacts per ``on_min_scale``
-  (:func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`).  With scaling
-  off and every decision already read on the host (``skip_nonfinite``, the
-  default), the same :func:`~mp_callbacks.loss_scale.transition.next_state` runs
-  on the host instead of launching its ops (:class:`~lightning_ext.scaler_state.ScalerStateMirror`):
-  the state then lives on the host until something reads it (:attr:`TorchLossScaler.state`,
-  :meth:`TorchLossScaler.latest`), which puts it back on the device.
+  (:func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`).  With every
+  decision already read on the host (whenever a step can be skipped: loss scaling
+  on, or ``skip_nonfinite``, the default), the same
+  :func:`~mp_callbacks.loss_scale.transition.next_state` runs on the host instead of
+  launching its ops (:class:`~lightning_ext.scaler_state.ScalerStateMirror`): the
+  state then lives on the host until something reads it (:attr:`TorchLossScaler.state`,
+  :meth:`TorchLossScaler.latest`), which puts it back on the device; the next
+  backward's scale (and its inverse) is a device tensor made once per scale value.
 
 With scaling disabled (bf16 and FP32 recipes) the same object counts
 overflows for the monitor; the plugin then exposes it as ``loss_scaler`` only
@@ -64,6 +67,7 @@ from mp_callbacks.loss_scale.scaler import ScalerCounters, react_to_floor_hit
 from mp_callbacks.loss_scale.transition import ScalerState, initial_state, next_state
 
 from .divergence import TorchDivergence
+from .grad_check import UnitScales, non_finite_check
 from .ops import TorchOps
 from .scaler_state import ScalerStateMirror
 
@@ -127,7 +131,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self._latest: dict[str, Tensor] = {}
         self._last_applied: dict[int, bool] = {}  # id(optimizer) -> its latest step applied
         self._latest_applied: bool | None = None  # the latest step of any optimizer applied
-        self._units: dict[torch.device, Tensor] = {}  # the unit inverse scale per device (scaling off)
+        self._units = UnitScales()  # the unit inverse scale per device (scaling off)
 
     # ------------------------------------------------------------ state
     @property
@@ -157,7 +161,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         Differs from the current scale after an earlier optimizer's :meth:`update`
         since the last backward (several optimizers stepping after one backward).
         """
-        return self._grad_scale if self._grad_scale is not None else self._state.scale
+        return self._grad_scale if self._grad_scale is not None else self._mirror.scale_tensor()
 
     def _counter(self, name: str) -> int:
         return self._mirror.counter(name)
@@ -168,7 +172,8 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
 
     def get_scale(self) -> float:
         """The current scale as a Python float (one host read; 1.0 with scaling disabled)."""
-        return float(self._state.scale.item())
+        host = self._mirror.host
+        return float(host.scale) if host is not None else float(self._state.scale.item())
 
     def get_growth_factor(self) -> float:
         """``growth_factor`` of the configuration."""
@@ -240,8 +245,8 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
             return outputs
         if isinstance(outputs, Tensor):
             self.to(outputs.device)
-            self._grad_scale = self._state.scale
-            return outputs * self._state.scale
+            self._grad_scale = scale = self._mirror.scale_tensor()
+            return outputs * scale
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
         if isinstance(outputs, Iterable):
@@ -330,9 +335,13 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
             return
         if not stepped:
             return
-        if not self.config.enabled and all(key in decided for key in stepped_ids):
-            self._mirror.host_transition(self.config, any(decided[key] for key in stepped_ids))
-            return
+        if all(key in decided for key in stepped_ids):  # every decision on the host: so is the transition
+            produced = self._grad_scale  # the scale the gradients were made with, when not the current one
+            current = produced is None or not self.config.enabled or produced is self._mirror.scale_tensor()
+            used = None if current else self._mirror.host_value(produced)
+            if current or used is not None:
+                self._host_transition(any(decided[key] for key in stepped_ids), used)
+                return
         found = stepped[0] if len(stepped) == 1 else torch.stack(stepped).amax()
         self.record_transition(found > 0)
 
@@ -349,6 +358,13 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
             if int(new.floor_hits.item()) > int(old.floor_hits.item()):
                 react_to_floor_hit(self.config, int(new.steps.item()), float(new.scale.item()), stacklevel=5)
 
+    def _host_transition(self, overflow: bool, used_scale: float | None) -> None:
+        """:meth:`record_transition` on the host (:class:`~lightning_ext.scaler_state.ScalerStateMirror`)."""
+        old, new = self._mirror.host_transition(self.config, overflow, used_scale if self.config.enabled else None)
+        if self.config.enabled and self.config.on_min_scale != "clamp" and self._latest_applied is False:
+            if int(new.floor_hits) > int(old.floor_hits):
+                react_to_floor_hit(self.config, int(new.steps), float(new.scale), stacklevel=5)
+
     def forget_step(self, optimizer: Any) -> None:
         """An optimizer step that ran no backward (``training_step`` returned None): no transition."""
         raw = unwrap_optimizer(optimizer)
@@ -357,46 +373,9 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self._last_applied[id(raw)] = self._latest_applied = False
 
     def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:
-        grads: list[Tensor] = []  # dense local gradients
-        param_groups = getattr(optimizer, "param_groups", None)
-        for group in param_groups if isinstance(param_groups, (list, tuple)) else ():  # a test double: no grads
-            for p in group["params"]:
-                grad = p.grad
-                if grad is None:
-                    continue
-                if type(grad) is not Tensor and hasattr(grad, "device_mesh"):  # a DTensor (FSDP2 shard): check
-                    grad = grad.to_local()  # the local shard; the one all-reduce below makes the flag global
-                if grad.is_sparse:
-                    if grad.dtype is torch.float16:
-                        p.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                grads.append(grad)
-        groups: dict[tuple[torch.device, torch.dtype | None], list[Tensor]] = {}
-        if device.type == "cpu" and all(g.device == device for g in grads):
-            groups[(device, None)] = grads  # one call: the CPU kernel takes mixed dtypes
-        else:  # one call per device and dtype, as GradScaler
-            for g in grads:
-                groups.setdefault((g.device, g.dtype), []).append(g)
-        inv_scale = self.grad_scale.double().reciprocal().float() if self.config.enabled else None
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        for (dev, _), group_grads in groups.items():
-            local = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                group_grads, local, inv_scale.to(dev) if inv_scale is not None else self._unit(dev))
-            if local is not found_inf:
-                found_inf = found_inf + local.to(device)
-        if self.config.can_skip:  # every rank must take the same skip decision (nothing is decided otherwise)
-            dist = torch.distributed
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        return found_inf
-
-    def _unit(self, device: torch.device) -> Tensor:
-        """The inverse scale 1 on ``device`` (scaling off), made once: the kernel leaves the values as they are."""
-        unit = self._units.get(device)
-        if unit is None:
-            unit = self._units[device] = torch.ones((), dtype=torch.float32, device=device)
-        return unit
+        """:func:`~lightning_ext.grad_check.non_finite_check` with this step's inverse scale."""
+        inv_scale = self._mirror.inverse(self.grad_scale) if self.config.enabled else None
+        return non_finite_check(optimizer, device, inv_scale, self._units, reduce=self.config.can_skip)
 
     # -------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """TorchLossScaler speaks torch GradScaler's protocol and matches it step for step."""
 
 import copy
+import inspect
+import warnings
 
 import pytest
 import torch
@@ -143,12 +145,17 @@ def test_plugin_scaler_is_none_without_loss_scaling():
     assert OptState.READY.value == 0
 
 
-@pytest.mark.parametrize("config", [ScalerConfig(enabled=False),
-                                    ScalerConfig(enabled=False, skip_nonfinite=False)], ids=["skip", "count"])
-def test_scaling_off_state_equals_the_reference_step_by_step(config):
-    # Scaling off with the decision read on the host: the transition runs on the host (PYTHON_OPS); the
-    # device state, latest() and the counters must equal the NumPy reference replayed on the same flags,
-    # as device tensors of the same dtypes; state is the same object until the next transition.
+@pytest.mark.parametrize("config", [
+    ScalerConfig(enabled=False), ScalerConfig(enabled=False, skip_nonfinite=False),
+    ScalerConfig.preset("torch", init_scale=2.0**8, growth_interval=3),
+    ScalerConfig(init_scale=4.0, min_scale=1.0, max_scale=16.0, growth_interval=2, hysteresis=2,
+                 consecutive_hysteresis=True),
+    ScalerConfig(dynamic=False, init_scale=8.0)], ids=["skip", "count", "torch", "hysteresis", "fixed"])
+def test_host_transition_state_equals_the_reference_step_by_step(config):
+    # Every decision read on the host (scaling off with skip_nonfinite, or scaling on): the transition runs on
+    # the host (PYTHON_OPS); the device state, latest(), the counters and the scale the next backward runs
+    # with (and the unscaled gradients) must equal the NumPy reference replayed on the same flags, as device
+    # tensors of the same dtypes; state is the same object until the next transition.
     from mp_callbacks import NUMPY_OPS, initial_state, next_state
 
     scaler = TorchLossScaler(config, count_overflows=True)
@@ -159,11 +166,20 @@ def test_scaling_off_state_equals_the_reference_step_by_step(config):
         x, y = _batch(step)
         loss = nn.functional.mse_loss(model(x), y) * (float("inf") if step in INF_STEPS else 1.0)
         opt.zero_grad()
-        scaler.scale(loss).backward()
-        flag = not all(torch.isfinite(p.grad).all() for p in model.parameters())  # applied infs poison later steps
+        scaled = scaler.scale(loss)
+        assert scaled.item() == loss.item() * float(ref.scale) or not torch.isfinite(loss)
+        scaled.backward()
+        raw = [p.grad.clone() for p in model.parameters()]
+        flag = not all(torch.isfinite(g).all() for g in raw)  # applied infs poison later steps
+        scaler.unscale_(opt)
+        inv = torch.tensor(float(ref.scale), dtype=torch.float64).reciprocal().float()
+        for g, p in zip(raw, model.parameters(), strict=True):  # GradScaler's unscale: g * float32(1 / scale)
+            assert torch.equal(p.grad, g * inv) or flag
         scaler.step(opt)
         scaler.update()
+        assert (scaler._mirror.host is not None) is config.can_skip  # host transition: no device op
         ref, applied = next_state(config, ref, flag, NUMPY_OPS)
+        assert scaler.get_scale() == float(ref.scale)
         state = scaler.state
         assert scaler.state is state
         assert state.scale.dtype == torch.float32 and state.steps.dtype == torch.int32
@@ -174,4 +190,30 @@ def test_scaling_off_state_equals_the_reference_step_by_step(config):
         assert bool(latest["applied"]) is bool(applied)
         assert latest["skipped_total"].item() == ref.skipped.item()
         assert scaler.skipped == int(ref.skipped) and scaler.overflows == int(ref.overflows)
-    assert scaler.skipped == (len(INF_STEPS) if config.skip_nonfinite else 0)
+    assert scaler.skipped == (len(INF_STEPS) if config.can_skip else 0)
+
+
+def test_host_transition_floor_hit_warns_at_the_callers_line():
+    # Scaling on, decisions on the host: a floor hit still reacts per on_min_scale, the warning pointing at
+    # the caller of update() as the device transition's did.
+    from mp_callbacks.loss_scale.scaler import ScaleFloorWarning
+
+    scaler = TorchLossScaler(ScalerConfig(init_scale=2.0, min_scale=1.0, on_min_scale="warn"))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hits = []
+
+    def optimizer_step() -> None:  # the plugin's depth: its optimizer_step calls update()
+        scaler.update()
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y) * float("inf")).backward()
+        scaler.step(opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1
+            optimizer_step()
+        hits += [w for w in caught if issubclass(w.category, ScaleFloorWarning)]
+    assert [(w.filename, w.lineno) for w in hits] == [(__file__, line)] * 2  # steps 2, 3 hit the floor of 1
+    assert "scale=1" in str(hits[0].message) and scaler.get_scale() == 1.0

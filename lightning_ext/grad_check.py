@@ -1,0 +1,75 @@
+"""The step's non-finite check over an optimizer's gradients (the twin of :mod:`keras_ext.grad_check`).
+
+Rule: one pass of torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` over every gradient the
+optimizer will read (all of them in one call on CPU, whose kernel takes mixed dtypes; one call per device
+and dtype elsewhere, as ``GradScaler``): each value is multiplied by ``inv_scale`` in place (the unit
+inverse scale when scaling is off: the values stay as they are) and ``found_inf`` becomes 1 when any
+value is inf or NaN.  What the check reads of a gradient: a DTensor's (FSDP2 shard's) local shard, a
+sparse gradient's values (a float16 one coalesced first, as ``GradScaler``).  When the flag decides a
+skip (``reduce``), it is all-reduced (MAX) over the process group, so every rank decides alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["UnitScales", "dense_local", "non_finite_check"]
+
+
+def dense_local(p: Tensor) -> Tensor:
+    """What the check reads of ``p.grad`` (see the module's rule)."""
+    grad = p.grad
+    if type(grad) is not Tensor and hasattr(grad, "device_mesh"):
+        grad = grad.to_local()
+    if grad.is_sparse:
+        if grad.dtype is torch.float16:
+            p.grad = grad = grad.coalesce()
+        grad = grad._values()
+    return grad
+
+
+class UnitScales:
+    """The inverse scale 1 per device (scaling off), made once each."""
+
+    def __init__(self) -> None:
+        self._units: dict[torch.device, Tensor] = {}
+
+    def on(self, device: torch.device) -> Tensor:
+        """The 0-d float32 one on ``device``."""
+        unit = self._units.get(device)
+        if unit is None:
+            unit = self._units[device] = torch.ones((), dtype=torch.float32, device=device)
+        return unit
+
+
+def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | None, units: UnitScales,
+                     reduce: bool) -> Tensor:
+    """Check (and unscale by ``inv_scale``; None: scaling off) ``optimizer``'s gradients; returns ``found_inf``,
+    a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group."""
+    param_groups = getattr(optimizer, "param_groups", None)
+    params = [p for group in (param_groups if isinstance(param_groups, (list, tuple)) else ())  # a test
+              for p in group["params"] if p.grad is not None]  # double has no param_groups: no grads
+    grads = [p.grad for p in params]
+    if not all(type(g) is Tensor and g.layout is torch.strided for g in grads):
+        grads = [dense_local(p) for p in params]
+    groups: dict[tuple[torch.device, torch.dtype | None], list[Tensor]] = {}
+    if device.type == "cpu" and all(g.device == device for g in grads):
+        groups[(device, None)] = grads
+    else:
+        for g in grads:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    for (dev, _), group_grads in groups.items():
+        local = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            group_grads, local, inv_scale.to(dev) if inv_scale is not None else units.on(dev))
+        if local is not found_inf:
+            found_inf = found_inf + local.to(device)
+    if reduce:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+    return found_inf
