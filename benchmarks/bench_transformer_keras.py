@@ -2,7 +2,7 @@
 
     python benchmarks/bench_transformer_keras.py [--threads 1] [--rounds 6] [--steps 120] [--batch-size 4]
         [--seq 32] [--d-model 128] [--layers 2] [--model tiny|keras_hub] [--by-fit] [--only TEXT ...]
-        [--profile] [--json PATH]
+        [--profile] [--attribute RECIPE] [--json PATH]
 
 The Keras twin of bench_transformer.py; the models are ``bench_transformer_keras_model.py``'s:
 ``tiny`` (default) is written out (GPT-2's blocks with a custom ``NewGELU`` layer of plain ops, which
@@ -30,7 +30,9 @@ figures its wall time and the process' CPU time: TF runs its kernels on its own 
 warm-up, a window's figure its median step, ratios the median of per-window ratios with their min-max;
 ``--by-fit`` alternates whole fits instead (``common.alternate``, ``--rounds`` fits each, a fit's figure
 its median timed window).  TensorFlow's thread pools are fixed at its start, so each thread count runs
-in a subprocess of this script.
+in a subprocess of this script.  ``--attribute RECIPE``: ours under RECIPE, and ours with one piece
+switched off at a time (:data:`OFF`: the finite check, the divergence rule, the host read of its latch, all
+but the update), against each other and native, lock-step as above.
 """
 
 from __future__ import annotations
@@ -139,8 +141,8 @@ def worker(args: argparse.Namespace) -> None:
             opt = keras.optimizers.LossScaleOptimizer(opt)
         return model, opt
 
-    def make_ours(recipe: str, gelu_low: bool = False,
-                  fp32_list: bool = False) -> tuple[keras.Model, keras.optimizers.Optimizer]:
+    def make_ours(recipe: str, gelu_low: bool = False, fp32_list: bool = False,
+                  off: str | None = None) -> tuple[keras.Model, keras.optimizers.Optimizer]:
         before = keras.config.dtype_policy()
         keras.utils.set_random_seed(0)
         keras.config.set_dtype_policy("float32")
@@ -156,7 +158,9 @@ def worker(args: argparse.Namespace) -> None:
             model = keras_ext.apply_policy(model, policy)
         finally:
             keras.config.set_dtype_policy(before)
-        opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-3), recipe)
+        opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-3), recipe,
+                                         **({"divergence": False} if off == OFF[1] else {}))
+        switch_off(opt, off)
         if fp32_list:  # the step before keras_ext widened each gradient in its own update (18 B/param)
             opt._masters.widens_in_update = lambda optimizer: False
         return model, opt
@@ -177,6 +181,16 @@ def worker(args: argparse.Namespace) -> None:
     for recipe in ("bf16-kahan", "bf16-sr"):
         if getattr(keras_run, "supports", lambda _: True)(recipe):
             makers[f"ours {recipe}"] = (make_ours, (recipe,))
+
+    if args.attribute:  # ours with one piece switched off at a time, against ours and native
+        recipe, native = args.attribute, {"32-true": "float32", "16-mixed": "mixed_float16"}.get(
+            args.attribute, "mixed_bfloat16")
+        makers = {f"ours {recipe}": (make_ours, (recipe,)), f"native {recipe}": (make_native, (native,)),
+                  **{f"ours {recipe}, {off} off": (make_ours, (recipe, False, False, off)) for off in OFF}}
+        PAIRS[:] = [(f"ours {recipe}", f"native {recipe}", "<= 1.02"),
+                    *((f"ours {recipe}", f"ours {recipe}, {off} off", "the piece's share") for off in OFF),
+                    *((f"ours {recipe}, {off} off", f"native {recipe}", "what is left") for off in OFF)]
+        NATIVES[:] = [f"native {recipe}"]
 
     def by_fit(name: str):
         make, make_args = makers[name]
@@ -205,7 +219,7 @@ def worker(args: argparse.Namespace) -> None:
         f"Keras {keras.__version__} ({keras.backend.backend()}), {model_name} ({args.layers} layers, "
         f"d_model {d}, seq {seq}, vocab {vocab}, {n_params} params), batch {args.batch_size}, {how}, "
         f"{args.threads} thread(s), AdamW, jit_compile=False", times, pairs)
-    skipped = [r for r in ("bf16-kahan", "bf16-sr") if f"ours {r}" not in makers]
+    skipped = [r for r in ("bf16-kahan", "bf16-sr") if f"ours {r}" not in makers and not args.attribute]
     if skipped:
         print(f"  not run: {', '.join(skipped)} (keras_ext does not implement them here)")
     if args.json:
@@ -213,6 +227,36 @@ def worker(args: argparse.Namespace) -> None:
 
         with open(args.json, "w") as fh:
             json.dump({"machine": machine_line(args.threads), "results": [data]}, fh, indent=2)
+
+
+OFF = ("finite check", "divergence rule", "host latch read", "cond", "all but the update")
+"""``--attribute``: the pieces of ours switched off one at a time (``cond``: the update runs unconditionally; the
+last: the inner update alone, with the masters' write-back: no finite check, scaler, rule, cond or host read)."""
+
+
+def switch_off(opt: Any, off: str | None) -> None:
+    """Switch one of :data:`OFF` off on ``opt`` (instance attributes: the other variants keep theirs)."""
+    from keras import ops
+
+    if off == OFF[0]:
+        opt._found_inf = lambda grads: ops.convert_to_tensor(False)
+    if off in OFF[2::2]:
+        opt._divergence.check = lambda: None
+    if off == OFF[3]:
+        import keras_ext.optimizer as module
+
+        def unconditional(*args: Any) -> Any:
+            before, module.run_if = module.run_if, lambda cond, fn, variables: fn()
+            try:  # traced in turn (lock-step): no other variant traces meanwhile
+                return type(opt)._step(opt, *args)
+            finally:
+                module.run_if = before
+        opt._step = unconditional
+    if off == OFF[4]:
+        def inner_only(grads: Any, tvs: Any, unscaled_already: bool) -> None:
+            opt._apply_inner(opt._unscaled(grads, tvs, unscaled_already), tvs)
+            opt._masters.write_back(tvs, opt._get_variable_index)
+        opt._tf_apply = inner_only
 
 
 PROFILED = [("native bf16-mixed", "native", ("mixed_bfloat16",)), ("ours bf16-mixed", "ours", ("bf16-mixed",)),
@@ -333,6 +377,8 @@ def main() -> None:
                         help="alternate whole fits (--rounds fits per variant) instead of single steps")
     parser.add_argument("--profile", action="store_true",
                         help="count the train step's ops per variant (bf16) instead of timing the variants")
+    parser.add_argument("--attribute", default=None, metavar="RECIPE",
+                        help="ours under RECIPE with each piece switched off in turn (see OFF), against native")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -346,6 +392,8 @@ def main() -> None:
         passthrough += ["--only", *args.only]
     if args.profile:
         passthrough.append("--profile")
+    if args.attribute:
+        passthrough += ["--attribute", args.attribute]
     if args.by_fit:
         passthrough.append("--by-fit")
     env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "tensorflow"))

@@ -23,6 +23,14 @@ its pure transition :func:`~mp_callbacks.diagnostics.divergence.next_divergence_
   step is a ``tf.function``, after every call of ``model.train_function``
   (:meth:`watch` wraps it the first time the model's train step is traced); a
   custom ``tf.function`` loop calls ``optimizer.check_divergence()`` itself.
+  On TensorFlow the latch's value after the step comes back with the step's outputs when it can
+  (:data:`LATCH_KEY`, added to the logs of ``model.compute_metrics`` in the trace of a train step that
+  called ``scale_loss``, one replica, when the train function was watched before that trace began:
+  :meth:`prepare`, which the compile guard of :func:`keras_ext.apply_policy` runs before ``fit`` and
+  ``train_on_batch``; the watched function takes the key out again, so no log shows it): the check is
+  then a read of a returned scalar, and the eager variable reads only run on a stop.  Otherwise (a
+  train function first watched inside its own trace, a custom ``train_step`` returning other logs,
+  several replicas) the variable is read after each call.
   On JAX :meth:`watch` wraps the JAX trainer's train function the same way:
   the latch is read from the state it returns, and on a stop that state is
   synced into the variables first (the error sees the stop step's scaler state,
@@ -48,10 +56,13 @@ from mp_callbacks.loss_scale.config import ScalerConfig
 from .jax_support import in_stateless_step, is_jax
 from .ops import KERAS_OPS, is_tf
 
-__all__ = ["KerasDivergence", "VARIABLES"]
+__all__ = ["KerasDivergence", "LATCH_KEY", "VARIABLES"]
 
 VARIABLES = {"loss_streak": "int32", "overflow_streak": "int32", "stop_step": "int32", "stop_scale": "float32"}
 """The device state: the two streaks, the step of a latched stop (0: none) and the scale it ran with."""
+
+LATCH_KEY = "_keras_ext_divergence_stop_step"
+"""The train step's output that carries the latch (``stop_step``) to the host; never in the logs ``fit`` sees."""
 
 
 class KerasDivergence:
@@ -92,7 +103,10 @@ class KerasDivergence:
         if frame is not None and (_in_tf_graph() or in_stateless_step()):
             caller = frame.f_locals.get("self")
             if isinstance(caller, keras.Model):
+                fn = getattr(caller, "train_function", None)
+                returned = _in_tf_graph() and isinstance(fn, _Checked) and fn.before_first_call
                 self.watch(caller)
+                self._local.step_graph = _graph() if returned else None  # this trace returns the latch
 
     def loss_finite(self) -> Any:
         """This replica's flag from the ``scale_loss`` of the same step (True when there was none); cleared."""
@@ -142,11 +156,38 @@ class KerasDivergence:
         if self.active and not _in_tf_graph() and not in_stateless_step():
             self.check()
 
-    def watch(self, model: keras.Model) -> None:
-        """Make ``model.train_function`` call :meth:`check` after each call (once per train function)."""
+    def watch(self, model: keras.Model, before_first_call: bool = False) -> None:
+        """Make ``model.train_function`` call :meth:`check` after each call (once per train function);
+        ``before_first_call``: it was never called (its traces may return the latch)."""
         fn = getattr(model, "train_function", None)
         if fn is not None and not isinstance(fn, (_Checked, _JaxChecked)):
-            model.train_function = _JaxChecked(fn, self, model) if is_jax() else _Checked(fn, self.check)
+            model.train_function = _JaxChecked(fn, self, model) if is_jax() else \
+                _Checked(fn, self.check, before_first_call)
+        metrics = model.__dict__.get("compute_metrics")
+        if is_tf() and not (isinstance(metrics, _WithLatch) and metrics.rule is self):  # once per optimizer
+            original = metrics.fn if isinstance(metrics, _WithLatch) else model.compute_metrics
+            object.__setattr__(model, "compute_metrics", _WithLatch(original, self))
+
+    def prepare(self, model: keras.Model) -> None:
+        """Before ``model.fit`` / ``train_on_batch`` (TensorFlow, a traced step): make the train function and
+        :meth:`watch` it, so that its first trace already returns the latch (:data:`LATCH_KEY`)."""
+        if self.active and is_tf() and not model.run_eagerly and getattr(model, "optimizer", None) is not None:
+            fresh = model.train_function is None
+            model.make_train_function()
+            self.watch(model, before_first_call=fresh)
+
+    def latch_output(self) -> Any:
+        """The latch (``stop_step``) as an output of the train step being traced, or None: not the trace
+        whose ``scale_loss`` this rule saw (a test step, another trace), several replicas, the rule off."""
+        graph, self._local.step_graph = getattr(self._local, "step_graph", None), None
+        if not self._vars or graph is None or graph is not _graph():
+            return None
+        import tensorflow as tf
+
+        if tf.distribute.get_replica_context() is None or \
+                tf.distribute.get_replica_context().num_replicas_in_sync != 1:
+            return None
+        return self._vars["stop_step"].value  # read after the step's write (automatic control dependencies)
 
     def rule_config(self) -> dict[str, Any] | None:
         """The rule's limits as plain data, or None for the default rule (what ``get_config`` adds)."""
@@ -159,15 +200,31 @@ class KerasDivergence:
 
 
 class _Checked:
-    """A train function followed by the host check of the divergence latch."""
+    """A train function followed by the host check of the divergence latch: the returned latch
+    (:data:`LATCH_KEY`, taken out of the logs) when the step returned it, else :meth:`KerasDivergence.check`."""
 
-    def __init__(self, fn: Callable[..., Any], check: Callable[[], None]) -> None:
+    def __init__(self, fn: Callable[..., Any], check: Callable[[], None], before_first_call: bool = False) -> None:
         self.fn, self.check = fn, check
+        self.before_first_call = before_first_call  # wrapped before fn ran: its raw logs never reach fit
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.fn(*args, **kwargs)
-        self.check()
+        latch = out.pop(LATCH_KEY, None) if isinstance(out, dict) else None
+        if latch is None or int(latch) > 0:
+            self.check()
         return out
+
+
+class _WithLatch:
+    """``model.compute_metrics``, its logs with the latch added in the train step whose loss the rule saw."""
+
+    def __init__(self, fn: Callable[..., Any], rule: KerasDivergence) -> None:
+        self.fn, self.rule = fn, rule
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        logs = self.fn(*args, **kwargs)
+        latch = self.rule.latch_output()
+        return {**logs, LATCH_KEY: latch} if latch is not None and isinstance(logs, dict) else logs
 
 
 class _JaxChecked:
@@ -196,6 +253,12 @@ class _JaxChecked:
 def _read(v: Any) -> Any:
     """A variable's value on the host (TF: its own ``numpy()``, the cheapest read; mirrored variables too)."""
     return v.value.numpy() if is_tf() else ops.convert_to_numpy(v)
+
+
+def _graph() -> Any:
+    import tensorflow as tf
+
+    return tf.compat.v1.get_default_graph()
 
 
 def _in_tf_graph() -> bool:
