@@ -319,7 +319,7 @@ def pieces(args: argparse.Namespace, models: dict[str, Any]) -> str:
     from common import alternate, by_clock, per_step
     from keras import ops
 
-    from keras_ext.scaler import found_inf, unscale
+    from keras_ext.grad_check import found_inf, unscale
 
     def grads_of(model: Any) -> list[Any]:
         return [tf.random.normal(v.shape, dtype=v.dtype) * 1e-3 for v in model.trainable_variables]

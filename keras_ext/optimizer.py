@@ -47,6 +47,7 @@ from . import rounding_step
 from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
 from .global_policy import coerce_recipe, optimizer_recipe
+from .grad_check import found_inf, unscale
 from .jax_support import StepStateOwner, run_if, stateless_apply
 from .low_bit import eight_bit_inner
 from .masters import MasterWeights, check_variables, widened_in_update
@@ -54,7 +55,7 @@ from .ops import is_tf
 from .optimizer_record import OptimizerRecord
 from .remainders import RemainderMasters, fp32_record
 from .rounding import UpdateRounding, weight_store
-from .scaler import KerasLossScaler, found_inf, scaler_config, unscale
+from .scaler import KerasLossScaler, scaler_config
 
 __all__ = ["LossScaleOptimizer", "master_optimizer"]
 

@@ -18,14 +18,14 @@ step).  Rules:
   records it (a warning says so when the step is compiled);
 * before :meth:`build` the counters read as the initial state.
 
-:func:`scaler_config` turns ``LossScaleOptimizer``'s arguments into a config;
-:func:`found_inf` and :func:`unscale` are the step's gradient checks.
+:func:`scaler_config` turns ``LossScaleOptimizer``'s arguments into a config; the step's gradient
+check and unscale are :mod:`keras_ext.grad_check`.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import keras
@@ -39,9 +39,9 @@ from mp_callbacks.loss_scale.transition import STATE_FIELDS, ScalerState, initia
 from mp_callbacks.recipes import Recipe
 
 from .jax_support import tracing
-from .ops import KERAS_OPS, dtype_name, is_tf
+from .ops import KERAS_OPS, is_tf
 
-__all__ = ["KerasLossScaler", "VARIABLE_NAMES", "found_inf", "scaler_config", "unscale"]
+__all__ = ["KerasLossScaler", "VARIABLE_NAMES", "scaler_config"]
 
 VARIABLE_NAMES = {field: "dynamic_scale" if field == "scale" else f"scaler_{field}" for field in STATE_FIELDS}
 """State field -> the optimizer variable's name (``dynamic_scale`` is Keras' own name for the scale)."""
@@ -61,38 +61,6 @@ def scaler_config(scaler: ScalerConfig | str | Mapping[str, Any] | None, recipe:
     if dynamic_growth_steps is not None:
         overrides["growth_interval"] = int(dynamic_growth_steps)
     return config.replace(**overrides) if overrides else config
-
-
-def found_inf(grads: Sequence[Any]) -> Any:
-    """A 0-d bool: some gradient holds an inf or NaN (no host read; False for no gradients)."""
-    flags = [ops.all(ops.isfinite(_dense(g))) for g in grads if g is not None]
-    if not flags:
-        return ops.convert_to_tensor(False)
-    return ops.logical_not(ops.all(ops.stack(flags)))
-
-
-def unscale(g: Any, scale: Any) -> Any:
-    """``g / scale`` in float32 (low-precision gradients are widened first; IndexedSlices stay sparse);
-    ``scale=None`` (scaling off: the scale is 1) only widens."""
-    if _is_sparse(g):
-        import tensorflow as tf
-
-        return tf.IndexedSlices(unscale(g.values, scale), g.indices, g.dense_shape)
-    if dtype_name(g) != "float32":
-        g = ops.cast(g, "float32")
-    return g if scale is None else ops.divide(g, scale)
-
-
-def _is_sparse(g: Any) -> bool:
-    if not is_tf():
-        return False
-    import tensorflow as tf
-
-    return isinstance(g, tf.IndexedSlices)
-
-
-def _dense(g: Any) -> Any:
-    return g.values if _is_sparse(g) else g
 
 
 class KerasLossScaler(ScalerCounters):

@@ -13,7 +13,8 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.scaler import KerasLossScaler, found_inf, scaler_config, unscale
+from keras_ext.grad_check import found_inf, unscale
+from keras_ext.scaler import KerasLossScaler, scaler_config
 from mp_callbacks import DynamicLossScaler, ScaleFloorError, ScaleFloorWarning, ScalerConfig, get_recipe
 from mp_callbacks.loss_scale.transition import STATE_FIELDS
 from mp_callbacks.settings import StateDictError
