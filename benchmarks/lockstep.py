@@ -3,10 +3,13 @@
 :func:`common.alternate` alternates whole fits, so a slow phase of the machine that lasts less than a fit
 lands on one variant only (on a shared 2-vCPU machine single steps of the same fit spread 12-22 ms).  Here
 step ``k`` of every variant runs back to back, in one round, so the ratio of two variants at step ``k``
-sees the same machine.  The order rotates by one every round (A B C, B C A, C A B; two variants keep
-A B): reversing it (A B C, C B A, as ``alternate`` does) would run the end variants twice in a row at
-every round boundary, with their data still in the cache (measured: a control 4% faster than its
-twin in the middle).  The rule:
+sees the same machine.  Each round runs the variants in a fresh random order (seeded: the same run
+repeats), drawn again while its first variant is the previous round's last, so no variant runs twice in a
+row; two variants alternate A B A B.  Reversing the order (A B C, C B A, as ``alternate`` does) would run
+the end variants twice in a row at every round boundary, with their data still in the cache (measured: a
+control 4% faster than its twin in the middle); rotating it by one (A B C, B C A) makes every variant
+follow the same predecessor in every round, which biased whole tables (Keras: controls of 1.02-1.05 in
+every run).  The rule:
 
 * each variant is built in the main thread, one after the other (``torch.manual_seed`` and Keras' seeds
   are process-wide), then every fit starts in a thread of its own;
@@ -26,6 +29,7 @@ min-max over windows).
 
 from __future__ import annotations
 
+import random
 import statistics
 import threading
 import time
@@ -35,18 +39,29 @@ __all__ = ["StepClock", "lockstep"]
 
 
 class _Turns:
-    """Round-robin turns among the fits; the order rotates by one every round (the module's rule).
-    ``stop()`` (a fit failed) lets every fit run on without waiting."""
+    """Turns among the fits, in a fresh seeded random order every round, never the same fit twice in a row
+    (the module's rule).  ``stop()`` (a fit failed) lets every fit run on without waiting."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, seed: int = 0) -> None:
         self.cond = threading.Condition()
         self.n = n
         self.pos = 0
-        self.round = 0
         self.stopped = False
+        self._rng = random.Random(seed)
+        self.order = list(range(n))
+
+    def _next_order(self) -> None:
+        if self.n <= 2:  # A B A B: the only order with no fit twice in a row
+            return
+        last = self.order[-1]
+        while True:
+            order = self._rng.sample(range(self.n), self.n)
+            if order[0] != last:
+                self.order = order
+                return
 
     def _current(self) -> int:
-        return self.pos if self.n <= 2 else (self.pos + self.round) % self.n
+        return self.order[self.pos]
 
     def wait(self, i: int) -> None:
         with self.cond:
@@ -56,7 +71,8 @@ class _Turns:
         with self.cond:
             self.pos += 1
             if self.pos == self.n:
-                self.pos, self.round = 0, self.round + 1
+                self.pos = 0
+                self._next_order()
             self.cond.notify_all()
 
     def stop(self) -> None:
