@@ -9,8 +9,9 @@ The rule, on the runs of one comparison (every recipe from the same weights on t
    training steps or over the validation batches it is the mean of).
 2. **Eligible**: the run finished, its metric is finite and not worse than ``32-true``'s by more than
    the tolerance (better is fine).  ``32-true`` itself is always eligible.
-3. **Timing noise**: the larger of the control's step-time distance to the baseline
-   (``|control / baseline - 1|``) and half the baseline's window spread ((max - min) / median).
+3. **Timing noise**: the larger of the control's step-time distance to the baseline (the slower
+   of the two over the faster, minus 1: a control 3x faster is as much noise as one 3x slower) and
+   half the baseline's window spread ((max - min) / median).
 4. **Goal** ``speed``: the eligible recipe with the most samples/s; those within the timing noise of
    it (at most :data:`SPEED_TIE_MAX`: a busy machine's noise does not make a slow recipe as fast) tie,
    and a tie goes to the least model state per parameter (within :data:`STATE_TIE`), then to
@@ -18,6 +19,10 @@ The rule, on the runs of one comparison (every recipe from the same weights on t
    **Goal** ``memory``: the eligible recipe with the smallest peak memory; those within the memory
    noise (the control's peak distance to the baseline's, at least :data:`MEMORY_NOISE_FLOOR_MB`)
    tie, and a tie goes the same way.
+   **Inconclusive** (goal ``speed``, :func:`speed_inconclusive`): when the timing noise is above
+   :data:`SPEED_TIE_MAX` (the ties no longer cover it) and the recipe picked is not ``32-true``, its
+   speed-up over the faster of ``32-true``'s two runs must be above the timing noise; when it is
+   not, no recipe is named and the reason says the timing is inconclusive, with the noise.
 5. **Warnings** from the diagnostics: swamped updates (of weights stored in low precision without an
    FP32 master), gradient underflow, FP8 saturation above their thresholds, a low-precision recipe
    whose policy kept most parameters in FP32, divergence stops, and a timing noise above
@@ -105,7 +110,8 @@ class RunOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class Recommendation:
-    """The recipe to use (None: no baseline to compare with), the reason and the evidence for the others."""
+    """The recipe to use (None: no baseline to compare with, or the timing is inconclusive: the reason
+    says which), the reason and the evidence for the others."""
 
     recipe: str | None
     goal: str
@@ -145,10 +151,34 @@ def timing_noise(baseline: RunOutcome, control: RunOutcome | None) -> float:
     """The share of samples/s that is noise (rule 3)."""
     terms = [0.0]
     if control is not None and _finite(control.samples_per_s) and _finite(baseline.samples_per_s):
-        terms.append(abs(baseline.samples_per_s / control.samples_per_s - 1))  # = step-time ratio - 1
+        ratio = baseline.samples_per_s / control.samples_per_s  # = control's step time / baseline's
+        terms.append(max(ratio, 1 / ratio) - 1)
     if _finite(baseline.step_spread):
         terms.append(baseline.step_spread / 2)
     return max(terms)
+
+
+def speed_inconclusive(pick: RunOutcome, baseline: RunOutcome, control: RunOutcome | None,
+                       noise: float) -> str | None:
+    """Why the timing cannot name ``pick`` the speed winner (rule 4, inconclusive), or None when it can.
+
+    The rule: the pick is inconclusive when it is not ``32-true``, the timing ``noise`` (rule 3) is above
+    :data:`SPEED_TIE_MAX`, and the pick's speed-up over the faster of ``32-true``'s runs (the baseline
+    and the control) is not above ``noise``.  Below :data:`SPEED_TIE_MAX` the ties of rule 4 already
+    span the noise; above it they are capped, so a difference under the noise could name a winner.
+    The faster ``32-true`` run is the reference because the claim must hold against both measurements
+    of the same work (a busy machine may have slowed either), and what is left must still beat the noise
+    the pick's own run carries.  Example: control 0.311 of the baseline's step time (noise 222%), a
+    recipe at 9.73x the baseline's samples/s is 3.03x the control's: inconclusive."""
+    if pick.recipe == BASELINE or noise <= SPEED_TIE_MAX or not _speed(baseline):
+        return None
+    ratio = _speed(pick) / max(_speed(baseline), _speed(control) if control is not None else 0.0)
+    if ratio - 1 > noise:
+        return None
+    return (f"inconclusive: timing noise {noise:.1%} is larger than {pick.recipe}'s speed-up over 32-true "
+            f"({ratio:.2f}x the samples/s of 32-true's faster run, {_speed(pick) / _speed(baseline):.2f}x the "
+            "baseline's), so no recipe is named for speed; run again on an idle machine (goal memory and the "
+            "metric tolerance do not depend on the timing)")
 
 
 def _worse_by(outcome: RunOutcome, baseline: RunOutcome, higher: bool) -> float:
@@ -283,6 +313,10 @@ def recommend(outcomes: Sequence[RunOutcome], goal: str = "speed", metric_name: 
     runs = [o for o in outcomes if not o.control]
     eligible = [o for o in runs if o is base or (o.ran and _finite(o.metric) and _worse_by(o, base, higher) <= tol)]
     chosen = _pick(eligible, goal, noise, memory_noise)
+    unsure = speed_inconclusive(chosen, base, control, noise) if goal == "speed" else None
+    if unsure is not None:
+        others = tuple(_evidence(o, base, metric_name, higher, tol, notes) for o in runs)
+        return Recommendation(None, goal, metric_name, tol, rule, noise, unsure, others, warnings)
     reason = _evidence(chosen, base, metric_name, higher, tol, notes)
     if chosen is base:
         reason += ("; no other recipe is faster beyond the timing noise, or as fast and smaller, with the metric "

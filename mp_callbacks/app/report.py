@@ -215,5 +215,7 @@ RULE_NOTE = (
     f"{STANDARD_ERRORS:g} standard errors of 32-true's metric. Among the eligible: goal speed, the most samples/s "
     f"(recipes within the timing noise of it, at most {SPEED_TIE_MAX:.0%}, tie); goal memory, the smallest peak "
     f"(within the memory noise, at least {MEMORY_NOISE_FLOOR_MB:g} MB, tie); a tie goes to the least model state "
-    "per parameter, then to 32-true, then to the most samples/s."
+    "per parameter, then to 32-true, then to the most samples/s. Goal speed names no recipe (inconclusive, with "
+    f"the timing noise) when the noise is above {SPEED_TIE_MAX:.0%} and the pick's speed-up over the faster of "
+    "32-true's two runs is not above it."
 )

@@ -41,9 +41,10 @@ def _check_report(out: Path, recipes: list[str], framework: str) -> dict:
     assert rows == [(r, False) for r in recipes] + [("32-true", True)]
     rec = data["recommendation"][framework]
     ran = {r["recipe"] for r in data["results"] if r["error"] is None}
-    assert rec["recipe"] in ran and rec["reason"].startswith(rec["recipe"] + ":")
+    named = rec["recipe"] or "inconclusive"  # None: the timing noise was above the speed-up (a busy machine)
+    assert rec["recipe"] in ran | {None} and rec["reason"].startswith(named + ":")
     readme = (out / "README.md").read_text()
-    assert "## Recommendation" in readme and f"Recommended (speed): {rec['recipe']}:" in readme
+    assert "## Recommendation" in readme and f"Recommended (speed): {named}:" in readme
     assert f"tolerance on {rec['metric_name']}: " in readme
     for r in data["results"]:
         if r["error"] is None and not r["control"]:
@@ -122,7 +123,8 @@ out = {}
 fragile = compare_lightning(make_fragile_module, recipes=["16-mixed", "16-master", "bf16-master"], steps=6,
                             out=sys.argv[1], threads=1)
 out["fragile"] = {"errors": {r: v.error for r, v in fragile.by_recipe().items()},
-                  "recipe": fragile.recommendation.recipe, "others": list(fragile.recommendation.others)}
+                  "recipe": fragile.recommendation.recipe, "reason": fragile.recommendation.reason,
+                  "others": list(fragile.recommendation.others)}
 own = compare_recipes(make_lightning_mlp, recipes=["bf16-mixed"], steps=8, goal="memory", threads=1)
 out["own"] = {"framework": own.spec.framework, "out": own.out, "description": own.description,
               "goal": own.recommendation.goal, "recipe": own.recommendation.recipe, "table": own.table(),
@@ -149,7 +151,8 @@ def test_python_api_lightning(tmp_path):
     assert errors["bf16-master"] == "RuntimeError: this model refuses bfloat16 weights"
     assert errors["16-master"].startswith("the run's process died")
     assert errors["16-mixed"] is None and errors["32-true"] is None
-    assert data["fragile"]["recipe"] in ("32-true", "16-mixed")
+    fragile = data["fragile"]  # None: 16-mixed's speed-up was within the timing noise (a busy machine)
+    assert fragile["recipe"] in ("32-true", "16-mixed") or fragile["reason"].startswith("inconclusive: timing noise")
     assert "bf16-master: failed: RuntimeError: this model refuses bfloat16 weights" in data["fragile"]["others"]
     readme = (tmp_path / "README.md").read_text()
     assert "bf16-master   failed: RuntimeError: this model refuses bfloat16 weights" in readme

@@ -87,6 +87,74 @@ def test_a_busy_machine_does_not_make_a_slow_recipe_as_fast():
     assert any(w.startswith("timing noise 100%") for w in rec.warnings)
 
 
+def test_the_timing_noise_of_a_faster_control_counts_like_a_slower_one():
+    base = _run("32-true")
+    assert rc.timing_noise(base, _run("32-true", speed=200.0, control=True)) == pytest.approx(1.0)
+    assert rc.timing_noise(base, _run("32-true", speed=50.0, control=True)) == pytest.approx(1.0)
+
+
+def _seen_on_a_busy_machine(kahan_speed=973.0, control_speed=100 / 0.311):
+    """The comparison seen on a machine loaded by other jobs: the control took 0.311 of 32-true's step time."""
+    return _runs(_run("bf16-kahan", speed=kahan_speed, metric=1.005, bpp=14.0, peak=90.0),
+                 _run("bf16-master", speed=120.0, peak=95.0), control_speed=control_speed)
+
+
+def test_a_speed_up_within_the_timing_noise_names_no_winner():
+    rec = recommend(_seen_on_a_busy_machine())
+    # noise: 1 / 0.311 - 1 = 221.5%; bf16-kahan: 9.73x the baseline, 3.03x the control (the faster 32-true run)
+    assert rec.recipe is None and rec.timing_noise == pytest.approx(1 / 0.311 - 1)
+    assert rec.reason.startswith("inconclusive: timing noise 221.5% is larger than bf16-kahan's speed-up over "
+                                 "32-true (3.03x the samples/s of 32-true's faster run, 9.73x the baseline's)")
+    assert rec.lines()[0].startswith("Recommended (speed): inconclusive: timing noise 221.5%")
+    assert any(line.startswith("bf16-kahan: 9.73x the samples/s of 32-true") for line in rec.others)
+    assert any(line.startswith("32-true: the baseline") for line in rec.others)  # every run's evidence stays
+    assert any(w.startswith("timing noise 222% (the machine was busy?)") for w in rec.warnings)
+    # a slower control: the noise (40%) is larger than the pick's 30%, though the tie band stops at 5%
+    rec = recommend(_runs(_run("bf16-kahan", speed=130.0), control_speed=100 / 1.4))
+    assert rec.recipe is None and rec.reason.startswith("inconclusive: timing noise 40.0% is larger than "
+                                                        "bf16-kahan's speed-up over 32-true (1.30x")
+
+
+def test_a_speed_up_beyond_the_timing_noise_is_still_named():
+    clean = recommend(_seen_on_a_busy_machine(control_speed=99.0))  # the same runs on an idle machine: noise 1%
+    assert clean.recipe == "bf16-kahan" and clean.reason.startswith("bf16-kahan: 9.73x the samples/s of 32-true")
+    noisy = recommend(_runs(_run("bf16-kahan", speed=200.0), control_speed=100 / 1.4))  # 2x beats 40% noise
+    assert noisy.recipe == "bf16-kahan"
+    faster_ctl = recommend(_seen_on_a_busy_machine(kahan_speed=1100.0))  # 3.42x the control: beyond 221.5%
+    assert faster_ctl.recipe == "bf16-kahan"
+
+
+def test_an_inconclusive_timing_leaves_the_memory_goal_and_the_tolerance_alone():
+    runs = _seen_on_a_busy_machine()
+    speed, memory = recommend(runs), recommend(runs, goal="memory")
+    assert memory.recipe == "bf16-kahan" and memory.lines()[0].startswith("Recommended (memory): bf16-kahan")
+    assert speed.tolerance == memory.tolerance == pytest.approx(0.02) and speed.tolerance_rule == memory.tolerance_rule
+
+
+def test_both_frameworks_recommendations_go_through_the_rule():
+    """The Lightning and Keras comparisons' runs (RunResult, as the runners return them) reach the same rule."""
+    from mp_callbacks.app.compare import RunResult
+    from mp_callbacks.app.report import recommendation_lines, recommendations
+
+    def result(framework, recipe, step_ms, control=False):
+        return RunResult(framework=framework, recipe=recipe, params=1000, samples_per_s=128_000 / step_ms,
+                         step_time_ms=step_ms, peak_rss_mb=50.0, state_bytes_per_param=16.0,
+                         estimate_bytes_per_param=16.0, final_loss=1.0, accuracy=0.9, overflows=0, skipped=0,
+                         step_time_min_ms=step_ms * 0.99, step_time_max_ms=step_ms * 1.01, control=control,
+                         metric_name="accuracy", metric=0.9, metric_se=0.01, higher_is_better=True)
+
+    def runs(framework, control_ms):
+        return [result(framework, "32-true", 10.0), result(framework, "bf16-kahan", 10.0 / 9.73),
+                result(framework, "32-true", control_ms, control=True)]
+
+    noisy = recommendations(runs("lightning", 3.11) + runs("keras", 3.11))
+    assert {fw: rec.recipe for fw, rec in noisy.items()} == {"lightning": None, "keras": None}
+    text = recommendation_lines(noisy)
+    assert sum(line.startswith("Recommended (speed): inconclusive: timing noise 221.5%") for line in text) == 2
+    clean = recommendations(runs("lightning", 10.1) + runs("keras", 10.1))
+    assert {fw: rec.recipe for fw, rec in clean.items()} == {"lightning": "bf16-kahan", "keras": "bf16-kahan"}
+
+
 def test_goal_memory_picks_the_smallest_peak_then_the_least_state():
     runs = _runs(_run("bf16-master", speed=50.0, peak=60.0), _run("bf16-sr", speed=40.0, peak=60.5, bpp=12.0),
                  _run("16-mixed", speed=200.0, peak=90.0))
