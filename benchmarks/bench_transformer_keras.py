@@ -243,7 +243,7 @@ def switch_off(opt: Any, off: str | None) -> None:
     if off in OFF[2::2]:
         opt._divergence.check = lambda: None
     if off == OFF[3]:
-        import keras_ext.optimizer as module
+        import keras_ext.optimizer_step as module
 
         def unconditional(*args: Any) -> Any:
             before, module.run_if = module.run_if, lambda cond, fn, variables: fn()

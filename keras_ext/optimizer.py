@@ -17,7 +17,9 @@ decision comes from the core:
   :class:`~keras_ext.remainders.RemainderMasters`); ``bf16-kahan``/``bf16-sr`` round
   the update into the bf16 variables instead (:class:`~keras_ext.rounding.UpdateRounding`);
 * :attr:`LossScaleOptimizer.recipe`: the :class:`~mp_callbacks.Recipe` implemented (the monitor reads it);
-  the state reads, the scaler record and the Keras config are :class:`~keras_ext.optimizer_record.OptimizerRecord`'s;
+  the state reads, the scaler record and the Keras config are :class:`~keras_ext.optimizer_record.OptimizerRecord`'s,
+  the step after the check (transition, rule, update: eager, traced, whole-step XLA, per replica)
+  :class:`~keras_ext.optimizer_step.OptimizerStep`'s;
 * the core's divergence rule runs inside the step
   (:class:`~keras_ext.divergence.KerasDivergence`): a run that cannot recover
   stops with :class:`~mp_callbacks.diagnostics.meters.DivergenceError`;
@@ -29,7 +31,6 @@ decision comes from the core:
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -43,16 +44,15 @@ from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.loss_scale.scaler import ScalerCounters
 from mp_callbacks.recipes import Recipe, get_recipe
 
-from . import rounding_step
-from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
 from .divergence import KerasDivergence
 from .global_policy import coerce_recipe, optimizer_recipe
 from .grad_check import found_inf, unscale
-from .jax_support import StepStateOwner, run_if, stateless_apply
+from .jax_support import StepStateOwner, stateless_apply
 from .low_bit import eight_bit_inner
 from .masters import MasterWeights, check_variables, widened_in_update
 from .ops import is_tf
 from .optimizer_record import OptimizerRecord
+from .optimizer_step import OptimizerStep
 from .remainders import RemainderMasters, fp32_record
 from .rounding import UpdateRounding, weight_store
 from .scaler import KerasLossScaler, scaler_config
@@ -63,7 +63,7 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tra
 
 
 @keras.saving.register_keras_serializable(package="keras_ext")
-class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepStateOwner,
+class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, MonitorPort, StepStateOwner,
                          keras.optimizers.LossScaleOptimizer):
     """Dynamic loss scaling (and optional FP32 master weights) around any Keras optimizer.
 
@@ -295,100 +295,6 @@ class LossScaleOptimizer(OptimizerRecord, ScalerCounters, MonitorPort, StepState
         grads, tvs = self._masters.targets(grads, tvs, self._get_variable_index, widen=widen is None)
         with contextlib.nullcontext() if widen is None else widened_in_update(self.inner_optimizer, widen):
             self.inner_optimizer.apply(grads, tvs)
-
-    def _step(self, found_inf: Any, loss_finite: Any, unscaled: list[Any], tvs: list[Any],
-              apply_inner: Callable[[list[Any]], None]) -> Any:
-        """Transition (frozen after a divergence stop), divergence rule, the update when applied
-        (``apply_inner`` + write-back), state write; returns the scale the gradients were produced
-        with when a monitor is attached (else None)."""
-        scale_used = self._scale_before()
-        stopped = self._divergence.stopped()
-        new, applied = self._scaler.transition(found_inf, stopped)
-        self._divergence.update(found_inf, loss_finite, self._scaler.variable("scale").value, new.steps, stopped)
-
-        def update(grads: list[Any]) -> None:
-            apply_inner(grads)
-            self._masters.write_back(tvs, self._get_variable_index)
-
-        def apply_fn() -> None:
-            if self.fuses_whole_step:  # bf16-kahan/bf16-sr traced on TensorFlow: the update is one XLA function
-                rounding_step.whole_step(update, unscaled)
-            else:
-                update(unscaled)
-
-        run_if(applied, apply_fn, [*self.variables, *tvs])  # JAX: a select, no writes inside a cond branch
-        self._scaler.write(new)
-        return scale_used
-
-    @property
-    def fuses_whole_step(self) -> bool:
-        """True when this step's update (inner optimizer, and the rounding rules or the masters' write-back) runs
-        as one XLA function (:func:`keras_ext.rounding_step.fuses_whole_step`): ``bf16-kahan``/``bf16-sr``, and
-        FP32 masters (``*-master``) while :attr:`fuse_masters`."""
-        fused = self.update_rounding is not None or (self.fuse_masters and type(self._masters) is MasterWeights
-                                                     and self.master_weights)
-        return fused and rounding_step.fuses_whole_step()
-
-    def _decides_in_whole_step(self) -> bool:
-        """True when the finite check, scaler transition and divergence rule join the update's XLA function
-        (:attr:`fuses_whole_step`): FP32 masters, no monitor, no floor reaction to trace (scaling off or
-        ``on_min_scale="clamp"``: XLA has no ``Assert``/``print``)."""
-        config = self.scaler_config
-        return (self.fuses_whole_step and self.update_rounding is None and self.monitor is None
-                and (not config.enabled or config.on_min_scale == "clamp"))
-
-    def _unscales_in_whole_step(self) -> bool:
-        """True when ``bf16-kahan``/``bf16-sr`` widen and unscale the gradients inside the update's XLA function
-        (:attr:`fuses_whole_step`, no monitor: it reads the unscaled list): XLA then reads each bf16 gradient
-        in the optimizer's own passes instead of a materialised FP32 copy (the same numbers)."""
-        return self.update_rounding is not None and self.monitor is None and self.fuses_whole_step
-
-    def _eager_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
-        found_inf = self._found_inf(grads)
-        unscaled = self._unscaled(grads, tvs, unscaled_already)
-        scale_used = self._step(found_inf, self._divergence.loss_finite(), unscaled, tvs,
-                                lambda grads: self._apply_inner(grads, tvs))
-        self._notify_monitor(found_inf, unscaled, tvs, scale_used)
-
-    def _tf_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
-        import tensorflow as tf
-
-        if tf.distribute.in_cross_replica_context():
-            raise ValueError("apply() must be called in a replica context (inside strategy.run or a train_step)")
-        ctx = tf.distribute.get_replica_context()
-        reduced = reduces_itself(self._recipe.comm_dtype, ctx)  # comm_dtype: reduce here, check the result
-        grads = reduce_gradients(ctx, grads, self._recipe.comm_dtype) if reduced else grads
-        decides_inside = self._decides_in_whole_step()
-        found_inf = None if decides_inside else self._found_inf(grads)
-        loss_finite = self._divergence.loss_finite()
-        if ctx.num_replicas_in_sync > 1 and self.checks_overflow:
-            # The decision is global: sum the per-replica overflow (and non-finite loss) flags first.
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(
-                tf.stack([found_inf, tf.logical_not(loss_finite)]), tf.float32))
-            found_inf, loss_finite = tf.greater(total[0], 0.0), tf.equal(total[1], 0.0)
-        late = not unscaled_already and self.master_weights and not self.fp32_master_grads  # widened in the update
-        inside = not unscaled_already and self._unscales_in_whole_step()  # widened in the update's XLA function
-        unscaled = grads if late or inside else self._unscaled(grads, tvs, unscaled_already)
-        widen = functools.partial(unscale, scale=self._scale_to_divide()) if late else None
-
-        def cross_replica(distribution, found_inf, loss_finite, unscaled, tvs):
-            found, finite = (None if t is None else distribution.experimental_local_results(t)[0]
-                             for t in (found_inf, loss_finite))
-            def apply_inner(grads: list[Any]) -> None:
-                grads = self._unscaled(grads, tvs, False) if inside else grads
-                with inner_reduction_off(self.inner_optimizer) if reduced else contextlib.nullcontext():
-                    distribution.extended.call_for_each_replica(self._apply_inner, args=(grads, tvs, widen))
-
-            if decides_inside:  # finite check, transition, divergence rule and update: one XLA function
-                rounding_step.whole_step(lambda g: self._step(self._found_inf(g), finite, g, tvs, apply_inner),
-                                         unscaled)
-                return
-            scale_used = self._step(found, finite, unscaled, tvs, apply_inner)
-            if distribution.num_replicas_in_sync == 1:  # the monitor's device record is per replica
-                local = [None if g is None else distribution.experimental_local_results(g)[0] for g in unscaled]
-                self._notify_monitor(found, local, tvs, scale_used)
-
-        ctx.merge_call(cross_replica, args=(found_inf, loss_finite, unscaled, tvs))
 
     def __repr__(self) -> str:
         return (f"keras_ext.LossScaleOptimizer(inner={type(self.inner_optimizer).__name__}, "
