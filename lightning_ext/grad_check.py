@@ -48,28 +48,48 @@ class UnitScales:
 def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | None, units: UnitScales,
                      reduce: bool) -> Tensor:
     """Check (and unscale by ``inv_scale``; None: scaling off) ``optimizer``'s gradients; returns ``found_inf``,
-    a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group."""
+    a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group.
+
+    Runs after every backward: the common case (dense CPU gradients, one process) is one comprehension,
+    one test per gradient and one kernel call; everything else takes the general grouping."""
     param_groups = getattr(optimizer, "param_groups", None)
-    params = [p for group in (param_groups if isinstance(param_groups, (list, tuple)) else ())  # a test
-              for p in group["params"] if p.grad is not None]  # double has no param_groups: no grads
-    grads = [p.grad for p in params]
-    if not all(type(g) is Tensor and g.layout is torch.strided for g in grads):
-        grads = [dense_local(p) for p in params]
+    if not isinstance(param_groups, (list, tuple)):  # a test double has no param_groups: no grads
+        param_groups = ()
+    grads = [p.grad for group in param_groups for p in group["params"] if p.grad is not None]
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    if device.type == "cpu" and all(type(g) is Tensor and g.layout is _STRIDED and g.is_cpu for g in grads):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale if inv_scale is not None
+                                                         else units.on(device))
+    else:
+        _check_grouped(param_groups, device, inv_scale, units, found_inf)
+    if reduce and _distributed():
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+    return found_inf
+
+
+_STRIDED = torch.strided
+
+
+def _check_grouped(param_groups: Any, device: torch.device, inv_scale: Tensor | None, units: UnitScales,
+                   found_inf: Tensor) -> None:
+    """The check by device and dtype (one kernel call each, as ``GradScaler``), shards and sparse gradients
+    read as :func:`dense_local` says; every group's flag summed into ``found_inf``."""
+    grads = [dense_local(p) for group in param_groups for p in group["params"] if p.grad is not None]
     groups: dict[tuple[torch.device, torch.dtype | None], list[Tensor]] = {}
     if device.type == "cpu" and all(g.device == device for g in grads):
-        groups[(device, None)] = grads
+        groups[(device, None)] = grads  # the CPU kernel takes mixed dtypes
     else:
         for g in grads:
             groups.setdefault((g.device, g.dtype), []).append(g)
-    found_inf = torch.zeros((), dtype=torch.float32, device=device)
     for (dev, _), group_grads in groups.items():
         local = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
         torch._amp_foreach_non_finite_check_and_unscale_(
             group_grads, local, inv_scale.to(dev) if inv_scale is not None else units.on(dev))
         if local is not found_inf:
-            found_inf = found_inf + local.to(device)
-    if reduce:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-    return found_inf
+            found_inf.add_(local.to(device))
+
+
+def _distributed() -> bool:
+    """True inside an initialized process group of more than one process."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -96,9 +96,10 @@ class MixedPrecision(Precision, FabricMixedPrecision):
     ) -> Any:
         """Run the closure, unscale and check, then step (or skip) the optimizer and update the scale."""
         raw = unwrap_optimizer(optimizer)
-        if isinstance(raw, LBFGS) and self.recipe.name == "32-true":
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        check_optimizer(raw, self.recipe.name)
+        if isinstance(raw, LBFGS):
+            if self.recipe.name == "32-true":
+                return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            check_optimizer(raw, self.recipe.name)  # raises
         closure_result = closure()
         if closure_result is None and getattr(model, "automatic_optimization", True):
             self._after_closure(model, raw)  # training_step returned None: no backward, no update

@@ -273,13 +273,17 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         if stage is OptState.UNSCALED and found is not None:
             return found
         device = self._mirror.on_device
-        with torch.no_grad():
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad() without its context object (once per step)
+        try:
             if self.store is not None:
                 self.store.collect_grads(raw)
             if self.checks_overflow:
                 found = self._check_and_unscale(raw, device)
             else:
                 found = torch.zeros((), dtype=torch.float32, device=device)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
         self._stages[id(raw)] = (OptState.UNSCALED, found)
         return found
 
@@ -354,16 +358,19 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self._latest = {"scale": used, "next_scale": new.scale, "overflow": overflow, "applied": applied,
                         "steps": new.steps, "overflows_total": new.overflows, "skipped_total": new.skipped,
                         "growths_total": new.growths}
-        if self.config.enabled and self.config.on_min_scale != "clamp" and self._latest_applied is False:
-            if int(new.floor_hits.item()) > int(old.floor_hits.item()):
-                react_to_floor_hit(self.config, int(new.steps.item()), float(new.scale.item()), stacklevel=5)
+        if self._floor_hit_reacts() and int(new.floor_hits.item()) > int(old.floor_hits.item()):
+            react_to_floor_hit(self.config, int(new.steps.item()), float(new.scale.item()), stacklevel=5)
 
     def _host_transition(self, overflow: bool, used_scale: float | None) -> None:
         """:meth:`record_transition` on the host (:class:`~lightning_ext.scaler_state.ScalerStateMirror`)."""
         old, new = self._mirror.host_transition(self.config, overflow, used_scale if self.config.enabled else None)
-        if self.config.enabled and self.config.on_min_scale != "clamp" and self._latest_applied is False:
-            if int(new.floor_hits) > int(old.floor_hits):
-                react_to_floor_hit(self.config, int(new.steps), float(new.scale), stacklevel=5)
+        if self._floor_hit_reacts() and int(new.floor_hits) > int(old.floor_hits):
+            react_to_floor_hit(self.config, int(new.steps), float(new.scale), stacklevel=5)
+
+    def _floor_hit_reacts(self) -> bool:
+        """Whether a transition that hit the scale floor warns or raises (the floor counts are read only then):
+        scaling on, ``on_min_scale`` not ``"clamp"``, and the latest step skipped."""
+        return self.config.enabled and self.config.on_min_scale != "clamp" and self._latest_applied is False
 
     def forget_step(self, optimizer: Any) -> None:
         """An optimizer step that ran no backward (``training_step`` returned None): no transition."""

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.optim import LBFGS
 
 from mp_callbacks.recipes import RecipeError, canonical_recipe_name
 
@@ -92,8 +93,6 @@ def check_strategy(strategy: Any) -> None:
 
 def check_optimizer(optimizer: Any, recipe: str) -> None:
     """Raise ``MisconfigurationException`` for LBFGS under a recipe other than ``32-true``."""
-    from torch.optim import LBFGS
-
     if isinstance(optimizer, LBFGS) and recipe != "32-true":
         raise MisconfigurationException(
             f"lightning_ext.MixedPrecision({recipe!r}) does not support LBFGS: it re-evaluates "
