@@ -46,7 +46,30 @@ def _cast(value: Any, dtype: str) -> Any:
     if value is None or not hasattr(value, "dtype") or not hasattr(value, "shape"):
         return value
     current = keras.backend.standardize_dtype(value.dtype)
-    return ops.cast(value, dtype) if keras.backend.is_float_dtype(current) and current != dtype else value
+    if not keras.backend.is_float_dtype(current) or current == dtype:
+        return value
+    widened = _widened_from(value, dtype)
+    return widened if widened is not None else ops.cast(value, dtype)
+
+
+_WIDENINGS = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"), ("float16", "float64"),
+              ("float32", "float64")}
+
+
+def _widened_from(value: Any, dtype: str) -> Any:
+    """``x`` when ``value`` is a TensorFlow graph tensor made by a widening cast of ``x`` (of ``dtype``), else
+    None: casting it back is exact both ways (forward and gradient), so neither cast is needed.  E.g. Keras'
+    ``LayerNormalization`` in FP32 on a bf16 input: its op computes in FP32 and returns bf16, the layer casts
+    that to its FP32 compute dtype, and the boundary cast would take it back to bf16."""
+    try:
+        op = value.op  # TF graph tensors only (eager tensors raise, other backends have none)
+    except AttributeError:
+        return None
+    if getattr(op, "type", None) != "Cast" or not op.inputs:
+        return None
+    source = op.inputs[0]
+    names = (keras.backend.standardize_dtype(source.dtype), keras.backend.standardize_dtype(value.dtype))
+    return source if names[0] == dtype and names in _WIDENINGS else None
 
 
 def _casting(call: Callable[..., Any], dtype: str) -> Callable[..., Any]:

@@ -50,11 +50,12 @@ from typing import Any
 import keras
 from keras import ops
 
-from mp_callbacks.diagnostics.divergence import DivergenceRule, DivergenceState, next_divergence_state
+from mp_callbacks.diagnostics.divergence import DivergenceRule, DivergenceState, moving_streaks, next_divergence_state
 from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale.transition import fixed_scale
 
 from .jax_support import in_stateless_step, is_jax
-from .ops import KERAS_OPS, is_tf
+from .ops import KERAS_OPS, is_tf, read_once
 
 __all__ = ["KerasDivergence", "LATCH_KEY", "VARIABLES"]
 
@@ -78,6 +79,7 @@ class KerasDivergence:
     def __init__(self, rule: DivergenceRule, config: ScalerConfig, on_stop: Callable[[], Any] | None = None) -> None:
         self.rule, self.on_stop = rule, on_stop
         self.active = rule.active and config.can_skip
+        self._known_scale = fixed_scale(config)  # the scale of every step when it cannot move (stop_scale unused)
         self._vars: dict[str, Any] = {}
         self._local = threading.local()
 
@@ -116,22 +118,31 @@ class KerasDivergence:
         return flag
 
     def stopped(self) -> Any:
-        """A 0-d bool: a stop is latched (every step is skipped until the host raises); None when off."""
-        return ops.greater(self._vars["stop_step"].value, 0) if self._vars else None
+        """A 0-d bool: a stop is latched (every step is skipped until the host raises); None when off.
+        The latch read is kept for the :meth:`update` of the same step (one read of it before the write)."""
+        if not self._vars:
+            return None
+        self._local.stop_read = read_once(self._vars["stop_step"])
+        return ops.greater(self._local.stop_read, 0)
 
     def update(self, overflow: Any, loss_finite: Any, scale: Any, step: Any, stopped: Any) -> None:
-        """Advance the streaks by one step (``scale``: the one the step ran with, ``step``: its 1-based
-        number) and latch a stop; a step after a stop changes nothing.  Device ops only."""
+        """Advance the streaks by one step (``scale``: the one the step ran with, a Python float when the
+        scaler holds it fixed, :meth:`KerasLossScaler.step_scale`; ``step``: its 1-based number) and latch a
+        stop; a step after a stop changes nothing.  Device ops only.  A streak the core holds at 0 for this
+        scale (:func:`~mp_callbacks.diagnostics.divergence.moving_streaks`) is neither read nor written (its
+        variable stays 0), nor is the stop's scale when it is a known number (:meth:`check` knows it)."""
         if not self._vars:
             return
-        v = self._vars
-        old = DivergenceState(v["loss_streak"].value, v["overflow_streak"].value)
+        v, moving = self._vars, moving_streaks(self.rule, scale)
+        old = DivergenceState(*(read_once(v[k]) if k in moving else None for k in DivergenceState._fields))
         new, stop = next_divergence_state(self.rule, old, overflow, loss_finite, scale, KERAS_OPS)
         stop_now = ops.logical_and(stop, ops.logical_not(stopped))
-        values = {"loss_streak": ops.where(stopped, old.loss_streak, new.loss_streak),
-                  "overflow_streak": ops.where(stopped, old.overflow_streak, new.overflow_streak),
-                  "stop_step": ops.where(stop_now, KERAS_OPS.i32(step), v["stop_step"].value),
-                  "stop_scale": ops.where(stop_now, KERAS_OPS.f32(scale), v["stop_scale"].value)}
+        read, self._local.stop_read = getattr(self._local, "stop_read", None), None
+        latch = read if read is not None and _usable_here(read) else v["stop_step"].value
+        values = {k: ops.where(stopped, getattr(old, k), getattr(new, k)) for k in moving}
+        values["stop_step"] = ops.where(stop_now, KERAS_OPS.i32(step), latch)
+        if not isinstance(scale, float):
+            values["stop_scale"] = ops.where(stop_now, KERAS_OPS.f32(scale), v["stop_scale"].value)
         for name, value in values.items():
             v[name].assign(value)
 
@@ -144,7 +155,7 @@ class KerasDivergence:
         if step <= 0:
             return
         state = DivergenceState(*(int(_read(self._vars[k])) for k in DivergenceState._fields))
-        scale = float(_read(self._vars["stop_scale"]))
+        scale = self._known_scale if self._known_scale is not None else float(_read(self._vars["stop_scale"]))
         self._vars["stop_step"].assign(0)
         if self.on_stop is not None:
             self.on_stop()

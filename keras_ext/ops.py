@@ -19,12 +19,22 @@ from typing import Any
 import keras
 from keras import ops
 
-__all__ = ["KerasOps", "KERAS_OPS", "dtype_name", "is_tf"]
+__all__ = ["KerasOps", "KERAS_OPS", "dtype_name", "is_tf", "read_once"]
 
 
 def is_tf() -> bool:
     """True on Keras' TensorFlow backend."""
     return keras.backend.backend() == "tensorflow"
+
+
+def read_once(variable: Any) -> Any:
+    """A Keras variable's value as one tensor: on TensorFlow each use of the variable itself (``.value`` is
+    the ``tf.Variable``) is a read op of its own inside a traced step; other backends: ``.value``."""
+    if not is_tf():
+        return variable.value
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(variable.value)  # keras.ops.convert_to_tensor keeps a tf.Variable as it is
 
 
 def dtype_name(x: Any) -> str:

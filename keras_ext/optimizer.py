@@ -50,7 +50,7 @@ from .grad_check import found_inf, unscale
 from .jax_support import StepStateOwner, stateless_apply
 from .low_bit import eight_bit_inner
 from .masters import MasterWeights, check_variables, widened_in_update
-from .ops import is_tf
+from .ops import is_tf, read_once
 from .optimizer_record import OptimizerRecord
 from .optimizer_step import OptimizerStep
 from .remainders import RemainderMasters, fp32_record
@@ -275,7 +275,7 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
 
     def _scale_to_divide(self) -> Any:
         """The scale the gradients are divided by; None with scaling off (the scale is 1: no divide)."""
-        return ops.convert_to_tensor(self._scaler.variable("scale")) if self.scaler_config.enabled else None
+        return read_once(self._scaler.variable("scale")) if self.scaler_config.enabled else None
 
     def _unscaled(self, grads: Sequence[Any], tvs: Sequence[Any], unscaled_already: bool) -> list[Any]:
         scale = self._scale_to_divide()

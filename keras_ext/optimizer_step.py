@@ -45,7 +45,7 @@ class OptimizerStep:
         scale_used = self._scale_before()
         stopped = self._divergence.stopped()
         new, applied = self._scaler.transition(found_inf, stopped)
-        self._divergence.update(found_inf, loss_finite, self._scaler.variable("scale").value, new.steps, stopped)
+        self._divergence.update(found_inf, loss_finite, self._scaler.step_scale(), new.steps, stopped)
 
         def update(grads: list[Any]) -> None:
             apply_inner(grads)

@@ -8,8 +8,9 @@ with it) and moves only by :func:`mp_callbacks.loss_scale.scaler.next_state` eva
 with :class:`~keras_ext.ops.KerasOps` (no host read inside a traced
 step).  Rules:
 
-* :meth:`transition` computes the next state; :meth:`write` assigns it, after
-  the floor reaction;
+* :meth:`transition` computes the next state, reading only the fields the core can move in this
+  configuration (:func:`~mp_callbacks.loss_scale.transition.moving_fields`: with scaling off the three
+  counters steps, overflows, skipped); :meth:`write` assigns what moved, after the floor reaction;
 * a floor hit (an overflow that asks for a backoff at ``min_scale``) reacts per
   ``on_min_scale``: eagerly through the core's
   :func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`; inside a traced
@@ -35,11 +36,18 @@ from keras import ops
 from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.loss_scale.record import check_state_dict, make_state_dict
 from mp_callbacks.loss_scale.scaler import ScaleFloorWarning, ScalerCounters, react_to_floor_hit
-from mp_callbacks.loss_scale.transition import STATE_FIELDS, ScalerState, initial_state, next_state
+from mp_callbacks.loss_scale.transition import (
+    STATE_FIELDS,
+    ScalerState,
+    fixed_scale,
+    initial_state,
+    moving_fields,
+    next_state,
+)
 from mp_callbacks.recipes import Recipe
 
 from .jax_support import tracing
-from .ops import KERAS_OPS, is_tf
+from .ops import KERAS_OPS, is_tf, read_once
 
 __all__ = ["KerasLossScaler", "VARIABLE_NAMES", "scaler_config"]
 
@@ -136,7 +144,8 @@ class KerasLossScaler(ScalerCounters):
 
         ``frozen`` (a 0-d bool, e.g. a latched divergence stop): when True the state stays and the
         step is not applied."""
-        old = ScalerState(*(self._vars[f].value for f in STATE_FIELDS))
+        moving = moving_fields(self.config)  # the core neither reads nor changes the others: not read here
+        old = ScalerState(*(read_once(self._vars[f]) if f in moving else None for f in STATE_FIELDS))
         self._old = old
         new, applied = next_state(self.config, old, found_inf, KERAS_OPS)
         if frozen is None:
@@ -144,6 +153,13 @@ class KerasLossScaler(ScalerCounters):
         # A field the core left as it was (the same object: it cannot move in this configuration) needs no select.
         return ScalerState(*(o if n is o else ops.where(frozen, o, n) for o, n in zip(old, new))), \
             ops.logical_and(applied, ops.logical_not(frozen))
+
+    def step_scale(self) -> Any:
+        """The scale this step runs with, for the divergence rule: the core's
+        :func:`~mp_callbacks.loss_scale.transition.fixed_scale` (a Python float: no read) when the
+        configuration holds it there, else the variable's value."""
+        known = fixed_scale(self.config)
+        return read_once(self._vars["scale"]) if known is None else known
 
     def write(self, new: ScalerState) -> None:
         """React to a floor hit of ``new`` (per ``on_min_scale``), then assign it to the variables.
@@ -154,7 +170,8 @@ class KerasLossScaler(ScalerCounters):
         old, self._old = self._old, None
         unchanged = {f for f in STATE_FIELDS if old is not None and getattr(new, f) is getattr(old, f)}
         if self.config.on_min_scale != "clamp" and "floor_hits" not in unchanged:
-            self._react_to_floor(ops.greater(new.floor_hits, self._vars["floor_hits"].value), new)
+            before = old.floor_hits if old is not None else self._vars["floor_hits"].value
+            self._react_to_floor(ops.greater(new.floor_hits, before), new)
         for field in STATE_FIELDS:
             if field not in unchanged:
                 self._vars[field].assign(getattr(new, field))

@@ -20,6 +20,7 @@ from .divergence import (
     DivergenceGuard,
     DivergenceRule,
     DivergenceState,
+    moving_streaks,
     next_divergence_state,
 )
 from .meters import (
@@ -110,6 +111,7 @@ __all__ = [
     "half_ulp",
     "json_safe",
     "memory_metrics",
+    "moving_streaks",
     "next_divergence_state",
     "plot",
     "sample_stride",

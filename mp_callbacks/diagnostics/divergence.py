@@ -34,7 +34,8 @@ import numpy as np
 from ..advice import checklist
 from ..ops import NUMPY_OPS, Array, ArrayOps
 
-__all__ = ["DivergenceError", "DivergenceGuard", "DivergenceRule", "DivergenceState", "next_divergence_state"]
+__all__ = ["DivergenceError", "DivergenceGuard", "DivergenceRule", "DivergenceState", "moving_streaks",
+           "next_divergence_state"]
 
 
 class DivergenceError(RuntimeError):
@@ -179,12 +180,33 @@ def next_divergence_state(rule: DivergenceRule, state: DivergenceState, overflow
     finite = ops.boolean(loss_finite)
     one, zero = ops.i32(1), ops.i32(0)
     bad_loss = ops.logical_and(overflow, ops.logical_not(finite))
-    below = ops.logical_not(ops.greater_equal(ops.f32(scale), ops.f32(rule.scale_below)))
-    bad_grads = ops.logical_and(ops.logical_and(overflow, finite), below)
+    if "overflow_streak" in moving_streaks(rule, scale):
+        below = ops.logical_not(ops.greater_equal(ops.f32(scale), ops.f32(rule.scale_below)))
+        bad_grads = ops.logical_and(ops.logical_and(overflow, finite), below)
+        overflow_streak = ops.where(bad_grads, ops.add(ops.i32(state.overflow_streak), one), zero)
+    else:  # a known scale at or above scale_below: the streak is reset on every step (not read)
+        overflow_streak = zero
     new = DivergenceState(loss_streak=ops.where(bad_loss, ops.add(ops.i32(state.loss_streak), one), zero),
-                          overflow_streak=ops.where(bad_grads, ops.add(ops.i32(state.overflow_streak), one), zero))
+                          overflow_streak=overflow_streak)
     stop = ops.boolean(False)
     for streak, limit in ((new.loss_streak, rule.nonfinite_losses), (new.overflow_streak, rule.overflows_below)):
-        if limit is not None:
+        if limit is not None and streak is not zero:  # a streak held at 0 never reaches a limit (>= 1)
             stop = ops.logical_or(stop, ops.greater_equal(streak, ops.i32(limit)))
     return new, stop
+
+
+def moving_streaks(rule: DivergenceRule, scale: Any = None) -> tuple[str, ...]:
+    """The streaks of :class:`DivergenceState` that can be non-zero after a step of :func:`next_divergence_state`.
+
+    ``scale``: the scale the steps run with when it is a known number (a Python float: 1.0 with scaling
+    off, :func:`mp_callbacks.loss_scale.transition.fixed_scale`), else anything (a backend scalar, None).
+    A known scale at or above ``rule.scale_below`` never counts an overflow: the overflow streak is then
+    0 after every step, and :func:`next_divergence_state` neither reads it nor compares it with its limit.
+
+    >>> moving_streaks(DivergenceRule(), 1.0), moving_streaks(DivergenceRule(), 0.5)
+    (('loss_streak',), ('loss_streak', 'overflow_streak'))
+    """
+    known = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+    if known and float(scale) >= rule.scale_below:
+        return ("loss_streak",)
+    return DivergenceState._fields

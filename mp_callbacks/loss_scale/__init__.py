@@ -3,7 +3,7 @@
 * :mod:`.config`: :class:`ScalerConfig` (validated settings) and :data:`PRESETS` (torch, keras,
   tf-keras, megatron, deepspeed, apex, jmp);
 * :mod:`.transition`: :class:`ScalerState`, :func:`initial_state`, :func:`next_state` (pure,
-  over the array-ops protocol), :func:`checks_overflow`;
+  over the array-ops protocol), :func:`moving_fields`, :func:`fixed_scale`, :func:`checks_overflow`;
 * :mod:`.record`: the versioned checkpoint record (:func:`make_state_dict`, :func:`check_state_dict`);
 * :mod:`.scaler`: the floor reaction (:class:`ScaleFloorError`) and :class:`DynamicLossScaler`
   (the NumPy float32 reference).
@@ -38,7 +38,9 @@ from .transition import (
     ScalerState,
     check_count_overflows,
     checks_overflow,
+    fixed_scale,
     initial_state,
+    moving_fields,
     next_state,
 )
 
@@ -59,9 +61,11 @@ __all__ = [
     "check_count_overflows",
     "check_state_dict",
     "checks_overflow",
+    "fixed_scale",
     "floor_message",
     "initial_state",
     "make_state_dict",
+    "moving_fields",
     "next_state",
     "react_to_floor_hit",
     "state_from_dict",

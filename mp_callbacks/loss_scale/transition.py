@@ -78,6 +78,32 @@ def initial_state(config: ScalerConfig, ops: ArrayOps = NUMPY_OPS) -> ScalerStat
     )
 
 
+def moving_fields(config: ScalerConfig) -> tuple[str, ...]:
+    """The fields of :class:`ScalerState` that :func:`next_state` can change under ``config``, in
+    :data:`STATE_FIELDS` order.  It neither reads nor changes the others (it returns them as given: they
+    may be None), so an adapter need not read or write them: with scaling off the scale (1), growth
+    tracker, hysteresis, growths and floor hits cannot move, nor, with a fixed scale, all but the counters.
+
+    >>> moving_fields(ScalerConfig(enabled=False))
+    ('steps', 'overflows', 'skipped')
+    >>> moving_fields(ScalerConfig(enabled=False, skip_nonfinite=False))
+    ('steps', 'overflows')
+    >>> moving_fields(ScalerConfig.preset("torch")) == STATE_FIELDS
+    True
+    """
+    if config.enabled and config.dynamic:
+        return STATE_FIELDS
+    if not config.enabled and not config.skip_nonfinite:
+        return ("steps", "overflows")
+    return ("steps", "overflows", "skipped")
+
+
+def fixed_scale(config: ScalerConfig) -> float | None:
+    """The scale every step runs with when ``config`` cannot move it from a known value: 1.0 with scaling
+    off; None otherwise (a dynamic scale, or a fixed one that a checkpoint may have set)."""
+    return None if config.enabled else 1.0
+
+
 def next_state(
     config: ScalerConfig, state: ScalerState, found_inf: Array, ops: ArrayOps = NUMPY_OPS
 ) -> tuple[ScalerState, Array]:
@@ -86,6 +112,7 @@ def next_state(
     ``found_inf`` is a boolean backend scalar: any non-finite gradient in the
     step, already reduced over data-parallel ranks.  ``applied`` is False when
     the step must be skipped.  Pure and branch-free: traceable by every backend.
+    Fields outside :func:`moving_fields` are returned as given (the same objects), never read.
     """
     found_inf = ops.boolean(found_inf)
     if not config.enabled:  # no scale to move: skip non-finite steps (skip_nonfinite) or only count them

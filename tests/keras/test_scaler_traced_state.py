@@ -1,0 +1,92 @@
+"""keras_ext: the traced step reads and writes only the scaler and divergence state the core can move.
+
+With scaling off (``32-true``, ``bf16-mixed``, ``bf16-master``) the core holds the scale at 1 and the
+growth tracker, hysteresis, growths and floor hits where they are (``moving_fields``), and the overflow
+streak at 0 (``moving_streaks``: a scale of 1 is not below ``scale_below``): the step's graph does not
+touch their variables, and reads the divergence latch once before writing it.  With scaling on
+(``16-mixed``) every field is traced.  The values still follow the core (the counters, the stop).
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_ext
+from keras_ext.scaler import VARIABLE_NAMES
+from mp_callbacks.diagnostics.divergence import DivergenceError, DivergenceRule
+from tests.keras.helpers.util import requires_tf_backend
+
+pytestmark = requires_tf_backend
+
+FIXED = {"dynamic_scale", "scaler_growth_tracker", "scaler_hysteresis_left", "scaler_growths", "scaler_floor_hits",
+         "divergence_overflow_streak", "divergence_stop_scale"}
+MOVING = {"scaler_steps", "scaler_overflows", "scaler_skipped", "divergence_loss_streak", "divergence_stop_step"}
+
+
+def _setup(recipe, **kwargs):
+    keras_ext.set_global_policy(recipe)
+    keras.utils.set_random_seed(0)
+    model = keras_ext.apply_policy(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)]))
+    opt = keras_ext.master_optimizer(keras.optimizers.Adam(1e-2), recipe, **kwargs)
+    opt.build(model.trainable_variables)
+    return model, opt
+
+
+def _traced_step(opt, model):
+    """The concrete graph of one ``apply`` and the state variables it touches (by name)."""
+    import tensorflow as tf
+
+    tvs = model.trainable_variables
+    grads = [tf.ones(v.shape, v.dtype) for v in tvs]
+    concrete = tf.function(lambda gs: opt.apply(gs, tvs)).get_concrete_function(grads)
+    captured = {id(t) for t in concrete.captured_inputs}
+    state = {VARIABLE_NAMES[f]: v for f, v in opt.loss_scaler._vars.items()}
+    state.update({f"divergence_{k}": v for k, v in opt._divergence._vars.items()})
+    touched = {name for name, v in state.items() if id(v.handle) in captured}
+    return concrete, touched, state
+
+
+@pytest.mark.parametrize("recipe", ["32-true", "bf16-mixed", "bf16-master"])
+def test_scaling_off_traces_only_the_state_that_can_move(recipe):
+    model, opt = _setup(recipe)
+    concrete, touched, state = _traced_step(opt, model)
+    assert set(state) == FIXED | MOVING
+    assert touched == MOVING
+
+
+def test_scaling_on_traces_every_field():
+    model, opt = _setup("16-mixed")
+    _, touched, state = _traced_step(opt, model)
+    assert touched == FIXED | MOVING
+
+
+def test_the_latch_is_read_once_before_its_write():
+    model, opt = _setup("bf16-mixed")
+    concrete, _, _ = _traced_step(opt, model)
+    latch = opt._divergence._vars["stop_step"]
+    index = [id(t) for t in concrete.captured_inputs].index(id(latch.handle))
+    placeholder = concrete.graph.internal_captures[index]
+    ops_on_latch = [op.type for op in concrete.graph.get_operations()
+                    if any(i.name == placeholder.name for i in op.inputs)]
+    assert sorted(ops_on_latch) == ["AssignVariableOp", "ReadVariableOp"]
+
+
+def test_counters_and_stops_still_follow_the_core_with_scaling_off():
+    """Finite losses, inf gradients at scale 1 below ``scale_below=2``: three overflows in a row stop, and the
+    error names the scale (1, known on the host: the stop's scale variable is not written)."""
+    from tests.keras.test_divergence import GradInf
+
+    keras_ext.set_global_policy("32-true")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), GradInf(), keras.layers.Dense(1)])
+    opt = keras_ext.master_optimizer(keras.optimizers.SGD(0.1), "32-true", divergence=DivergenceRule(
+        nonfinite_losses=None, overflows_below=3, scale_below=2.0))
+    model.compile(opt, "mse")
+    x = np.random.default_rng(0).normal(size=(20, 4)).astype("float32")
+    with pytest.raises(DivergenceError, match=r"overflowed on 3 consecutive steps with a finite loss.*below 2 "
+                                              r"\(scale=1\) up to step 3; none of them was applied"):
+        model.fit(x, np.zeros((20, 1), "float32"), batch_size=2, verbose=0)
+    assert (opt.steps, opt.overflows, opt.skipped) == (3, 3, 3)
+    assert int(ops.convert_to_numpy(opt.loss_scaler.variable("growth_tracker"))) == 0  # never moves
+    assert float(ops.convert_to_numpy(opt._divergence._vars["stop_scale"])) == 0.0  # not written
