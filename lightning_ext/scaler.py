@@ -266,15 +266,18 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         return self.unscale_once(raw)
 
-    def unscale_once(self, optimizer: Any) -> Tensor:
-        """:meth:`unscale_`, or the earlier result when this optimizer is unscaled already (the plugin's path)."""
+    def unscale_once(self, optimizer: Any, one_pass: bool = False) -> Tensor:
+        """:meth:`unscale_`, or the earlier result when this optimizer is unscaled already (the plugin's path).
+        ``one_pass``: nothing reads the gradients before the step (:meth:`MasterWeights.collect_grads`)."""
         raw = unwrap_optimizer(optimizer)
         stage, found = self._stages.get(id(raw), (OptState.READY, None))
         if stage is OptState.UNSCALED and found is not None:
             return found
         device = self._mirror.on_device
         with torch.no_grad():
-            if self.store is not None:
+            if self.store is not None and one_pass and not self.config.enabled:
+                self.store.collect_grads(raw, one_pass=True)
+            elif self.store is not None:
                 self.store.collect_grads(raw)
             if self.checks_overflow:
                 found = self._check_and_unscale(raw, device)
