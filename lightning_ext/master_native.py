@@ -113,7 +113,8 @@ CLONES void adam_onepass(int64_t count, const int64_t *sizes, float *const *para
 }
 """
 
-_FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-lm"]
+_FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
+          "-mprefer-vector-width=512", "-lm"]
 _WIDTHS = {"AVX512": (16, 8), "AVX2": (8, 8)}  # torch's CPU capability -> (its vector width, its tail's) in floats
 _loaded: list[NativeAdam | None] = []  # one entry once tried
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -136,9 +137,9 @@ class NativeAdam:
         """``torch._fused_adamw_`` (``adamw``) or ``_fused_adam_`` on ``params`` with the widened ``grads``
         (the step counts already advanced), each result also rounded into its bf16 weight."""
         count = len(params)
-        arrays = [(ctypes.c_void_p * count)(*[t.data_ptr() for t in ts])
-                  for ts in (params, grads, exp_avgs, exp_avg_sqs, weights, steps)]
-        sizes = (ctypes.c_int64 * count)(*[t.numel() for t in params])
+        pointers = ctypes.c_void_p * count
+        arrays = [pointers(*map(Tensor.data_ptr, ts)) for ts in (params, grads, exp_avgs, exp_avg_sqs, weights, steps)]
+        sizes = (ctypes.c_int64 * count)(*map(Tensor.numel, params))
         self._fn(count, sizes, *arrays, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
                  int(adamw), *self.widths)
 
@@ -227,19 +228,21 @@ def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> dict[in
         if any(isinstance(group.get(k), Tensor) for k in ("lr", "betas", "weight_decay", "eps")) or any(
                 isinstance(b, Tensor) for b in group.get("betas", ())):
             return None
-        for p in group["params"]:  # the parameters torch's kernel keeps stepping: FP32 on the CPU
-            if p.grad is not None and not (p.is_cpu and p.grad.is_cpu and p.grad.dtype is _F32):
+        for p in group["params"]:  # every parameter stepped on the CPU
+            if p.grad is not None and not (p.is_cpu and p.grad.is_cpu):
                 return None
-    stepped = [(low, master) for _, low, master in entries if low.grad is not None]
-    for low, master in stepped:
+    stepped = []
+    for _, low, master in entries:
         grad = low.grad
-        if not (low.dtype is _BF16 and grad.dtype is _BF16 and low.is_cpu and master.is_cpu and master.dtype is _F32
-                and type(grad) is Tensor and grad.layout is torch.strided and grad.shape == master.shape
-                and low.is_contiguous() and master.is_contiguous() and grad.is_contiguous()):
+        if grad is None:
+            continue
+        if not (grad.dtype is _BF16 and low.dtype is _BF16 and master.dtype is _F32 and type(grad) is Tensor
+                and grad.layout is torch.strided and grad.shape == master.shape and grad.is_contiguous()
+                and low.is_contiguous() and master.is_contiguous()):
             return None
+        stepped.append((low, master, grad))
     table = {}
-    for low, master in stepped:
-        grad = low.grad
+    for low, master, grad in stepped:
         if master.grad is not None:
             master.grad = None
         if master.grad_dtype is not None:
@@ -300,18 +303,19 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
     kernel = _installed["adamw" if adamw else "adam"]
     step = getattr(_local, "step", None)
     native = native_adam() if step is not None else None
-    plain = (native is not None and not amsgrad and not maximize and grad_scale is None and found_inf is None
-             and not isinstance(lr, Tensor))
-    table, written = step if step is not None else ({}, set())
     mine, rest = [], []
-    for i, p in enumerate(params):
-        low = table.get(id(p)) if plain else None
-        s = state_steps[i]
-        if low is not None and grads[i].dtype is _BF16 and s.dtype is _F32 and s.is_cpu and s.dim() == 0 and (
-                exp_avgs[i].is_contiguous() and exp_avg_sqs[i].is_contiguous()):
-            mine.append(i)
-        else:
-            rest.append(i)
+    if native is not None and not (amsgrad or maximize or grad_scale is not None or found_inf is not None
+                                   or isinstance(lr, Tensor)):
+        table, written = step
+        for i, p in enumerate(params):
+            s = state_steps[i]
+            if (id(p) in table and grads[i].dtype is _BF16 and s.dtype is _F32 and s.is_cpu
+                    and exp_avgs[i].is_contiguous() and exp_avg_sqs[i].is_contiguous()):
+                mine.append(i)
+            else:
+                rest.append(i)
+    else:
+        rest = list(range(len(params)))
     if mine:
         pick = [params[i] for i in mine]
         weights = [table[id(p)] for p in pick]
@@ -319,14 +323,10 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
                     weights, [state_steps[i] for i in mine], lr=lr, beta1=beta1, beta2=beta2,
                     weight_decay=weight_decay, eps=eps, adamw=adamw)
         torch.autograd.graph.increment_version(weights)  # as the weight copy would (torch's kernel bumps none)
-        written.update(id(p) for p in pick)
+        written.update(map(id, pick))
     if rest:
-        if not mine:
-            lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
-        else:
-            lists = tuple([t[i] for i in rest] if t else t for t in
-                          (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps))
-        grads_rest = [g if g.dtype is not _BF16 or lists[0][k].dtype is _BF16 else g.float()
-                      for k, g in enumerate(lists[1])]
-        kernel(lists[0], grads_rest, *lists[2:], amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+        lists = [[t[i] for i in rest] if t else t for t in
+                 (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)]
+        lists[1] = [g.float() if g.dtype is _BF16 and p.dtype is not _BF16 else g for p, g in zip(lists[0], lists[1])]
+        kernel(*lists, amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+               maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)

@@ -213,6 +213,8 @@ class MasterWeights:
         reuse_dst, reuse_src = [], []
         for _, low, master in entries:
             if low.grad is None:
+                if master.grad is not None and master.grad.dtype != torch.float32:  # a one-pass step's, not taken
+                    master.grad = master.grad.float()
                 continue
             if master.grad is None or master.grad.shape != master.shape or master.grad.dtype != torch.float32:
                 master.grad = low.grad.to(torch.float32)

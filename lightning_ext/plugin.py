@@ -181,7 +181,19 @@ def nothing_reads_grads(plugin: MixedPrecision, model: Any) -> bool:
     trainer = model._trainer
     if trainer is None or not model.automatic_optimization or trainer.gradient_clip_val:
         return False
-    if is_overridden("configure_gradient_clipping", model, pl.LightningModule) or is_overridden(
-            "on_before_optimizer_step", model, pl.LightningModule):
+    if _overrides(model, "configure_gradient_clipping") or _overrides(model, "on_before_optimizer_step"):
         return False
-    return not any(is_overridden("on_before_optimizer_step", cb, pl.Callback) for cb in trainer.callbacks)
+    return not any(_overrides(cb, "on_before_optimizer_step") for cb in trainer.callbacks)
+
+
+_OVERRIDES: dict[tuple[type, str], bool] = {}  # (class, hook) -> Lightning's is_overridden (asked once per class)
+
+
+def _overrides(obj: Any, hook: str) -> bool:
+    """Whether ``obj`` (a LightningModule or Callback) overrides ``hook``, on its class or on itself."""
+    key = (type(obj), hook)
+    found = _OVERRIDES.get(key)
+    if found is None:
+        parent = pl.LightningModule if isinstance(obj, pl.LightningModule) else pl.Callback
+        found = _OVERRIDES[key] = is_overridden(hook, obj, parent)
+    return found or hook in getattr(obj, "__dict__", {})
