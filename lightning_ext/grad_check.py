@@ -5,7 +5,10 @@ optimizer will read (all of them in one call on CPU, whose kernel takes mixed dt
 and dtype elsewhere, as ``GradScaler``): each value is multiplied by ``inv_scale`` in place (the unit
 inverse scale when scaling is off: the values stay as they are) and ``found_inf`` becomes 1 when any
 value is inf or NaN.  What the check reads of a gradient: a DTensor's (FSDP2 shard's) local shard, a
-sparse gradient's values (a float16 one coalesced first, as ``GradScaler``).  When the flag decides a
+sparse gradient's values (a float16 one coalesced first, as ``GradScaler``).  ``read_only`` (nothing
+reads the gradients before the step: the one-pass master step's check, scaling off): on the CPU, dense
+contiguous bf16/FP32 gradients are scanned by :func:`lightning_ext.master_native.any_nonfinite` instead (the
+same flag, nothing written), where it is loaded.  When the flag decides a
 skip (``reduce``), it is all-reduced (MAX) over the process group, so every rank decides alike.
 """
 
@@ -15,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .master_native import any_nonfinite
 
 __all__ = ["UnitScales", "dense_local", "non_finite_check"]
 
@@ -46,15 +51,19 @@ class UnitScales:
 
 
 def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | None, units: UnitScales,
-                     reduce: bool) -> Tensor:
+                     reduce: bool, read_only: bool = False) -> Tensor:
     """Check (and unscale by ``inv_scale``; None: scaling off) ``optimizer``'s gradients; returns ``found_inf``,
-    a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group."""
+    a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group; ``read_only``: see
+    the module's rule."""
     param_groups = getattr(optimizer, "param_groups", None)
     params = [p for group in (param_groups if isinstance(param_groups, (list, tuple)) else ())  # a test
               for p in group["params"] if p.grad is not None]  # double has no param_groups: no grads
     grads = [p.grad for p in params]
     if not all(type(g) is Tensor and g.layout is torch.strided for g in grads):
         grads = [dense_local(p) for p in params]
+    found = any_nonfinite(grads) if read_only and inv_scale is None and device.type == "cpu" else None
+    if found is not None:
+        return _reduced(torch.full((), float(found), dtype=torch.float32, device=device), reduce)
     groups: dict[tuple[torch.device, torch.dtype | None], list[Tensor]] = {}
     if device.type == "cpu" and all(g.device == device for g in grads):
         groups[(device, None)] = grads
@@ -68,6 +77,11 @@ def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | N
             group_grads, local, inv_scale.to(dev) if inv_scale is not None else units.on(dev))
         if local is not found_inf:
             found_inf = found_inf + local.to(device)
+    return _reduced(found_inf, reduce)
+
+
+def _reduced(found_inf: Tensor, reduce: bool) -> Tensor:
+    """``found_inf``, all-reduced (MAX) over the process group when ``reduce``."""
     if reduce:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

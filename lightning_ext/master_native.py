@@ -45,7 +45,8 @@ from torch import Tensor
 
 from .kahan_native import build_library
 
-__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeAdam", "alias_grads", "native_adam", "one_pass_step"]
+__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeAdam", "alias_grads", "any_nonfinite", "native_adam",
+           "one_pass_step"]
 
 NATIVE = True
 """Step eligible masters with the native pass (False: widened gradients and torch's kernel; the same bits)."""
@@ -111,6 +112,22 @@ CLONES void adam_onepass(int64_t count, const int64_t *sizes, float *const *para
         else { span(0, mid, 0, 0, &c, p, g, m, v, w); span(mid, n, 0, 1, &c, p, g, m, v, w); }
     }
 }
+/* 1 when a value of the tensors is inf or NaN (wide: FP32, else bf16; all exponent bits set), read only */
+CLONES int32_t any_nonfinite(int64_t count, const int64_t *sizes, const void *const *data, const int32_t *wide) {
+    for (int64_t k = 0; k < count; k++) {
+        int64_t n = sizes[k];
+        if (wide[k]) {
+            const uint32_t *x = data[k]; uint32_t top = 0;
+            for (int64_t i = 0; i < n; i++) { uint32_t e = x[i] & 0x7f800000u; top = e > top ? e : top; }
+            if (top == 0x7f800000u) return 1;
+        } else {
+            const uint16_t *x = data[k]; uint16_t top = 0;
+            for (int64_t i = 0; i < n; i++) { uint16_t e = x[i] & 0x7f80u; top = e > top ? e : top; }
+            if (top == 0x7f80u) return 1;
+        }
+    }
+    return 0;
+}
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
@@ -129,7 +146,16 @@ class NativeAdam:
         self._fn = lib.adam_onepass
         self._fn.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, dbl, dbl, dbl, dbl, dbl, ctypes.c_int32, i64, i64]
         self._fn.restype = None
+        self._scan = lib.any_nonfinite
+        self._scan.argtypes, self._scan.restype = [i64, ptr, ptr, ptr], ctypes.c_int32
         self.widths = widths
+
+    def scan(self, tensors: list[Tensor]) -> bool:
+        """Whether a value of the contiguous CPU bf16/FP32 ``tensors`` is inf or NaN."""
+        count = len(tensors)
+        return bool(self._scan(count, (ctypes.c_int64 * count)(*map(Tensor.numel, tensors)),
+                               (ctypes.c_void_p * count)(*map(Tensor.data_ptr, tensors)),
+                               (ctypes.c_int32 * count)(*[t.dtype is _F32 for t in tensors])))
 
     def step(self, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
              weights: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
@@ -166,6 +192,16 @@ def native_adam() -> NativeAdam | None:
     return _loaded[0]
 
 
+def any_nonfinite(grads: list[Tensor]) -> bool | None:
+    """Whether a value of ``grads`` is inf or NaN, by the native scan (read only); None where it does not apply
+    (not loaded, or a gradient that is not a dense contiguous bf16/FP32 CPU tensor)."""
+    native = native_adam()
+    if native is None or not all(type(g) is Tensor and (g.dtype is _BF16 or g.dtype is _F32) and g.is_cpu
+                                 and g.layout is torch.strided and g.is_contiguous() for g in grads):
+        return None
+    return native.scan(grads)
+
+
 def _self_check(native: NativeAdam) -> None:
     """The pass against torch's kernels: Adam and AdamW, weight decay 0 and 0.1, beta1 0.9 and 0.3, steps 1 and
     7, every size 1..40 (each tail length) and 4099; training-like values and special ones (infinities, NaNs,
@@ -189,6 +225,9 @@ def _self_check(native: NativeAdam) -> None:
             if not (_same(wp, gp) and _same(wm, gm) and _same(wv, gv) and _same(w, wp.to(_BF16))):
                 raise RuntimeError(f"the pass differs from torch's kernel ({'AdamW' if adamw else 'Adam'}, "
                                    f"weight decay {wd}, {wp.numel()} elements)")
+        for t in (x for ts in tensors for x in ts[:2]):  # the scan: FP32 masters, bf16 gradients
+            if native.scan([t]) != bool((~t.isfinite()).any()) or native.scan([t[t.isfinite()].contiguous()]):
+                raise RuntimeError(f"the scan differs from isfinite ({t.dtype}, {t.numel()} elements)")
 
 
 def _sample(n: int, gen: torch.Generator) -> list[Tensor]:
