@@ -205,13 +205,14 @@ def any_nonfinite(grads: list[Tensor]) -> bool | None:
 def _self_check(native: NativeAdam) -> None:
     """The pass against torch's kernels: Adam and AdamW, weight decay 0 and 0.1, beta1 0.9 and 0.3, steps 1 and
     7, every size 1..40 (each tail length) and 4099; training-like values and special ones (infinities, NaNs,
-    subnormals, signed zeros, gradients that round the weight to a tie)."""
+    subnormals, signed zeros), and with lr 0 masters half of which are bf16 ties (the weight's rounding)."""
     gen = torch.Generator().manual_seed(0)
     sizes = [*range(1, 41), 4099]
-    for adamw, wd, beta1, step in ((True, 0.1, 0.9, 1), (True, 0.0, 0.3, 7), (False, 0.1, 0.3, 7),
-                                   (False, 0.0, 0.9, 1)):
-        tensors = [_sample(n, gen) for n in sizes]
-        kw = {"lr": 1e-3, "beta1": beta1, "beta2": 0.999, "weight_decay": wd, "eps": 1e-8}
+    for adamw, wd, beta1, step, lr in ((True, 0.1, 0.9, 1, 1e-3), (True, 0.0, 0.3, 7, 1e-3),
+                                       (False, 0.1, 0.3, 7, 1e-3), (False, 0.0, 0.9, 1, 1e-3),
+                                       (True, 0.0, 0.9, 3, 0.0)):
+        tensors = [_sample(n, gen, ties=not lr) for n in sizes]
+        kw = {"lr": lr, "beta1": beta1, "beta2": 0.999, "weight_decay": wd, "eps": 1e-8}
         want = [[t.clone() for t in ts[:4]] for ts in tensors]
         steps = [torch.tensor(float(step)) for _ in sizes]
         kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
@@ -230,9 +231,12 @@ def _self_check(native: NativeAdam) -> None:
                 raise RuntimeError(f"the scan differs from isfinite ({t.dtype}, {t.numel()} elements)")
 
 
-def _sample(n: int, gen: torch.Generator) -> list[Tensor]:
-    """Master, bf16 gradient, exp_avg, exp_avg_sq of ``n`` elements; every 7th of them a special value."""
+def _sample(n: int, gen: torch.Generator, ties: bool = False) -> list[Tensor]:
+    """Master, bf16 gradient, exp_avg, exp_avg_sq of ``n`` elements; every 7th of them a special value (``ties``:
+    half the masters halfway between two bf16 values)."""
     p = torch.randn(n, generator=gen)
+    if ties:
+        p.view(torch.int32)[::2] = (p.view(torch.int32)[::2] & -65536) | 0x8000
     g = (torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 3, (n,), generator=gen)).to(_BF16)
     m = torch.randn(n, generator=gen) * 1e-2
     v = torch.rand(n, generator=gen) * 1e-4
