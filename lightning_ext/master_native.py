@@ -71,23 +71,26 @@ static inline uint16_t rne(float f) {
     uint16_t r = (uint16_t)((b + (((b >> 16) & 1u) + 0x7fffu)) >> 16);
     return f != f ? (uint16_t)0xffff : r;
 }
-/* elements [lo, hi): l2 = Adam's L2 term, sv = the scalar tail's exp_avg_sq contraction */
-static inline __attribute__((always_inline)) void span(int64_t lo, int64_t hi, int l2, int sv, const coefs *c,
-        float *restrict p, const uint16_t *restrict g, float *restrict m, float *restrict v, uint16_t *restrict w) {
+/* elements [lo, hi): l2 = Adam's L2 term, sv = the scalar tail's exp_avg_sq contraction, wide = an FP32
+   gradient and no weight (an FP32 parameter), else a bf16 gradient and weight */
+static inline __attribute__((always_inline)) void span(int64_t lo, int64_t hi, int l2, int sv, int wide,
+        const coefs *c, float *restrict p, const void *restrict g, float *restrict m, float *restrict v,
+        uint16_t *restrict w) {
     const float coeff = c->coeff, b2 = c->b2, c2 = c->c2, bcs = c->bcs, eps = c->eps, nss = c->nss;
     const float decay = c->decay, wd = c->wd;
     const int small = c->small;
     for (int64_t i = lo; i < hi; i++) {
-        float gi = up(g[i]), pi = p[i], mi = m[i], vi = v[i];
+        float gi = wide ? ((const float *)g)[i] : up(((const uint16_t *)g)[i]), pi = p[i], mi = m[i], vi = v[i];
         if (l2) gi = fmaf(pi, wd, gi); else pi = pi * decay;
         mi = fmaf(coeff, gi - mi, small ? mi : gi);
         vi = sv ? fmaf(vi, b2, (c2 * gi) * gi) : fmaf(c2 * gi, gi, vi * b2);
         float den = sqrtf(vi) / bcs + eps;
         pi = pi + (nss * mi) / den;
-        p[i] = pi; m[i] = mi; v[i] = vi; w[i] = rne(pi);
+        p[i] = pi; m[i] = mi; v[i] = vi;
+        if (!wide) w[i] = rne(pi);
     }
 }
-CLONES void adam_onepass(int64_t count, const int64_t *sizes, float *const *params, const uint16_t *const *grads,
+CLONES void adam_onepass(int64_t count, const int64_t *sizes, float *const *params, const void *const *grads,
                          float *const *exp_avgs, float *const *exp_avg_sqs, uint16_t *const *weights,
                          const float *const *steps, double lr, double beta1, double beta2, double weight_decay,
                          double eps, int32_t adamw, int64_t width, int64_t tail_width) {
@@ -106,10 +109,11 @@ CLONES void adam_onepass(int64_t count, const int64_t *sizes, float *const *para
         int l2 = !adamw && weight_decay != 0;
         int64_t n = sizes[k], body = n - n % width, mid = body + (n - body) / tail_width * tail_width;
         float *p = params[k], *m = exp_avgs[k], *v = exp_avg_sqs[k];
-        const uint16_t *g = grads[k];
+        const void *g = grads[k];
         uint16_t *w = weights[k];
-        if (l2) { span(0, mid, 1, 0, &c, p, g, m, v, w); span(mid, n, 1, 1, &c, p, g, m, v, w); }
-        else { span(0, mid, 0, 0, &c, p, g, m, v, w); span(mid, n, 0, 1, &c, p, g, m, v, w); }
+#define SPANS(L2, WIDE) { span(0, mid, L2, 0, WIDE, &c, p, g, m, v, w); span(mid, n, L2, 1, WIDE, &c, p, g, m, v, w); }
+        if (l2) { if (!w) SPANS(1, 1) else SPANS(1, 0) }
+        else { if (!w) SPANS(0, 1) else SPANS(0, 0) }
     }
 }
 /* 1 when a value of the tensors is inf or NaN (wide: FP32, else bf16; all exponent bits set), read only */
@@ -139,7 +143,7 @@ _BF16, _F32 = torch.bfloat16, torch.float32
 
 class NativeAdam:
     """The loaded library's pass over lists of contiguous CPU tensors (FP32 masters and states, bf16 gradients
-    and weights, float32 step counts), for the vector widths of torch's kernel."""
+    and weights, or FP32 gradients and no weight; float32 step counts), for the vector widths of torch's kernel."""
 
     def __init__(self, lib: ctypes.CDLL, widths: tuple[int, int]) -> None:
         ptr, i64, dbl = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -158,13 +162,16 @@ class NativeAdam:
                                (ctypes.c_int32 * count)(*[t.dtype is _F32 for t in tensors])))
 
     def step(self, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-             weights: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
+             weights: list[Tensor | None], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
              weight_decay: float, eps: float, adamw: bool) -> None:
         """``torch._fused_adamw_`` (``adamw``) or ``_fused_adam_`` on ``params`` with the widened ``grads``
-        (the step counts already advanced), each result also rounded into its bf16 weight."""
+        (the step counts already advanced), each result also rounded into its bf16 weight (None: an FP32
+        gradient, no weight)."""
         count = len(params)
         pointers = ctypes.c_void_p * count
-        arrays = [pointers(*map(Tensor.data_ptr, ts)) for ts in (params, grads, exp_avgs, exp_avg_sqs, weights, steps)]
+        arrays = [pointers(*map(Tensor.data_ptr, ts)) for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+        arrays += [pointers(*[None if w is None else w.data_ptr() for w in weights]),
+                   pointers(*map(Tensor.data_ptr, steps))]
         sizes = (ctypes.c_int64 * count)(*map(Tensor.numel, params))
         self._fn(count, sizes, *arrays, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
                  int(adamw), *self.widths)
@@ -219,11 +226,11 @@ def _self_check(native: NativeAdam) -> None:
         kernel([w[0] for w in want], [w[1].float() for w in want], [w[2] for w in want], [w[3] for w in want], [],
                steps, amsgrad=False, maximize=False, **kw)
         got = [[t.clone() for t in ts[:4]] for ts in tensors]
-        weights = [torch.empty(n, dtype=_BF16) for n in sizes]
-        native.step([g[0] for g in got], [g[1] for g in got], [g[2] for g in got], [g[3] for g in got], weights,
-                    steps, adamw=adamw, **kw)
+        weights = [torch.empty(n, dtype=_BF16) if n % 3 else None for n in sizes]  # None: FP32 gradients
+        native.step([g[0] for g in got], [g[1] if w is not None else g[1].float() for g, w in zip(got, weights)],
+                    [g[2] for g in got], [g[3] for g in got], weights, steps, adamw=adamw, **kw)
         for (wp, _, wm, wv), (gp, _, gm, gv), w in zip(want, got, weights):
-            if not (_same(wp, gp) and _same(wm, gm) and _same(wv, gv) and _same(w, wp.to(_BF16))):
+            if not (_same(wp, gp) and _same(wm, gm) and _same(wv, gv) and (w is None or _same(w, wp.to(_BF16)))):
                 raise RuntimeError(f"the pass differs from torch's kernel ({'AdamW' if adamw else 'Adam'}, "
                                    f"weight decay {wd}, {wp.numel()} elements)")
         for t in (x for ts in tensors for x in ts[:2]):  # the scan: FP32 masters, bf16 gradients
@@ -350,10 +357,13 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
     if native is not None and not (amsgrad or maximize or grad_scale is not None or found_inf is not None
                                    or isinstance(lr, Tensor)):
         table, written = step
-        for i, p in enumerate(params):
-            s = state_steps[i]
-            if (id(p) in table and grads[i].dtype is _BF16 and s.dtype is _F32 and s.is_cpu
-                    and exp_avgs[i].is_contiguous() and exp_avg_sqs[i].is_contiguous()):
+        for i, p in enumerate(params):  # the registered masters (bf16 gradients) and dense FP32 parameters
+            s, g = state_steps[i], grads[i]
+            low = table.get(id(p))
+            if s.dtype is _F32 and s.is_cpu and exp_avgs[i].is_contiguous() and exp_avg_sqs[i].is_contiguous() and (
+                    g.dtype is _BF16 if low is not None else (
+                        g.dtype is _F32 and p.dtype is _F32 and type(g) is Tensor and g.layout is torch.strided
+                        and g.is_cpu and p.is_contiguous() and g.is_contiguous())):
                 mine.append(i)
             else:
                 rest.append(i)
@@ -361,12 +371,14 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
         rest = list(range(len(params)))
     if mine:
         pick = [params[i] for i in mine]
-        weights = [table[id(p)] for p in pick]
+        weights = [table.get(id(p)) for p in pick]
         native.step(pick, [grads[i] for i in mine], [exp_avgs[i] for i in mine], [exp_avg_sqs[i] for i in mine],
                     weights, [state_steps[i] for i in mine], lr=lr, beta1=beta1, beta2=beta2,
                     weight_decay=weight_decay, eps=eps, adamw=adamw)
-        torch.autograd.graph.increment_version(weights)  # as the weight copy would (torch's kernel bumps none)
-        written.update(map(id, pick))
+        lows = [w for w in weights if w is not None]
+        if lows:
+            torch.autograd.graph.increment_version(lows)  # as the weight copy would (torch's kernel bumps none)
+            written.update(id(p) for p, w in zip(pick, weights) if w is not None)
     if rest:
         lists = [[t[i] for i in rest] if t else t for t in
                  (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)]

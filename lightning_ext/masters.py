@@ -275,7 +275,8 @@ class MasterWeights:
                 for entry in entries:
                     if id(entry.master) in table:
                         entry.master.grad = None  # the bf16 gradient, spent
-                self._write_back([e for e in entries if id(e.master) not in written])
+                if len(written) < len(entries):
+                    self._write_back([e for e in entries if id(e.master) not in written])
             return
         released = []
         if self._held:  # remainders: one parameter at a time, the rebuilt master replaces remainder and weight
