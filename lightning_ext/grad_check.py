@@ -5,7 +5,10 @@ optimizer will read (all of them in one call on CPU, whose kernel takes mixed dt
 and dtype elsewhere, as ``GradScaler``): each value is multiplied by ``inv_scale`` in place (the unit
 inverse scale when scaling is off: the values stay as they are) and ``found_inf`` becomes 1 when any
 value is inf or NaN.  What the check reads of a gradient: a DTensor's (FSDP2 shard's) local shard, a
-sparse gradient's values (a float16 one coalesced first, as ``GradScaler``).  When the flag decides a
+sparse gradient's values (a float16 one coalesced first, as ``GradScaler``).  ``read_only`` (nothing
+reads the gradients before the step: the one-pass master step's check, scaling off): on the CPU, dense
+contiguous bf16/FP32 gradients are scanned by :func:`lightning_ext.master_native.any_nonfinite` instead (the
+same flag, nothing written), where it is loaded.  When the flag decides a
 skip (``reduce``), it is all-reduced (MAX) over the process group, so every rank decides alike.
 """
 
@@ -15,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .master_native import any_nonfinite
 
 __all__ = ["UnitScales", "dense_local", "non_finite_check"]
 
@@ -46,9 +51,10 @@ class UnitScales:
 
 
 def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | None, units: UnitScales,
-                     reduce: bool) -> Tensor:
+                     reduce: bool, read_only: bool = False) -> Tensor:
     """Check (and unscale by ``inv_scale``; None: scaling off) ``optimizer``'s gradients; returns ``found_inf``,
-    a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group.
+    a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group; ``read_only``: see
+    the module's rule.
 
     Runs after every backward: the common case (dense CPU gradients, one process) is one comprehension,
     one test per gradient and one kernel call; everything else takes the general grouping."""
@@ -56,15 +62,17 @@ def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | N
     if not isinstance(param_groups, (list, tuple)):  # a test double has no param_groups: no grads
         param_groups = ()
     grads = [p.grad for group in param_groups for p in group["params"] if p.grad is not None]
+    dense_cpu = all(type(g) is Tensor and g.layout is _STRIDED and g.is_cpu for g in grads)
+    found = any_nonfinite(grads) if read_only and dense_cpu and inv_scale is None and device.type == "cpu" else None
+    if found is not None:
+        return _reduced(torch.full((), float(found), dtype=torch.float32, device=device), reduce)
     found_inf = torch.zeros((), dtype=torch.float32, device=device)
-    if device.type == "cpu" and all(type(g) is Tensor and g.layout is _STRIDED and g.is_cpu for g in grads):
+    if dense_cpu and device.type == "cpu":
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale if inv_scale is not None
                                                          else units.on(device))
     else:
         _check_grouped(param_groups, device, inv_scale, units, found_inf)
-    if reduce and _distributed():
-        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
-    return found_inf
+    return _reduced(found_inf, reduce)
 
 
 _STRIDED = torch.strided
@@ -89,7 +97,11 @@ def _check_grouped(param_groups: Any, device: torch.device, inv_scale: Tensor | 
             found_inf.add_(local.to(device))
 
 
-def _distributed() -> bool:
-    """True inside an initialized process group of more than one process."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _reduced(found_inf: Tensor, reduce: bool) -> Tensor:
+    """``found_inf``, all-reduced (MAX) over the process group when ``reduce`` (inside a group of more than one
+    process)."""
+    if reduce:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+    return found_inf

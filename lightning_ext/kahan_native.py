@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .rounding_step import _kahan_chunk
 
-__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeKahan", "native_kahan"]
+__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeKahan", "build_library", "native_kahan"]
 
 NATIVE = True
 """Write Kahan segments back with the native pass (False: the eager torch passes; the same bits)."""
@@ -127,11 +127,17 @@ def native_kahan() -> NativeKahan | None:
 
 def _build() -> Path:
     """The library's path, built into the cache folder unless already there."""
+    return build_library(SOURCE, "kahan_native", _FLAGS)
+
+
+def build_library(source: str, stem: str, flags: list[str]) -> Path:
+    """The shared library of C ``source`` built with ``flags``: ``<stem>-<hash>.so`` in the cache folder (a
+    private temporary one if that is not writable), built unless already there."""
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found)")
-    digest = hashlib.sha256("\0".join([SOURCE, cc, platform.machine(), *_FLAGS]).encode()).hexdigest()[:16]
-    name = f"kahan_native-{digest}.so"
+    digest = hashlib.sha256("\0".join([source, cc, platform.machine(), *flags]).encode()).hexdigest()[:16]
+    name = f"{stem}-{digest}.so"
     for folder in (_cache_folder(), None):
         if folder is not None and (folder / name).is_file():
             return folder / name
@@ -141,9 +147,9 @@ def _build() -> Path:
                 atexit.register(shutil.rmtree, folder, True)
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                src, out = Path(tmp) / "kahan_native.c", Path(tmp) / name
-                src.write_text(SOURCE)
-                done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
+                src, out = Path(tmp) / f"{stem}.c", Path(tmp) / name
+                src.write_text(source)
+                done = subprocess.run([cc, *flags, str(src), "-o", str(out)], capture_output=True, text=True,
                                       timeout=_BUILD_SECONDS)
                 if done.returncode != 0:
                     raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")

@@ -47,6 +47,7 @@ from torch.optim import Optimizer
 from mp_callbacks.settings import StateDictError
 
 from .fused_step import fused_implementation
+from .master_native import alias_grads, one_pass_step
 from .remainders import join_into, joined, split_into
 
 __all__ = ["MasterEntry", "MasterWeights"]
@@ -87,6 +88,7 @@ class MasterWeights:
         self._by_optimizer: dict[int, tuple[Any, list[MasterEntry]]] = {}
         self._originals: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] | None = None
+        self._one_pass: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> its one-pass step's masters (aliased)
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -211,8 +213,10 @@ class MasterWeights:
         reuse_dst, reuse_src = [], []
         for _, low, master in entries:
             if low.grad is None:
+                if master.grad is not None and master.grad.dtype != torch.float32:  # a one-pass step's, not taken
+                    master.grad = master.grad.float()
                 continue
-            if master.grad is None or master.grad.shape != master.shape:
+            if master.grad is None or master.grad.shape != master.shape or master.grad.dtype != torch.float32:
                 master.grad = low.grad.to(torch.float32)
             else:
                 reuse_dst.append(master.grad)
@@ -232,10 +236,19 @@ class MasterWeights:
             with torch.no_grad():
                 torch._foreach_copy_(lows, masters)
 
-    def collect_grads(self, optimizer: Optimizer) -> None:
-        """Before the overflow check: ``optimizer``'s low-precision gradients become its masters' FP32 ones."""
-        if self._entries:
-            self.grads_to_masters(self.for_optimizer(optimizer))
+    def collect_grads(self, optimizer: Optimizer, one_pass: bool = False) -> None:
+        """Before the overflow check: ``optimizer``'s low-precision gradients become its masters' FP32 ones;
+        with ``one_pass`` (the caller knows nothing reads or changes them before the step) the masters hold
+        the bf16 gradients themselves where the step can be one native pass (:mod:`lightning_ext.master_native`)."""
+        if not self._entries:
+            return
+        entries = self.for_optimizer(optimizer)
+        self._one_pass.pop(id(optimizer), None)
+        table = alias_grads(optimizer, entries, self.fused_step) if one_pass and not self.remainders else None
+        if table is not None:
+            self._one_pass[id(optimizer)] = table
+        else:
+            self.grads_to_masters(entries)
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` on the masters, then the weights rounded from them (:meth:`updating`)."""
@@ -248,9 +261,23 @@ class MasterWeights:
     def updating(self, optimizer: Optimizer) -> Iterator[None]:
         """Around ``optimizer.step()``: release the weights, then drop spent grads and rebuild the weights.
 
-        The weights come back from the masters also when the step raises.
+        The weights come back from the masters also when the step raises.  A one-pass step
+        (:meth:`collect_grads`) keeps the weights (it writes them) and writes back only what it did not write.
         """
         entries = self.for_optimizer(optimizer)
+        table = self._one_pass.pop(id(optimizer), None)
+        if table is not None:
+            written: set[int] = set()
+            try:
+                with one_pass_step(optimizer, table) as written:
+                    yield
+            finally:
+                for entry in entries:
+                    if id(entry.master) in table:
+                        entry.master.grad = None  # the bf16 gradient, spent
+                if len(written) < len(entries):
+                    self._write_back([e for e in entries if id(e.master) not in written])
+            return
         released = []
         if self._held:  # remainders: one parameter at a time, the rebuilt master replaces remainder and weight
             for entry in entries:

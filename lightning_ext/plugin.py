@@ -16,6 +16,8 @@ scaler unscales (grads move to the masters first) and checks; hooks and
 clipping see unscaled FP32 gradients; the scaler steps the optimizer unless the
 gradients are not finite (a skipped step changes no parameter, master,
 optimizer state, step count or step-interval schedule), then updates the scale.
+Where nothing reads the gradients between the unscale and the step (:func:`nothing_reads_grads`),
+``bf16-master`` may step in one native pass over the bf16 gradients (:mod:`lightning_ext.master_native`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
@@ -34,11 +38,11 @@ from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, masters_as_weights
 from .distributed import register_comm_hook
 from .external_scaler import ExternalScaler, optimizer_unscales_in_step
 from .fabric import MixedPrecision as FabricMixedPrecision
-from .scaler import unwrap_optimizer
+from .scaler import TorchLossScaler, unwrap_optimizer
 from .scheduler_hold import SchedulerHold
 from .support import check_optimizer, is_sharded
 
-__all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
+__all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "nothing_reads_grads"]
 
 
 class MixedPrecision(Precision, FabricMixedPrecision):
@@ -109,7 +113,7 @@ class MixedPrecision(Precision, FabricMixedPrecision):
             if self.forward_state is not None:
                 self.forward_state.end(False)
             return None
-        found_inf = self.loss_scaler.unscale_once(raw)
+        found_inf = self.loss_scaler.unscale_once(raw, one_pass=nothing_reads_grads(self, model))
         if self.fp8 is not None:  # a non-finite FP8 amax skips the step like an overflow
             self.fp8.before_step(found_inf)
         self._after_closure(model, raw)
@@ -161,3 +165,33 @@ class MixedPrecision(Precision, FabricMixedPrecision):
         """Remove the op-policy hooks and the LR-scheduler hold; keep masters and scaler state."""
         super().teardown()
         self._hold.remove()
+
+
+def nothing_reads_grads(plugin: MixedPrecision, model: Any) -> bool:
+    """Whether nothing reads or changes the unscaled (master) gradients between the unscale and the step: FP32
+    masters, the plugin's own scaler and no monitor or FP8; automatic optimization; no clipping (no
+    ``gradient_clip_val``, ``configure_gradient_clipping`` not overridden); ``on_before_optimizer_step``
+    overridden by neither the module nor a callback."""
+    if plugin.masters is None or plugin.fp8 is not None or not isinstance(plugin.loss_scaler, TorchLossScaler):
+        return False
+    if getattr(plugin.loss_scaler, "monitor", None) is not None or not isinstance(model, pl.LightningModule):
+        return False
+    trainer = model._trainer
+    if trainer is None or not model.automatic_optimization or trainer.gradient_clip_val:
+        return False
+    if _overrides(model, "configure_gradient_clipping") or _overrides(model, "on_before_optimizer_step"):
+        return False
+    return not any(_overrides(cb, "on_before_optimizer_step") for cb in trainer.callbacks)
+
+
+_OVERRIDES: dict[tuple[type, str], bool] = {}  # (class, hook) -> Lightning's is_overridden (asked once per class)
+
+
+def _overrides(obj: Any, hook: str) -> bool:
+    """Whether ``obj`` (a LightningModule or Callback) overrides ``hook``, on its class or on itself."""
+    key = (type(obj), hook)
+    found = _OVERRIDES.get(key)
+    if found is None:
+        parent = pl.LightningModule if isinstance(obj, pl.LightningModule) else pl.Callback
+        found = _OVERRIDES[key] = is_overridden(hook, obj, parent)
+    return found or hook in getattr(obj, "__dict__", {})

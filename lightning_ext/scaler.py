@@ -266,20 +266,21 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         return self.unscale_once(raw)
 
-    def unscale_once(self, optimizer: Any) -> Tensor:
-        """:meth:`unscale_`, or the earlier result when this optimizer is unscaled already (the plugin's path)."""
+    def unscale_once(self, optimizer: Any, one_pass: bool = False) -> Tensor:
+        """:meth:`unscale_`, or the earlier result when this optimizer is unscaled already (the plugin's path).
+        ``one_pass``: nothing reads the gradients before the step (:meth:`MasterWeights.collect_grads`)."""
         raw = unwrap_optimizer(optimizer)
         stage, found = self._stages.get(id(raw), (OptState.READY, None))
         if stage is OptState.UNSCALED and found is not None:
             return found
-        device = self._mirror.on_device
+        device, one_pass = self._mirror.on_device, one_pass and not self.config.enabled
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # torch.no_grad() without its context object (once per step)
         try:
             if self.store is not None:
-                self.store.collect_grads(raw)
+                self.store.collect_grads(raw, one_pass=one_pass)
             if self.checks_overflow:
-                found = self._check_and_unscale(raw, device)
+                found = self._check_and_unscale(raw, device, one_pass)
             else:
                 found = torch.zeros((), dtype=torch.float32, device=device)
         finally:
@@ -379,10 +380,10 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self._skips.pop(id(raw), None)
         self._last_applied[id(raw)] = self._latest_applied = False
 
-    def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:
+    def _check_and_unscale(self, optimizer: Optimizer, device: torch.device, read_only: bool = False) -> Tensor:
         """:func:`~lightning_ext.grad_check.non_finite_check` with this step's inverse scale."""
         inv_scale = self._mirror.inverse(self.grad_scale) if self.config.enabled else None
-        return non_finite_check(optimizer, device, inv_scale, self._units, reduce=self.config.can_skip)
+        return non_finite_check(optimizer, device, inv_scale, self._units, self.config.can_skip, read_only)
 
     # -------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -4,14 +4,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_ext import MixedPrecision
+from lightning_ext import MixedPrecision, master_native
 from lightning_ext.fused_step import fusable_groups, fused_implementation
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts calls of torch's fused AdamW/Adam/SGD kernels."""
+    """Counts calls of torch's fused AdamW/Adam/SGD kernels (the widened path: the one-pass step, which
+    takes the kernel's place, is off; tests/lightning/test_master_native.py covers it)."""
+    monkeypatch.setattr(master_native, "NATIVE", False)
     calls = []
     for name in ("_fused_adamw_", "_fused_adam_", "_fused_sgd_"):
         original = getattr(torch, name)

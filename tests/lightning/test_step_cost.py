@@ -5,7 +5,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_ext import MixedPrecision, MixedPrecisionMonitor
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor, master_native
 from mp_callbacks.app.lightning_runner import state_bytes
 from mp_callbacks.memory.estimate import bytes_per_param
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
@@ -32,15 +32,22 @@ def every_finite_check(monkeypatch):
 
 @pytest.fixture
 def check_calls(monkeypatch):
-    """Counts calls of torch's fused non-finite check (what the plugin uses to look at gradients)."""
+    """Counts calls of torch's fused non-finite check and of the one-pass step's native scan (what the plugin
+    uses to look at gradients)."""
     calls = []
-    original = torch._amp_foreach_non_finite_check_and_unscale_
+    original, scan = torch._amp_foreach_non_finite_check_and_unscale_, master_native.NativeAdam.scan
+    master_native.native_adam()  # loaded (and checked) before counting
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
+    def scanning(*args, **kwargs):
+        calls.append(1)
+        return scan(*args, **kwargs)
+
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", counting)
+    monkeypatch.setattr(master_native.NativeAdam, "scan", scanning)
     return calls
 
 
@@ -129,7 +136,13 @@ def _adamw_model():
     return TinyRegressor(optimizer="adamw", dim=32, hidden=64)
 
 
-def test_master_weights_are_released_during_the_step_and_rebuilt():
+@pytest.fixture
+def widened(monkeypatch):
+    """The widened path (FP32 master gradients): the one-pass step off (test_master_native.py holds its bytes)."""
+    monkeypatch.setattr(master_native, "NATIVE", False)
+
+
+def test_master_weights_are_released_during_the_step_and_rebuilt(widened):
     plugin = MixedPrecision("bf16-master")
     model, watch = _adamw_model(), _Watch()
     pl.Trainer(plugins=[plugin], callbacks=[watch], max_steps=4, **trainer_kwargs()).fit(model, loader(dim=32))
@@ -143,7 +156,7 @@ def test_master_weights_are_released_during_the_step_and_rebuilt():
     assert watch.state[-1] == 16 * n
 
 
-def test_releasing_can_be_turned_off():
+def test_releasing_can_be_turned_off(widened):
     plugin = MixedPrecision("bf16-master", free_weights_during_step=False)
     model, watch = _adamw_model(), _Watch()
     pl.Trainer(plugins=[plugin], callbacks=[watch], max_steps=2, **trainer_kwargs()).fit(model, loader(dim=32))
@@ -186,7 +199,7 @@ def test_runner_takes_an_optimizer_factory():
     assert isinstance(module.configure_optimizers(), torch.optim.SGD)
 
 
-def test_bytes_at_the_end_of_backward_and_after_the_grad_copy():
+def test_bytes_at_the_end_of_backward_and_after_the_grad_copy(widened):
     """bf16-master + AdamW: 16 B/param at the end of the backward (bf16 weights and grads, FP32 masters and
     m, v), 18 right after the grads move onto the masters (FP32 grads while the bf16 weights are still held:
     the estimator's figure with the weights kept), 16 inside the step (weights released)."""
