@@ -113,7 +113,10 @@ class MixedPrecision(Precision, FabricMixedPrecision):
             if self.forward_state is not None:
                 self.forward_state.end(False)
             return None
-        found_inf = self.loss_scaler.unscale_once(raw, one_pass=nothing_reads_grads(self, model))
+        if nothing_reads_grads(self, model):  # the plugin's own scaler only
+            found_inf = self.loss_scaler.unscale_once(raw, one_pass=True)
+        else:
+            found_inf = self.loss_scaler.unscale_once(raw)
         if self.fp8 is not None:  # a non-finite FP8 amax skips the step like an overflow
             self.fp8.before_step(found_inf)
         self._after_closure(model, raw)
