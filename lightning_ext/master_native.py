@@ -1,34 +1,37 @@
 """``bf16-master``'s AdamW/Adam step as one native pass per parameter (CPU, bf16 weights): the same bits.
 
-The common path (:mod:`lightning_ext.masters`) widens each bf16 gradient into an FP32 master gradient
+The widened path (:mod:`lightning_ext.masters`) copies each bf16 gradient into an FP32 master gradient
 (2 B read, 4 written per parameter), checks it, steps the masters with torch's fused kernel (16 read,
-12 written) and rounds the masters into the weights (4 read, 2 written).  Here, in the common case, the
-master's ``.grad`` *is* the bf16 gradient (``grad_dtype=None`` lets an FP32 parameter hold one), the
-non-finite check reads it in bf16, and during ``optimizer.step()`` torch's ``_fused_adamw_``/``_fused_adam_``
-runs the masters with a bf16 gradient through :data:`SOURCE`: one loop that reads the gradient, master,
-``exp_avg`` and ``exp_avg_sq`` and writes the last three and the bf16 weight (rounded to nearest-even,
-as ``_foreach_copy_``): 14 B read, 14 written.  The user's ``optimizer.step()`` still runs (hooks, state
-creation, step counts, LR schedulers are torch's); only the kernel call is taken over, for the parameters
-registered by :func:`alias_grads` (others, and every call outside such a step, go to torch's kernel).
+12 written) and rounds the masters into the weights (4 read, 2 written).  The one-pass step: the master's
+``.grad`` *is* the bf16 gradient (``grad_dtype=None`` lets an FP32 parameter hold one), the non-finite
+check is a read-only scan of it (:func:`any_nonfinite`, 2 B read), and inside ``optimizer.step()`` the
+call of torch's ``_fused_adamw_``/``_fused_adam_`` runs :data:`SOURCE` instead: one loop that reads the
+gradient, master, ``exp_avg`` and ``exp_avg_sq`` and writes the last three and the bf16 weight (rounded to
+nearest-even as ``_foreach_copy_``, NaN as 0xffff): 14 B read, 14 written.  The FP32 parameters of that call
+(the policy's FP32 modules) take the same loop with their FP32 gradients.  The user's ``optimizer.step()``
+still runs (hooks, state creation, step counts, LR schedulers are torch's); what the pass cannot take
+(another thread's call, a stale bf16 gradient) goes to torch's kernel, a bf16 gradient widened first.
 
-The loop is torch 2.13's CPU kernel operation for operation (``FusedAdamKernel.cpp``, FP32): its vector
-body (explicit FMAs where it calls ``vec::fmadd``, and those GCC contracted: ``exp_avg_sq`` is
-``fma(c2*g, g, v*b2)``, Adam's L2 term ``fma(p, wd, g)``) for the elements of whole vectors, then its
-scalar tail as GCC built it (``tail_width``-wide chunks vectorized, the rest contracted as
-``fma(v, b2, (c2*g)*g)``); ``-ffp-contract=off`` everywhere else.  Every finite, infinite or zero result
-has torch's bits (a NaN stays a NaN).  When loaded, the pass is checked bit for bit against torch's kernel
-(Adam and AdamW, with and without weight decay, every tail length, special values).
+The loop is torch 2.13's CPU kernel (``FusedAdamKernel.cpp``, FP32) operation for operation: its vector
+body for whole vectors (``width`` floats: FMAs where it calls ``vec::fmadd`` and where GCC contracted,
+``exp_avg_sq = fma(c2*g, g, v*b2)`` and Adam's L2 term ``fma(p, wd, g)``), then its scalar tail as GCC
+built it (``tail_width``-float chunks vectorized alike, the rest with ``fma(v, b2, (c2*g)*g)``);
+``-ffp-contract=off`` elsewhere.  Every finite, infinite or zero result has torch's bits (a NaN master
+stays a NaN; its payload may differ, as between torch's vector and scalar loops).  On load the pass is
+checked against torch's kernel (Adam and AdamW, weight decay on and off, both lerp branches, every tail
+length, special values, bf16 ties) and the scan against ``isfinite``; a mismatch, no compiler or a failed
+build: one warning, and the widened path.  The writes bypass torch: the weights' version counters are
+bumped (torch's kernel bumps none of the masters' and states').
 
-The rule: :func:`alias_grads` makes the step one pass only when nothing can read or change the FP32
-master gradients before it and the pass is torch's kernel: the caller allows it (the Trainer plugin's
-automatic optimization with no clipping, no ``on_before_optimizer_step`` override, no monitor, no FP8,
-loss scaling off), no remainders, an exact ``Adam``/``AdamW`` whose every group runs fused (``fused=True``,
-or left to torch with the fused step on) without ``amsgrad``/``maximize``/``capturable``/``differentiable``
-or tensor hyperparameters, every stepped master on the CPU with a contiguous bf16 weight and gradient,
-:data:`NATIVE` on, at most :data:`MAX_THREADS` intra-op threads, torch's CPU kernel built for AVX2 or
-AVX-512 (whose vector width the pass follows), the library built, loaded and checked.  Otherwise the
-gradients are widened as before.  The weights are not released during such a step (it writes them):
-16 B/param held, as the common path's.
+The rule: the step is one pass only when nothing reads or changes the master gradients before it and
+the pass is torch's kernel: the caller allows it (:func:`lightning_ext.plugin.nothing_reads_grads`: the
+Trainer's automatic optimization, no clipping, no ``on_before_optimizer_step`` override, no monitor, no
+FP8; loss scaling off), no remainders, an exact ``Adam``/``AdamW`` whose every group runs fused
+(``fused=True``, or left to torch with the fused step on) without ``amsgrad``/``maximize``/``capturable``/
+``differentiable`` or tensor hyperparameters, every master stepped on the CPU with a contiguous bf16 weight
+and gradient, :data:`NATIVE` on, at most :data:`MAX_THREADS` intra-op threads, torch's CPU kernels built
+for AVX2 or AVX-512, the library loaded (:func:`alias_grads`).  Otherwise the gradients are widened.  The
+weights are kept during a one-pass step (it writes them): 16 B/param held, as on the widened path.
 """
 
 from __future__ import annotations
@@ -370,11 +373,11 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
     else:
         rest = list(range(len(params)))
     if mine:
-        pick = [params[i] for i in mine]
+        lists = (params, grads, exp_avgs, exp_avg_sqs, state_steps)
+        pick, g, m, v, s = lists if not rest else [[t[i] for i in mine] for t in lists]
         weights = [table.get(id(p)) for p in pick]
-        native.step(pick, [grads[i] for i in mine], [exp_avgs[i] for i in mine], [exp_avg_sqs[i] for i in mine],
-                    weights, [state_steps[i] for i in mine], lr=lr, beta1=beta1, beta2=beta2,
-                    weight_decay=weight_decay, eps=eps, adamw=adamw)
+        native.step(pick, g, m, v, weights, s, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                    adamw=adamw)
         lows = [w for w in weights if w is not None]
         if lows:
             torch.autograd.graph.increment_version(lows)  # as the weight copy would (torch's kernel bumps none)

@@ -17,7 +17,8 @@ their own master.  :class:`MasterWeights` is that rule in torch:
   torch's fused kernel where the user left the implementation to torch
   (:mod:`lightning_ext.fused_step`; ``fused_step=False`` keeps torch's default),
   the spent FP32 gradients are dropped after it, and the weights are rebuilt
-  from the masters, also when the step raises;
+  from the masters, also when the step raises (a one-pass step, :mod:`lightning_ext.master_native`,
+  keeps the bf16 gradients on the masters and writes the weights itself);
 * :meth:`state_dict` / :meth:`load_state_dict`: ``{parameter name: master}``.
 
 ``remainders=True`` (``master_remainders``, :mod:`mp_callbacks.remainders`): between steps
