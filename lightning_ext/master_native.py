@@ -270,7 +270,7 @@ def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> dict[in
     """When ``optimizer``'s next step can be one pass (the module docstring's rule, the caller's part aside):
     each master's ``.grad`` becomes its bf16 gradient (the weight's ``.grad`` is released) and the answer is
     ``{id(master): bf16 weight}`` for :func:`one_pass_step`; else None and nothing changes."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or native_adam() is None:
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return None
     for group in optimizer.param_groups:
         if group.get("amsgrad") or group.get("maximize") or group.get("capturable") or group.get("differentiable"):
@@ -294,6 +294,8 @@ def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> dict[in
                 and low.is_contiguous() and master.is_contiguous()):
             return None
         stepped.append((low, master, grad))
+    if native_adam() is None:  # asked last: nothing is built where the pass could not apply
+        return None
     table = {}
     for low, master, grad in stepped:
         if master.grad is not None:

@@ -237,19 +237,20 @@ class MasterWeights:
             with torch.no_grad():
                 torch._foreach_copy_(lows, masters)
 
-    def collect_grads(self, optimizer: Optimizer, one_pass: bool = False) -> None:
-        """Before the overflow check: ``optimizer``'s low-precision gradients become its masters' FP32 ones;
-        with ``one_pass`` (the caller knows nothing reads or changes them before the step) the masters hold
-        the bf16 gradients themselves where the step can be one native pass (:mod:`lightning_ext.master_native`)."""
+    def collect_grads(self, optimizer: Optimizer, one_pass: bool = False) -> bool:
+        """Before the overflow check: ``optimizer``'s low-precision gradients become its masters' FP32 ones; with
+        ``one_pass`` (nothing reads them before the step) the masters hold the bf16 gradients where the step can
+        be one native pass (:mod:`lightning_ext.master_native`).  Returns whether they do."""
         if not self._entries:
-            return
+            return False
         entries = self.for_optimizer(optimizer)
         self._one_pass.pop(id(optimizer), None)
         table = alias_grads(optimizer, entries, self.fused_step) if one_pass and not self.remainders else None
-        if table is not None:
-            self._one_pass[id(optimizer)] = table
-        else:
+        if table is None:
             self.grads_to_masters(entries)
+            return False
+        self._one_pass[id(optimizer)] = table
+        return True
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` on the masters, then the weights rounded from them (:meth:`updating`)."""

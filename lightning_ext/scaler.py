@@ -276,9 +276,9 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         device, one_pass = self._mirror.on_device, one_pass and not self.config.enabled
         with torch.no_grad():
             if self.store is not None:
-                self.store.collect_grads(raw, one_pass=one_pass)
+                one_pass = self.store.collect_grads(raw, one_pass=one_pass)  # whether the step is one pass
             if self.checks_overflow:
-                found = self._check_and_unscale(raw, device, one_pass)
+                found = self._check_and_unscale(raw, device, bool(one_pass))
             else:
                 found = torch.zeros((), dtype=torch.float32, device=device)
         self._stages[id(raw)] = (OptState.UNSCALED, found)
