@@ -40,7 +40,9 @@ import contextlib
 import ctypes
 import threading
 import warnings
+from array import array
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import torch
@@ -93,10 +95,15 @@ static inline __attribute__((always_inline)) void span(int64_t lo, int64_t hi, i
         if (!wide) w[i] = rne(pi);
     }
 }
-CLONES void adam_onepass(int64_t count, const int64_t *sizes, float *const *params, const void *const *grads,
-                         float *const *exp_avgs, float *const *exp_avg_sqs, uint16_t *const *weights,
-                         const float *const *steps, double lr, double beta1, double beta2, double weight_decay,
-                         double eps, int32_t adamw, int64_t width, int64_t tail_width) {
+/* ptrs: count params, then count grads, exp_avgs, exp_avg_sqs, weights (NULL: FP32 gradient) and steps */
+CLONES void adam_onepass(int64_t count, const int64_t *sizes, void *const *ptrs, double lr, double beta1,
+                         double beta2, double weight_decay, double eps, int32_t adamw, int64_t width,
+                         int64_t tail_width) {
+    float *const *params = (float *const *)ptrs, *const *exp_avgs = (float *const *)(ptrs + 2 * count);
+    float *const *exp_avg_sqs = (float *const *)(ptrs + 3 * count);
+    const void *const *grads = (const void *const *)(ptrs + count);
+    uint16_t *const *weights = (uint16_t *const *)(ptrs + 4 * count);
+    const float *const *steps = (const float *const *)(ptrs + 5 * count);
     for (int64_t k = 0; k < count; k++) {
         double step = (double)*steps[k];
         double bias_correction1 = 1 - pow(beta1, step), bias_correction2 = 1 - pow(beta2, step);
@@ -151,7 +158,7 @@ class NativeAdam:
     def __init__(self, lib: ctypes.CDLL, widths: tuple[int, int]) -> None:
         ptr, i64, dbl = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
         self._fn = lib.adam_onepass
-        self._fn.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, dbl, dbl, dbl, dbl, dbl, ctypes.c_int32, i64, i64]
+        self._fn.argtypes = [i64, ptr, ptr, dbl, dbl, dbl, dbl, dbl, ctypes.c_int32, i64, i64]
         self._fn.restype = None
         self._scan = lib.any_nonfinite
         self._scan.argtypes, self._scan.restype = [i64, ptr, ptr, ptr], ctypes.c_int32
@@ -159,10 +166,9 @@ class NativeAdam:
 
     def scan(self, tensors: list[Tensor]) -> bool:
         """Whether a value of the contiguous CPU bf16/FP32 ``tensors`` is inf or NaN."""
-        count = len(tensors)
-        return bool(self._scan(count, (ctypes.c_int64 * count)(*map(Tensor.numel, tensors)),
-                               (ctypes.c_void_p * count)(*map(Tensor.data_ptr, tensors)),
-                               (ctypes.c_int32 * count)(*[t.dtype is _F32 for t in tensors])))
+        sizes, ptrs = array("q", map(Tensor.numel, tensors)), array("q", map(Tensor.data_ptr, tensors))
+        wide = array("i", [t.dtype is _F32 for t in tensors])
+        return bool(self._scan(len(tensors), sizes.buffer_info()[0], ptrs.buffer_info()[0], wide.buffer_info()[0]))
 
     def step(self, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
              weights: list[Tensor | None], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
@@ -170,14 +176,12 @@ class NativeAdam:
         """``torch._fused_adamw_`` (``adamw``) or ``_fused_adam_`` on ``params`` with the widened ``grads``
         (the step counts already advanced), each result also rounded into its bf16 weight (None: an FP32
         gradient, no weight)."""
-        count = len(params)
-        pointers = ctypes.c_void_p * count
-        arrays = [pointers(*map(Tensor.data_ptr, ts)) for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-        arrays += [pointers(*[None if w is None else w.data_ptr() for w in weights]),
-                   pointers(*map(Tensor.data_ptr, steps))]
-        sizes = (ctypes.c_int64 * count)(*map(Tensor.numel, params))
-        self._fn(count, sizes, *arrays, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
-                 int(adamw), *self.widths)
+        ptr = Tensor.data_ptr
+        ptrs = array("q", chain(map(ptr, params), map(ptr, grads), map(ptr, exp_avgs), map(ptr, exp_avg_sqs),
+                                [0 if w is None else w.data_ptr() for w in weights], map(ptr, steps)))
+        sizes = array("q", map(Tensor.numel, params))
+        self._fn(len(params), sizes.buffer_info()[0], ptrs.buffer_info()[0], float(lr), float(beta1), float(beta2),
+                 float(weight_decay), float(eps), int(adamw), *self.widths)
 
 
 def native_adam() -> NativeAdam | None:
@@ -266,10 +270,10 @@ def _same(a: Tensor, b: Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------- the step
-def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> dict[int, Tensor] | None:
+def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> tuple[dict[int, Tensor], list[Tensor]] | None:
     """When ``optimizer``'s next step can be one pass (the module docstring's rule, the caller's part aside):
     each master's ``.grad`` becomes its bf16 gradient (the weight's ``.grad`` is released) and the answer is
-    ``{id(master): bf16 weight}`` for :func:`one_pass_step`; else None and nothing changes."""
+    ``{id(master): bf16 weight}`` for :func:`one_pass_step` and those masters; else None, nothing changed."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return None
     for group in optimizer.param_groups:
@@ -290,13 +294,13 @@ def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> dict[in
         if grad is None:
             continue
         if not (grad.dtype is _BF16 and low.dtype is _BF16 and master.dtype is _F32 and type(grad) is Tensor
-                and grad.layout is torch.strided and grad.shape == master.shape and grad.is_contiguous()
-                and low.is_contiguous() and master.is_contiguous()):
+                and grad.layout is torch.strided and grad.is_contiguous() and low.is_contiguous()
+                and master.is_contiguous()):  # a gradient of another shape: the setter below raises
             return None
         stepped.append((low, master, grad))
     if native_adam() is None:  # asked last: nothing is built where the pass could not apply
         return None
-    table = {}
+    table, masters = {}, []
     for low, master, grad in stepped:
         if master.grad is not None:
             master.grad = None
@@ -305,14 +309,15 @@ def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> dict[in
         master.grad = grad
         low.grad = None
         table[id(master)] = low
-    return table
+        masters.append(master)
+    return table, masters
 
 
 @contextlib.contextmanager
 def one_pass_step(optimizer: Any, table: dict[int, Tensor]) -> Iterator[set[int]]:
     """Around ``optimizer.step()``: its groups fused (those left to torch, restored after), and torch's
     ``_fused_adamw_``/``_fused_adam_`` calls of this thread run the masters of ``table`` (from
-    :func:`alias_grads`) in one native pass; yields the ids of the masters written (their weights too)."""
+    :func:`alias_grads`) in one native pass; yields the ids of the weights written (with their masters)."""
     groups = [g for g in optimizer.param_groups if g.get("fused", False) is None]
     for group in groups:
         group["fused"] = True
@@ -362,14 +367,15 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
     if native is not None and not (amsgrad or maximize or grad_scale is not None or found_inf is not None
                                    or isinstance(lr, Tensor)):
         table, written = step
+        weights: list[Tensor | None] = []
         for i, p in enumerate(params):  # the registered masters (bf16 gradients) and dense FP32 parameters
-            s, g = state_steps[i], grads[i]
-            low = table.get(id(p))
-            if s.dtype is _F32 and s.is_cpu and exp_avgs[i].is_contiguous() and exp_avg_sqs[i].is_contiguous() and (
-                    g.dtype is _BF16 if low is not None else (
-                        g.dtype is _F32 and p.dtype is _F32 and type(g) is Tensor and g.layout is torch.strided
-                        and g.is_cpu and p.is_contiguous() and g.is_contiguous())):
+            g, low = grads[i], table.get(id(p))
+            if (g.dtype is _BF16 if low is not None else (
+                    g.dtype is _F32 and p.dtype is _F32 and type(g) is Tensor and g.layout is torch.strided
+                    and g.is_cpu and p.is_contiguous() and g.is_contiguous())) and (
+                    state_steps[i].dtype is _F32 and exp_avgs[i].is_contiguous() and exp_avg_sqs[i].is_contiguous()):
                 mine.append(i)
+                weights.append(low)
             else:
                 rest.append(i)
     else:
@@ -377,13 +383,12 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
     if mine:
         lists = (params, grads, exp_avgs, exp_avg_sqs, state_steps)
         pick, g, m, v, s = lists if not rest else [[t[i] for i in mine] for t in lists]
-        weights = [table.get(id(p)) for p in pick]
         native.step(pick, g, m, v, weights, s, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                     adamw=adamw)
         lows = [w for w in weights if w is not None]
         if lows:
             torch.autograd.graph.increment_version(lows)  # as the weight copy would (torch's kernel bumps none)
-            written.update(id(p) for p, w in zip(pick, weights) if w is not None)
+            written.update(map(id, lows))
     if rest:
         lists = [[t[i] for i in rest] if t else t for t in
                  (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)]

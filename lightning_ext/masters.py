@@ -89,7 +89,7 @@ class MasterWeights:
         self._by_optimizer: dict[int, tuple[Any, list[MasterEntry]]] = {}
         self._originals: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] | None = None
-        self._one_pass: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> its one-pass step's masters (aliased)
+        self._one_pass: dict[int, Any] = {}  # id(optimizer) -> its one-pass step's masters (alias_grads)
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -245,11 +245,11 @@ class MasterWeights:
             return False
         entries = self.for_optimizer(optimizer)
         self._one_pass.pop(id(optimizer), None)
-        table = alias_grads(optimizer, entries, self.fused_step) if one_pass and not self.remainders else None
-        if table is None:
+        aliased = alias_grads(optimizer, entries, self.fused_step) if one_pass and not self.remainders else None
+        if aliased is None:
             self.grads_to_masters(entries)
             return False
-        self._one_pass[id(optimizer)] = table
+        self._one_pass[id(optimizer)] = aliased
         return True
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -267,18 +267,17 @@ class MasterWeights:
         (:meth:`collect_grads`) keeps the weights (it writes them) and writes back only what it did not write.
         """
         entries = self.for_optimizer(optimizer)
-        table = self._one_pass.pop(id(optimizer), None)
-        if table is not None:
+        aliased = self._one_pass.pop(id(optimizer), None)
+        if aliased is not None:
             written: set[int] = set()
             try:
-                with one_pass_step(optimizer, table) as written:
+                with one_pass_step(optimizer, aliased[0]) as written:
                     yield
             finally:
-                for entry in entries:
-                    if id(entry.master) in table:
-                        entry.master.grad = None  # the bf16 gradient, spent
+                for master in aliased[1]:
+                    master.grad = None  # the bf16 gradient, spent
                 if len(written) < len(entries):
-                    self._write_back([e for e in entries if id(e.master) not in written])
+                    self._write_back([e for e in entries if id(e.low) not in written])
             return
         released = []
         if self._held:  # remainders: one parameter at a time, the rebuilt master replaces remainder and weight
