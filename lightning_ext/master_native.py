@@ -9,8 +9,9 @@ call of torch's ``_fused_adamw_``/``_fused_adam_`` runs :data:`SOURCE` instead: 
 gradient, master, ``exp_avg`` and ``exp_avg_sq`` and writes the last three and the bf16 weight (rounded to
 nearest-even as ``_foreach_copy_``, NaN as 0xffff): 14 B read, 14 written.  The FP32 parameters of that call
 (the policy's FP32 modules) take the same loop with their FP32 gradients.  The user's ``optimizer.step()``
-still runs (hooks, state creation, step counts, LR schedulers are torch's); what the pass cannot take
-(another thread's call, a stale bf16 gradient) goes to torch's kernel, a bf16 gradient widened first.
+still runs (hooks, state creation, step counts, LR schedulers are torch's; a step hook sees the masters'
+gradients in bf16, the same values); what the pass cannot take (another thread's call, a stale bf16
+gradient) goes to torch's kernel, a bf16 gradient widened first.
 
 The loop is torch 2.13's CPU kernel (``FusedAdamKernel.cpp``, FP32) operation for operation: its vector
 body for whole vectors (``width`` floats: FMAs where it calls ``vec::fmadd`` and where GCC contracted,
