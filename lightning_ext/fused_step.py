@@ -38,8 +38,9 @@ FP32 master -> bf16 weight         4 read + 2 written (one fused copy)
 and allocates temporaries.  A single pass that reads the bf16 gradient and
 writes the bf16 weight itself (28 bytes, no FP32 gradient) is measured next to
 these in ``benchmarks/bench_lightning_fused_step.py`` (a ``torch.compile``'d
-update, and eager chunks through the same fused kernel); see
-benchmarks/README.md for the figures and why the plugin keeps the three passes.
+update, and eager chunks through the same fused kernel).  Where nothing reads
+the master gradients before the step, ``bf16-master`` on the CPU takes that
+single pass, native and bit for bit these three (:mod:`lightning_ext.master_native`).
 """
 
 from __future__ import annotations

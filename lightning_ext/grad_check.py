@@ -5,11 +5,11 @@ optimizer will read (all of them in one call on CPU, whose kernel takes mixed dt
 and dtype elsewhere, as ``GradScaler``): each value is multiplied by ``inv_scale`` in place (the unit
 inverse scale when scaling is off: the values stay as they are) and ``found_inf`` becomes 1 when any
 value is inf or NaN.  What the check reads of a gradient: a DTensor's (FSDP2 shard's) local shard, a
-sparse gradient's values (a float16 one coalesced first, as ``GradScaler``).  ``read_only`` (nothing
-reads the gradients before the step: the one-pass master step's check, scaling off): on the CPU, dense
-contiguous bf16/FP32 gradients are scanned by :func:`lightning_ext.master_native.any_nonfinite` instead (the
-same flag, nothing written), where it is loaded.  When the flag decides a
-skip (``reduce``), it is all-reduced (MAX) over the process group, so every rank decides alike.
+sparse gradient's values (a float16 one coalesced first, as ``GradScaler``).  ``read_only`` (the check of
+a one-pass master step, scaling off: nothing reads the gradients before it): on the CPU, dense contiguous
+bf16/FP32 gradients are scanned by :func:`lightning_ext.master_native.any_nonfinite` instead (the same
+flag, nothing written).  When the flag decides a skip (``reduce``), it is all-reduced (MAX) over the
+process group, so every rank decides alike.
 """
 
 from __future__ import annotations

@@ -1,34 +1,38 @@
 """``bf16-master``'s AdamW/Adam step as one native pass per parameter (CPU, bf16 weights): the same bits.
 
-The common path (:mod:`lightning_ext.masters`) widens each bf16 gradient into an FP32 master gradient
+The widened path (:mod:`lightning_ext.masters`) copies each bf16 gradient into an FP32 master gradient
 (2 B read, 4 written per parameter), checks it, steps the masters with torch's fused kernel (16 read,
-12 written) and rounds the masters into the weights (4 read, 2 written).  Here, in the common case, the
-master's ``.grad`` *is* the bf16 gradient (``grad_dtype=None`` lets an FP32 parameter hold one), the
-non-finite check reads it in bf16, and during ``optimizer.step()`` torch's ``_fused_adamw_``/``_fused_adam_``
-runs the masters with a bf16 gradient through :data:`SOURCE`: one loop that reads the gradient, master,
-``exp_avg`` and ``exp_avg_sq`` and writes the last three and the bf16 weight (rounded to nearest-even,
-as ``_foreach_copy_``): 14 B read, 14 written.  The user's ``optimizer.step()`` still runs (hooks, state
-creation, step counts, LR schedulers are torch's); only the kernel call is taken over, for the parameters
-registered by :func:`alias_grads` (others, and every call outside such a step, go to torch's kernel).
+12 written) and rounds the masters into the weights (4 read, 2 written).  The one-pass step: the master's
+``.grad`` *is* the bf16 gradient (``grad_dtype=None`` lets an FP32 parameter hold one), the non-finite
+check is a read-only scan of it (:func:`any_nonfinite`, 2 B read), and inside ``optimizer.step()`` the
+call of torch's ``_fused_adamw_``/``_fused_adam_`` runs :data:`SOURCE` instead: one loop that reads the
+gradient, master, ``exp_avg`` and ``exp_avg_sq`` and writes the last three and the bf16 weight (rounded to
+nearest-even as ``_foreach_copy_``, NaN as 0xffff): 14 B read, 14 written.  The FP32 parameters of that call
+(the policy's FP32 modules) take the same loop with their FP32 gradients.  The user's ``optimizer.step()``
+still runs (hooks, state creation, step counts, LR schedulers are torch's; a step hook sees the masters'
+gradients in bf16, the same values); what the pass cannot take (another thread's call, a stale bf16
+gradient) goes to torch's kernel, a bf16 gradient widened first.
 
-The loop is torch 2.13's CPU kernel operation for operation (``FusedAdamKernel.cpp``, FP32): its vector
-body (explicit FMAs where it calls ``vec::fmadd``, and those GCC contracted: ``exp_avg_sq`` is
-``fma(c2*g, g, v*b2)``, Adam's L2 term ``fma(p, wd, g)``) for the elements of whole vectors, then its
-scalar tail as GCC built it (``tail_width``-wide chunks vectorized, the rest contracted as
-``fma(v, b2, (c2*g)*g)``); ``-ffp-contract=off`` everywhere else.  Every finite, infinite or zero result
-has torch's bits (a NaN stays a NaN).  When loaded, the pass is checked bit for bit against torch's kernel
-(Adam and AdamW, with and without weight decay, every tail length, special values).
+The loop is torch 2.13's CPU kernel (``FusedAdamKernel.cpp``, FP32) operation for operation: its vector
+body for whole vectors (``width`` floats: FMAs where it calls ``vec::fmadd`` and where GCC contracted,
+``exp_avg_sq = fma(c2*g, g, v*b2)`` and Adam's L2 term ``fma(p, wd, g)``), then its scalar tail as GCC
+built it (``tail_width``-float chunks vectorized alike, the rest with ``fma(v, b2, (c2*g)*g)``);
+``-ffp-contract=off`` elsewhere.  Every finite, infinite or zero result has torch's bits (a NaN master
+stays a NaN; its payload may differ, as between torch's vector and scalar loops).  On load the pass is
+checked against torch's kernel (Adam and AdamW, weight decay on and off, both lerp branches, every tail
+length, special values, bf16 ties) and the scan against ``isfinite``; a mismatch, no compiler or a failed
+build: one warning, and the widened path.  The writes bypass torch: the weights' version counters are
+bumped (torch's kernel bumps none of the masters' and states').
 
-The rule: :func:`alias_grads` makes the step one pass only when nothing can read or change the FP32
-master gradients before it and the pass is torch's kernel: the caller allows it (the Trainer plugin's
-automatic optimization with no clipping, no ``on_before_optimizer_step`` override, no monitor, no FP8,
-loss scaling off), no remainders, an exact ``Adam``/``AdamW`` whose every group runs fused (``fused=True``,
-or left to torch with the fused step on) without ``amsgrad``/``maximize``/``capturable``/``differentiable``
-or tensor hyperparameters, every stepped master on the CPU with a contiguous bf16 weight and gradient,
-:data:`NATIVE` on, at most :data:`MAX_THREADS` intra-op threads, torch's CPU kernel built for AVX2 or
-AVX-512 (whose vector width the pass follows), the library built, loaded and checked.  Otherwise the
-gradients are widened as before.  The weights are not released during such a step (it writes them):
-16 B/param held, as the common path's.
+The rule: the step is one pass only when nothing reads or changes the master gradients before it and
+the pass is torch's kernel: the caller allows it (:func:`lightning_ext.plugin.nothing_reads_grads`: the
+Trainer's automatic optimization, no clipping, no ``on_before_optimizer_step`` override, no monitor, no
+FP8; loss scaling off), no remainders, an exact ``Adam``/``AdamW`` whose every group runs fused
+(``fused=True``, or left to torch with the fused step on) without ``amsgrad``/``maximize``/``capturable``/
+``differentiable`` or tensor hyperparameters, every master stepped on the CPU with a contiguous bf16 weight
+and gradient, :data:`NATIVE` on, at most :data:`MAX_THREADS` intra-op threads, torch's CPU kernels built
+for AVX2 or AVX-512, the library loaded (:func:`alias_grads`).  Otherwise the gradients are widened.  The
+weights are kept during a one-pass step (it writes them): 16 B/param held, as on the widened path.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ import contextlib
 import ctypes
 import threading
 import warnings
+from array import array
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import torch
@@ -90,10 +96,15 @@ static inline __attribute__((always_inline)) void span(int64_t lo, int64_t hi, i
         if (!wide) w[i] = rne(pi);
     }
 }
-CLONES void adam_onepass(int64_t count, const int64_t *sizes, float *const *params, const void *const *grads,
-                         float *const *exp_avgs, float *const *exp_avg_sqs, uint16_t *const *weights,
-                         const float *const *steps, double lr, double beta1, double beta2, double weight_decay,
-                         double eps, int32_t adamw, int64_t width, int64_t tail_width) {
+/* ptrs: count params, then count grads, exp_avgs, exp_avg_sqs, weights (NULL: FP32 gradient) and steps */
+CLONES void adam_onepass(int64_t count, const int64_t *sizes, void *const *ptrs, double lr, double beta1,
+                         double beta2, double weight_decay, double eps, int32_t adamw, int64_t width,
+                         int64_t tail_width) {
+    float *const *params = (float *const *)ptrs, *const *exp_avgs = (float *const *)(ptrs + 2 * count);
+    float *const *exp_avg_sqs = (float *const *)(ptrs + 3 * count);
+    const void *const *grads = (const void *const *)(ptrs + count);
+    uint16_t *const *weights = (uint16_t *const *)(ptrs + 4 * count);
+    const float *const *steps = (const float *const *)(ptrs + 5 * count);
     for (int64_t k = 0; k < count; k++) {
         double step = (double)*steps[k];
         double bias_correction1 = 1 - pow(beta1, step), bias_correction2 = 1 - pow(beta2, step);
@@ -148,7 +159,7 @@ class NativeAdam:
     def __init__(self, lib: ctypes.CDLL, widths: tuple[int, int]) -> None:
         ptr, i64, dbl = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
         self._fn = lib.adam_onepass
-        self._fn.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, dbl, dbl, dbl, dbl, dbl, ctypes.c_int32, i64, i64]
+        self._fn.argtypes = [i64, ptr, ptr, dbl, dbl, dbl, dbl, dbl, ctypes.c_int32, i64, i64]
         self._fn.restype = None
         self._scan = lib.any_nonfinite
         self._scan.argtypes, self._scan.restype = [i64, ptr, ptr, ptr], ctypes.c_int32
@@ -156,10 +167,9 @@ class NativeAdam:
 
     def scan(self, tensors: list[Tensor]) -> bool:
         """Whether a value of the contiguous CPU bf16/FP32 ``tensors`` is inf or NaN."""
-        count = len(tensors)
-        return bool(self._scan(count, (ctypes.c_int64 * count)(*map(Tensor.numel, tensors)),
-                               (ctypes.c_void_p * count)(*map(Tensor.data_ptr, tensors)),
-                               (ctypes.c_int32 * count)(*[t.dtype is _F32 for t in tensors])))
+        sizes, ptrs = array("q", map(Tensor.numel, tensors)), array("q", map(Tensor.data_ptr, tensors))
+        wide = array("i", [t.dtype is _F32 for t in tensors])
+        return bool(self._scan(len(tensors), sizes.buffer_info()[0], ptrs.buffer_info()[0], wide.buffer_info()[0]))
 
     def step(self, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
              weights: list[Tensor | None], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
@@ -167,14 +177,12 @@ class NativeAdam:
         """``torch._fused_adamw_`` (``adamw``) or ``_fused_adam_`` on ``params`` with the widened ``grads``
         (the step counts already advanced), each result also rounded into its bf16 weight (None: an FP32
         gradient, no weight)."""
-        count = len(params)
-        pointers = ctypes.c_void_p * count
-        arrays = [pointers(*map(Tensor.data_ptr, ts)) for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-        arrays += [pointers(*[None if w is None else w.data_ptr() for w in weights]),
-                   pointers(*map(Tensor.data_ptr, steps))]
-        sizes = (ctypes.c_int64 * count)(*map(Tensor.numel, params))
-        self._fn(count, sizes, *arrays, float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
-                 int(adamw), *self.widths)
+        ptr = Tensor.data_ptr
+        ptrs = array("q", chain(map(ptr, params), map(ptr, grads), map(ptr, exp_avgs), map(ptr, exp_avg_sqs),
+                                [0 if w is None else w.data_ptr() for w in weights], map(ptr, steps)))
+        sizes = array("q", map(Tensor.numel, params))
+        self._fn(len(params), sizes.buffer_info()[0], ptrs.buffer_info()[0], float(lr), float(beta1), float(beta2),
+                 float(weight_decay), float(eps), int(adamw), *self.widths)
 
 
 def native_adam() -> NativeAdam | None:
@@ -263,11 +271,11 @@ def _same(a: Tensor, b: Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------- the step
-def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> dict[int, Tensor] | None:
+def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> tuple[dict[int, Tensor], list[Tensor]] | None:
     """When ``optimizer``'s next step can be one pass (the module docstring's rule, the caller's part aside):
     each master's ``.grad`` becomes its bf16 gradient (the weight's ``.grad`` is released) and the answer is
-    ``{id(master): bf16 weight}`` for :func:`one_pass_step`; else None and nothing changes."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or native_adam() is None:
+    ``{id(master): bf16 weight}`` for :func:`one_pass_step` and those masters; else None, nothing changed."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return None
     for group in optimizer.param_groups:
         if group.get("amsgrad") or group.get("maximize") or group.get("capturable") or group.get("differentiable"):
@@ -287,11 +295,13 @@ def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> dict[in
         if grad is None:
             continue
         if not (grad.dtype is _BF16 and low.dtype is _BF16 and master.dtype is _F32 and type(grad) is Tensor
-                and grad.layout is torch.strided and grad.shape == master.shape and grad.is_contiguous()
-                and low.is_contiguous() and master.is_contiguous()):
+                and grad.layout is torch.strided and grad.is_contiguous() and low.is_contiguous()
+                and master.is_contiguous()):  # a gradient of another shape: the setter below raises
             return None
         stepped.append((low, master, grad))
-    table = {}
+    if native_adam() is None:  # asked last: nothing is built where the pass could not apply
+        return None
+    table, masters = {}, []
     for low, master, grad in stepped:
         if master.grad is not None:
             master.grad = None
@@ -300,14 +310,15 @@ def alias_grads(optimizer: Any, entries: list[Any], fused_step: bool) -> dict[in
         master.grad = grad
         low.grad = None
         table[id(master)] = low
-    return table
+        masters.append(master)
+    return table, masters
 
 
 @contextlib.contextmanager
 def one_pass_step(optimizer: Any, table: dict[int, Tensor]) -> Iterator[set[int]]:
     """Around ``optimizer.step()``: its groups fused (those left to torch, restored after), and torch's
     ``_fused_adamw_``/``_fused_adam_`` calls of this thread run the masters of ``table`` (from
-    :func:`alias_grads`) in one native pass; yields the ids of the masters written (their weights too)."""
+    :func:`alias_grads`) in one native pass; yields the ids of the weights written (with their masters)."""
     groups = [g for g in optimizer.param_groups if g.get("fused", False) is None]
     for group in groups:
         group["fused"] = True
@@ -357,28 +368,28 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
     if native is not None and not (amsgrad or maximize or grad_scale is not None or found_inf is not None
                                    or isinstance(lr, Tensor)):
         table, written = step
+        weights: list[Tensor | None] = []
         for i, p in enumerate(params):  # the registered masters (bf16 gradients) and dense FP32 parameters
-            s, g = state_steps[i], grads[i]
-            low = table.get(id(p))
-            if s.dtype is _F32 and s.is_cpu and exp_avgs[i].is_contiguous() and exp_avg_sqs[i].is_contiguous() and (
-                    g.dtype is _BF16 if low is not None else (
-                        g.dtype is _F32 and p.dtype is _F32 and type(g) is Tensor and g.layout is torch.strided
-                        and g.is_cpu and p.is_contiguous() and g.is_contiguous())):
+            g, low = grads[i], table.get(id(p))
+            if (g.dtype is _BF16 if low is not None else (
+                    g.dtype is _F32 and p.dtype is _F32 and type(g) is Tensor and g.layout is torch.strided
+                    and g.is_cpu and p.is_contiguous() and g.is_contiguous())) and (
+                    state_steps[i].dtype is _F32 and exp_avgs[i].is_contiguous() and exp_avg_sqs[i].is_contiguous()):
                 mine.append(i)
+                weights.append(low)
             else:
                 rest.append(i)
     else:
         rest = list(range(len(params)))
     if mine:
-        pick = [params[i] for i in mine]
-        weights = [table.get(id(p)) for p in pick]
-        native.step(pick, [grads[i] for i in mine], [exp_avgs[i] for i in mine], [exp_avg_sqs[i] for i in mine],
-                    weights, [state_steps[i] for i in mine], lr=lr, beta1=beta1, beta2=beta2,
-                    weight_decay=weight_decay, eps=eps, adamw=adamw)
+        lists = (params, grads, exp_avgs, exp_avg_sqs, state_steps)
+        pick, g, m, v, s = lists if not rest else [[t[i] for i in mine] for t in lists]
+        native.step(pick, g, m, v, weights, s, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                    adamw=adamw)
         lows = [w for w in weights if w is not None]
         if lows:
             torch.autograd.graph.increment_version(lows)  # as the weight copy would (torch's kernel bumps none)
-            written.update(id(p) for p, w in zip(pick, weights) if w is not None)
+            written.update(map(id, lows))
     if rest:
         lists = [[t[i] for i in rest] if t else t for t in
                  (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)]

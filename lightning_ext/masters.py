@@ -17,7 +17,8 @@ their own master.  :class:`MasterWeights` is that rule in torch:
   torch's fused kernel where the user left the implementation to torch
   (:mod:`lightning_ext.fused_step`; ``fused_step=False`` keeps torch's default),
   the spent FP32 gradients are dropped after it, and the weights are rebuilt
-  from the masters, also when the step raises;
+  from the masters, also when the step raises (a one-pass step, :mod:`lightning_ext.master_native`,
+  keeps the bf16 gradients on the masters and writes the weights itself);
 * :meth:`state_dict` / :meth:`load_state_dict`: ``{parameter name: master}``.
 
 ``remainders=True`` (``master_remainders``, :mod:`mp_callbacks.remainders`): between steps
@@ -88,7 +89,7 @@ class MasterWeights:
         self._by_optimizer: dict[int, tuple[Any, list[MasterEntry]]] = {}
         self._originals: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] | None = None
-        self._one_pass: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> its one-pass step's masters (aliased)
+        self._one_pass: dict[int, Any] = {}  # id(optimizer) -> its one-pass step's masters (alias_grads)
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -236,19 +237,20 @@ class MasterWeights:
             with torch.no_grad():
                 torch._foreach_copy_(lows, masters)
 
-    def collect_grads(self, optimizer: Optimizer, one_pass: bool = False) -> None:
-        """Before the overflow check: ``optimizer``'s low-precision gradients become its masters' FP32 ones;
-        with ``one_pass`` (the caller knows nothing reads or changes them before the step) the masters hold
-        the bf16 gradients themselves where the step can be one native pass (:mod:`lightning_ext.master_native`)."""
+    def collect_grads(self, optimizer: Optimizer, one_pass: bool = False) -> bool:
+        """Before the overflow check: ``optimizer``'s low-precision gradients become its masters' FP32 ones; with
+        ``one_pass`` (nothing reads them before the step) the masters hold the bf16 gradients where the step can
+        be one native pass (:mod:`lightning_ext.master_native`).  Returns whether they do."""
         if not self._entries:
-            return
+            return False
         entries = self.for_optimizer(optimizer)
         self._one_pass.pop(id(optimizer), None)
-        table = alias_grads(optimizer, entries, self.fused_step) if one_pass and not self.remainders else None
-        if table is not None:
-            self._one_pass[id(optimizer)] = table
-        else:
+        aliased = alias_grads(optimizer, entries, self.fused_step) if one_pass and not self.remainders else None
+        if aliased is None:
             self.grads_to_masters(entries)
+            return False
+        self._one_pass[id(optimizer)] = aliased
+        return True
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` on the masters, then the weights rounded from them (:meth:`updating`)."""
@@ -265,18 +267,17 @@ class MasterWeights:
         (:meth:`collect_grads`) keeps the weights (it writes them) and writes back only what it did not write.
         """
         entries = self.for_optimizer(optimizer)
-        table = self._one_pass.pop(id(optimizer), None)
-        if table is not None:
+        aliased = self._one_pass.pop(id(optimizer), None)
+        if aliased is not None:
             written: set[int] = set()
             try:
-                with one_pass_step(optimizer, table) as written:
+                with one_pass_step(optimizer, aliased[0]) as written:
                     yield
             finally:
-                for entry in entries:
-                    if id(entry.master) in table:
-                        entry.master.grad = None  # the bf16 gradient, spent
+                for master in aliased[1]:
+                    master.grad = None  # the bf16 gradient, spent
                 if len(written) < len(entries):
-                    self._write_back([e for e in entries if id(e.master) not in written])
+                    self._write_back([e for e in entries if id(e.low) not in written])
             return
         released = []
         if self._held:  # remainders: one parameter at a time, the rebuilt master replaces remainder and weight

@@ -231,8 +231,9 @@ class UpdateRounding:
         self._sample = (samples,)
         self.update_samples = {}
 
-    def collect_grads(self, optimizer: Optimizer, one_pass: bool = False) -> None:
-        """Nothing to move: the step reads the bf16 gradients where they are (``one_pass`` changes nothing)."""
+    def collect_grads(self, optimizer: Optimizer, one_pass: bool = False) -> bool:
+        """Nothing to move: the step reads the bf16 gradients where they are (no one-pass step: False)."""
+        return False
 
     def clear_cache(self) -> None:
         """Release the step's chunk buffers (reallocated at the next step)."""

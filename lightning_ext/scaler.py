@@ -278,9 +278,9 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         torch._C._set_grad_enabled(False)  # torch.no_grad() without its context object (once per step)
         try:
             if self.store is not None:
-                self.store.collect_grads(raw, one_pass=one_pass)
+                one_pass = self.store.collect_grads(raw, one_pass=one_pass)  # whether the step is one pass
             if self.checks_overflow:
-                found = self._check_and_unscale(raw, device, one_pass)
+                found = self._check_and_unscale(raw, device, bool(one_pass))
             else:
                 found = torch.zeros((), dtype=torch.float32, device=device)
         finally:

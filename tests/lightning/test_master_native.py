@@ -272,3 +272,13 @@ def test_the_pass_is_off_by_switch_and_with_more_threads(monkeypatch):
         assert master_native.native_adam() is None
     finally:
         torch.set_num_threads(threads)
+
+
+def test_where_the_pass_cannot_apply_nothing_is_built_and_the_check_is_torchs(monkeypatch):
+    monkeypatch.setattr(master_native, "_loaded", [])
+    checks = []
+    original = torch._amp_foreach_non_finite_check_and_unscale_
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
+                        lambda *a, **k: (checks.append(1), original(*a, **k))[1])
+    _fit(FALLBACKS["SGD"]["make"], steps=3)
+    assert master_native._loaded == [] and len(checks) == 3  # the widened path's check, each step
