@@ -1,15 +1,17 @@
 """The step's non-finite check over an optimizer's gradients (the twin of :mod:`keras_ext.grad_check`).
 
-Rule: one pass of torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` over every gradient the
-optimizer will read (all of them in one call on CPU, whose kernel takes mixed dtypes; one call per device
-and dtype elsewhere, as ``GradScaler``): each value is multiplied by ``inv_scale`` in place (the unit
-inverse scale when scaling is off: the values stay as they are) and ``found_inf`` becomes 1 when any
-value is inf or NaN.  What the check reads of a gradient: a DTensor's (FSDP2 shard's) local shard, a
-sparse gradient's values (a float16 one coalesced first, as ``GradScaler``).  ``read_only`` (the check of
-a one-pass master step, scaling off: nothing reads the gradients before it): on the CPU, dense contiguous
-bf16/FP32 gradients are scanned by :func:`lightning_ext.master_native.any_nonfinite` instead (the same
-flag, nothing written).  When the flag decides a skip (``reduce``), it is all-reduced (MAX) over the
-process group, so every rank decides alike.
+Rule: one pass over every gradient the optimizer will read, setting ``found_inf`` to 1 when any value is
+inf or NaN.  With loss scaling on it is torch's fused ``_amp_foreach_non_finite_check_and_unscale_``, which
+also multiplies each value by ``inv_scale`` in place (all gradients in one call on CPU, whose kernel takes
+mixed dtypes; one call per device and dtype elsewhere, as ``GradScaler``).  With scaling off nothing is
+written: on the CPU, dense contiguous bf16/FP32 gradients are scanned read-only by
+:func:`lightning_ext.master_native.any_nonfinite` (half the kernel's memory traffic, and the gradients come
+out of it in cache for the optimizer step that reads them next: measured in ``benchmarks/README.md``);
+where the scan does not apply (another device or dtype, a sparse or strided gradient, no native library,
+more intra-op threads) the fused kernel runs with the unit inverse scale, which leaves the values as they
+are.  What the check reads of a gradient: a DTensor's (FSDP2 shard's) local shard, a sparse gradient's
+values (a float16 one coalesced first, as ``GradScaler``).  When the flag decides a skip (``reduce``), it is
+all-reduced (MAX) over the process group, so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -51,10 +53,9 @@ class UnitScales:
 
 
 def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | None, units: UnitScales,
-                     reduce: bool, read_only: bool = False) -> Tensor:
-    """Check (and unscale by ``inv_scale``; None: scaling off) ``optimizer``'s gradients; returns ``found_inf``,
-    a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group; ``read_only``: see
-    the module's rule.
+                     reduce: bool) -> Tensor:
+    """Check (and unscale by ``inv_scale``; None: scaling off, nothing written) ``optimizer``'s gradients;
+    returns ``found_inf``, a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group.
 
     Runs after every backward: the common case (dense CPU gradients, one process) is one comprehension,
     one test per gradient and one kernel call; everything else takes the general grouping."""
@@ -63,7 +64,7 @@ def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | N
         param_groups = ()
     grads = [p.grad for group in param_groups for p in group["params"] if p.grad is not None]
     dense_cpu = all(type(g) is Tensor and g.layout is _STRIDED and g.is_cpu for g in grads)
-    found = any_nonfinite(grads) if read_only and dense_cpu and inv_scale is None and device.type == "cpu" else None
+    found = any_nonfinite(grads) if inv_scale is None and dense_cpu and device.type == "cpu" else None
     if found is not None:
         return _reduced(torch.full((), float(found), dtype=torch.float32, device=device), reduce)
     found_inf = torch.zeros((), dtype=torch.float32, device=device)

@@ -199,8 +199,9 @@ def native_adam() -> NativeAdam | None:
             native = NativeAdam(ctypes.CDLL(str(build_library(SOURCE, "master_native", _FLAGS))), widths)
             _self_check(native)
         except Exception as err:  # noqa: BLE001 - any failure means torch's kernel
-            warnings.warn(f"lightning_ext.master_native: the one-pass master step is unavailable ({err}); "
-                          "bf16-master widens the gradients and steps with torch's kernel (the same bits, slower)",
+            warnings.warn(f"lightning_ext.master_native: the native pass is unavailable ({err}); bf16-master "
+                          "widens the gradients and steps with torch's kernel, and the inf/NaN check of unscaled "
+                          "recipes runs torch's fused kernel (the same bits and decisions, slower)",
                           RuntimeWarning, stacklevel=2)
             native = None
         _loaded.append(native)

@@ -21,7 +21,8 @@ step is an error, as in torch.  Rules:
   checks for overflows (:attr:`checks_overflow`, the core's
   :func:`~mp_callbacks.loss_scale.scaler.checks_overflow`), torch's fused
   ``_amp_foreach_non_finite_check_and_unscale_`` unscales by ``1/scale``
-  (computed in float64, as ``GradScaler``) and sets ``found_inf``, which is
+  (computed in float64, as ``GradScaler``) and sets ``found_inf`` (scaling off:
+  a read-only scan where it applies, nothing written), which is
   all-reduced (MAX) over the process group so every rank decides alike
   (under FSDP2 each rank checks its local gradient shards: ``ShardedGradScaler``'s
   semantics): :func:`~lightning_ext.grad_check.non_finite_check`.
@@ -278,9 +279,9 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         torch._C._set_grad_enabled(False)  # torch.no_grad() without its context object (once per step)
         try:
             if self.store is not None:
-                one_pass = self.store.collect_grads(raw, one_pass=one_pass)  # whether the step is one pass
+                self.store.collect_grads(raw, one_pass=one_pass)
             if self.checks_overflow:
-                found = self._check_and_unscale(raw, device, bool(one_pass))
+                found = self._check_and_unscale(raw, device)
             else:
                 found = torch.zeros((), dtype=torch.float32, device=device)
         finally:
@@ -380,10 +381,10 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self._skips.pop(id(raw), None)
         self._last_applied[id(raw)] = self._latest_applied = False
 
-    def _check_and_unscale(self, optimizer: Optimizer, device: torch.device, read_only: bool = False) -> Tensor:
+    def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:
         """:func:`~lightning_ext.grad_check.non_finite_check` with this step's inverse scale."""
         inv_scale = self._mirror.inverse(self.grad_scale) if self.config.enabled else None
-        return non_finite_check(optimizer, device, inv_scale, self._units, self.config.can_skip, read_only)
+        return non_finite_check(optimizer, device, inv_scale, self._units, self.config.can_skip)
 
     # -------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -243,7 +243,7 @@ def test_a_library_that_differs_from_torchs_kernel_is_refused(wrong, monkeypatch
     source = master_native.SOURCE.replace(*wrong)
     assert source != master_native.SOURCE
     monkeypatch.setattr(master_native, "SOURCE", source)
-    with pytest.warns(RuntimeWarning, match="one-pass master step is unavailable.*differs from torch's kernel"):
+    with pytest.warns(RuntimeWarning, match="native pass is unavailable.*differs from torch's kernel"):
         assert master_native.native_adam() is None
     assert len(list((tmp_path / "mp_callbacks").glob("master_native-*.so"))) == 1  # built, then refused
 
@@ -252,9 +252,9 @@ def test_no_compiler_means_the_widened_path_and_one_warning(passes, monkeypatch)
     monkeypatch.setattr(master_native, "_loaded", [])
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("XDG_CACHE_HOME", "/nonexistent-cache")
-    with pytest.warns(RuntimeWarning, match="one-pass master step is unavailable.*no C compiler") as record:
+    with pytest.warns(RuntimeWarning, match="native pass is unavailable.*no C compiler") as record:
         _fit(ADAMW, steps=3)
-    assert sum("one-pass" in str(w.message) for w in record) == 1
+    assert sum("native pass is unavailable" in str(w.message) for w in record) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert master_native.native_adam() is None  # tried once: no second warning
@@ -274,11 +274,21 @@ def test_the_pass_is_off_by_switch_and_with_more_threads(monkeypatch):
         torch.set_num_threads(threads)
 
 
-def test_where_the_pass_cannot_apply_nothing_is_built_and_the_check_is_torchs(monkeypatch):
-    monkeypatch.setattr(master_native, "_loaded", [])
+def test_where_the_pass_cannot_apply_the_step_widens_and_the_check_scans(passes, monkeypatch):
+    kernel = []
+    original = torch._amp_foreach_non_finite_check_and_unscale_
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
+                        lambda *a, **k: (kernel.append(1), original(*a, **k))[1])
+    _fit(FALLBACKS["SGD"]["make"], steps=3)
+    assert passes == {"native": 0, "widened": 3}  # torch's step on widened gradients
+    assert kernel == []  # scaling off: the read-only scan checks the FP32 master gradients (lightning_ext.grad_check)
+
+
+def test_without_the_library_the_check_is_torchs_kernel(monkeypatch):
+    monkeypatch.setattr(master_native, "NATIVE", False)
     checks = []
     original = torch._amp_foreach_non_finite_check_and_unscale_
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
                         lambda *a, **k: (checks.append(1), original(*a, **k))[1])
     _fit(FALLBACKS["SGD"]["make"], steps=3)
-    assert master_native._loaded == [] and len(checks) == 3  # the widened path's check, each step
+    assert len(checks) == 3  # the fused kernel with the unit inverse scale, each step
