@@ -66,6 +66,18 @@ def _to_fp32(value: Any) -> Any:
     return value
 
 
+_F32 = torch.float32
+
+
+def _fp32_args(args: tuple) -> tuple:
+    """``args`` with floating tensors cast to FP32: the same tuple when every item is a plain tensor that needs no
+    cast (an FP32 activation, integer ids: the common call, checked without rebuilding anything)."""
+    for a in args:
+        if type(a) is not torch.Tensor or (a.dtype is not _F32 and a.is_floating_point()):
+            return _to_fp32(args)
+    return args
+
+
 def fp32_compute_modules(root: nn.Module, policy: PrecisionPolicy) -> Iterator[tuple[str, nn.Module]]:
     """``(path, module)`` of every module that must compute in FP32 under ``policy``."""
     if policy.compute == "float32":
@@ -106,13 +118,13 @@ class ModulePolicyHandle:
 
             @functools.wraps(inner)
             def forward(*args: Any, **kwargs: Any) -> Any:  # a neutral torch module: FP32 inputs suffice
-                return inner(*_to_fp32(args), **(_to_fp32(kwargs) if kwargs else kwargs))
+                return inner(*_fp32_args(args), **(_to_fp32(kwargs) if kwargs else kwargs))
         else:
 
             @functools.wraps(inner)
             def forward(*args: Any, **kwargs: Any) -> Any:
                 with torch.autocast(device_type, enabled=False):
-                    return inner(*_to_fp32(args), **(_to_fp32(kwargs) if kwargs else kwargs))
+                    return inner(*_fp32_args(args), **(_to_fp32(kwargs) if kwargs else kwargs))
 
         module.forward = forward  # type: ignore[method-assign]
         self._wrapped.append((module, previous))
