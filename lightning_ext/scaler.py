@@ -36,7 +36,7 @@ step is an error, as in torch.  Rules:
   the last update; a floor hit reacts per ``on_min_scale``
   (:func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`).  With every
   decision already read on the host (whenever a step can be skipped: loss scaling
-  on, or ``skip_nonfinite``, the default), the same
+  on, or ``skip_nonfinite``, the default; and when nothing was checked: no overflow), the same
   :func:`~mp_callbacks.loss_scale.transition.next_state` runs on the host instead of
   launching its ops (:class:`~lightning_ext.scaler_state.ScalerStateMirror`): the
   state then lives on the host until something reads it (:attr:`TorchLossScaler.state`,
@@ -128,7 +128,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         self._grad_scale: Tensor | None = None
         self._stages: dict[int, tuple[OptState, Tensor | None]] = {}
         self._skips: dict[int, bool] = {}  # id(optimizer) -> this step's decision, once read
-        self._decided: dict[int, bool] = {}  # id(optimizer) -> the host decision its step() took
+        self._decided: dict[int, bool] = {}  # id(optimizer) -> its overflow flag, where the host knows it
         self._latest: dict[str, Tensor] = {}
         self._last_applied: dict[int, bool] = {}  # id(optimizer) -> its latest step applied
         self._latest_applied: bool | None = None  # the latest step of any optimizer applied
@@ -282,8 +282,9 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
                 self.store.collect_grads(raw, one_pass=one_pass)
             if self.checks_overflow:
                 found = self._check_and_unscale(raw, device)
-            else:
+            else:  # nothing looked at: no overflow, known on the host (the transition runs there)
                 found = torch.zeros((), dtype=torch.float32, device=device)
+                self._decided[id(raw)] = False
         finally:
             torch._C._set_grad_enabled(grad_mode)
         self._stages[id(raw)] = (OptState.UNSCALED, found)
@@ -379,6 +380,7 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         raw = unwrap_optimizer(optimizer)
         self._stages.pop(id(raw), None)
         self._skips.pop(id(raw), None)
+        self._decided.pop(id(raw), None)
         self._last_applied[id(raw)] = self._latest_applied = False
 
     def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:

@@ -193,6 +193,33 @@ def test_host_transition_state_equals_the_reference_step_by_step(config):
     assert scaler.skipped == (len(INF_STEPS) if config.can_skip else 0)
 
 
+def test_the_opt_out_looks_at_nothing_and_moves_its_state_on_the_host(monkeypatch):
+    # scaler={"enabled": False, "skip_nonfinite": False}, no count: nothing is checked, so the step's overflow
+    # flag is known on the host (False) and the transition runs there, as the reference on False flags; an inf
+    # step is applied and not counted.
+    from mp_callbacks import NUMPY_OPS, initial_state, next_state
+
+    config = ScalerConfig(enabled=False, skip_nonfinite=False)
+    scaler = TorchLossScaler(config, count_overflows=False)
+    assert not scaler.checks_overflow
+    monkeypatch.setattr(TorchLossScaler, "record_transition", lambda *a: pytest.fail("a device transition"))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref = initial_state(config, NUMPY_OPS)
+    for step in range(6):
+        x, y = _batch(step)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y) * (float("inf") if step in INF_STEPS else 1.0)).backward()
+        assert scaler.unscale_(opt).item() == 0.0
+        scaler.step(opt)
+        scaler.update()
+        assert scaler._mirror.host is not None
+        ref, _ = next_state(config, ref, False, NUMPY_OPS)
+        for name, value in zip(scaler.state._fields, scaler.state):
+            assert value.item() == getattr(ref, name).item(), (step, name)
+    assert (scaler.steps, scaler.overflows, scaler.skipped) == (6, 0, 0)
+
+
 def test_host_transition_floor_hit_warns_at_the_callers_line():
     # Scaling on, decisions on the host: a floor hit still reacts per on_min_scale, the warning pointing at
     # the caller of update() as the device transition's did.
