@@ -38,6 +38,7 @@ from common import machine_line  # noqa: E402
 from lightning.pytorch.loops.optimization.automatic import Closure  # noqa: E402
 
 import lightning_ext.divergence as divergence  # noqa: E402
+import lightning_ext.master_native as master_native  # noqa: E402
 import lightning_ext.plugin as plugin  # noqa: E402
 import lightning_ext.scaler as scaler  # noqa: E402
 
@@ -47,6 +48,7 @@ PIECES: list[tuple[Any, str, str]] = [  # (owner, attribute, label)
     (torch_adam, "_fused_adam", "adam math (fused)"),
     (torch.optim.AdamW, "step", "AdamW.step"),
     (torch, "_amp_foreach_non_finite_check_and_unscale_", "check kernel"),
+    (master_native.NativeAdam, "scan", "check scan (native, read only)"),
     (scaler, "non_finite_check", "non_finite_check"),
     (plugin.MixedPrecision, "clip_gradients", "lightning_ext:MixedPrecision.clip_gradients"),
     *[(scaler.TorchLossScaler, m, f"scaler.{m}") for m in

@@ -58,15 +58,16 @@ def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | N
     returns ``found_inf``, a 0-d float32 tensor on ``device``.  ``reduce``: all-reduce it over the process group.
 
     Runs after every backward: the common case (dense CPU gradients, one process) is one comprehension,
-    one test per gradient and one kernel call; everything else takes the general grouping."""
+    one look at each gradient and one native or kernel call; everything else takes the general grouping."""
     param_groups = getattr(optimizer, "param_groups", None)
     if not isinstance(param_groups, (list, tuple)):  # a test double has no param_groups: no grads
         param_groups = ()
-    grads = [p.grad for group in param_groups for p in group["params"] if p.grad is not None]
+    grads = [g for group in param_groups for p in group["params"] if (g := p.grad) is not None]
+    if inv_scale is None and device.type == "cpu":
+        found = any_nonfinite(grads)  # None: the scan does not apply
+        if found is not None:
+            return _reduced(torch.full((), float(found), dtype=torch.float32, device=device), reduce)
     dense_cpu = all(type(g) is Tensor and g.layout is _STRIDED and g.is_cpu for g in grads)
-    found = any_nonfinite(grads) if inv_scale is None and dense_cpu and device.type == "cpu" else None
-    if found is not None:
-        return _reduced(torch.full((), float(found), dtype=torch.float32, device=device), reduce)
     found_inf = torch.zeros((), dtype=torch.float32, device=device)
     if dense_cpu and device.type == "cpu":
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale if inv_scale is not None

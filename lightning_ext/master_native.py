@@ -149,7 +149,7 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-fn
           "-mprefer-vector-width=512", "-lm"]
 _WIDTHS = {"AVX512": (16, 8), "AVX2": (8, 8)}  # torch's CPU capability -> (its vector width, its tail's) in floats
 _loaded: list[NativeAdam | None] = []  # one entry once tried
-_BF16, _F32 = torch.bfloat16, torch.float32
+_BF16, _F32, _STRIDED = torch.bfloat16, torch.float32, torch.strided
 
 
 class NativeAdam:
@@ -165,10 +165,11 @@ class NativeAdam:
         self._scan.argtypes, self._scan.restype = [i64, ptr, ptr, ptr], ctypes.c_int32
         self.widths = widths
 
-    def scan(self, tensors: list[Tensor]) -> bool:
-        """Whether a value of the contiguous CPU bf16/FP32 ``tensors`` is inf or NaN."""
+    def scan(self, tensors: list[Tensor], wide: list[bool] | None = None) -> bool:
+        """Whether a value of the contiguous CPU bf16/FP32 ``tensors`` is inf or NaN (``wide``: which are FP32,
+        when the caller knows)."""
         sizes, ptrs = array("q", map(Tensor.numel, tensors)), array("q", map(Tensor.data_ptr, tensors))
-        wide = array("i", [t.dtype is _F32 for t in tensors])
+        wide = array("i", [t.dtype is _F32 for t in tensors] if wide is None else wide)
         return bool(self._scan(len(tensors), sizes.buffer_info()[0], ptrs.buffer_info()[0], wide.buffer_info()[0]))
 
     def step(self, params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -210,12 +211,19 @@ def native_adam() -> NativeAdam | None:
 
 def any_nonfinite(grads: list[Tensor]) -> bool | None:
     """Whether a value of ``grads`` is inf or NaN, by the native scan (read only); None where it does not apply
-    (not loaded, or a gradient that is not a dense contiguous bf16/FP32 CPU tensor)."""
+    (not loaded, or a gradient that is not a dense contiguous bf16/FP32 CPU tensor).  Runs after every backward:
+    one look at each gradient's attributes (they are cold in the cache there)."""
     native = native_adam()
-    if native is None or not all(type(g) is Tensor and (g.dtype is _BF16 or g.dtype is _F32) and g.is_cpu
-                                 and g.layout is torch.strided and g.is_contiguous() for g in grads):
+    if native is None:
         return None
-    return native.scan(grads)
+    wide = []
+    for g in grads:
+        dtype = g.dtype
+        if not ((dtype is _F32 or dtype is _BF16) and type(g) is Tensor and g.is_cpu and g.layout is _STRIDED
+                and g.is_contiguous()):
+            return None
+        wide.append(dtype is _F32)
+    return native.scan(grads, wide)
 
 
 def _self_check(native: NativeAdam) -> None:
