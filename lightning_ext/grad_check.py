@@ -6,7 +6,8 @@ also multiplies each value by ``inv_scale`` in place (all gradients in one call 
 mixed dtypes; one call per device and dtype elsewhere, as ``GradScaler``).  With scaling off nothing is
 written: on the CPU, dense contiguous bf16/FP32 gradients are scanned read-only by
 :func:`lightning_ext.master_native.any_nonfinite` (half the kernel's memory traffic, and the gradients come
-out of it in cache for the optimizer step that reads them next: measured in ``benchmarks/README.md``);
+out of it in cache for the optimizer step that reads them next: measured in ``benchmarks/README.md``), last
+parameter first, so that the first ones, which the optimizer reads first, are the latest read;
 where the scan does not apply (another device or dtype, a sparse or strided gradient, no native library,
 more intra-op threads) the fused kernel runs with the unit inverse scale, which leaves the values as they
 are.  What the check reads of a gradient: a DTensor's (FSDP2 shard's) local shard, a sparse gradient's
@@ -64,7 +65,7 @@ def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | N
         param_groups = ()
     grads = [g for group in param_groups for p in group["params"] if (g := p.grad) is not None]
     if inv_scale is None and device.type == "cpu":
-        found = any_nonfinite(grads)  # None: the scan does not apply
+        found = any_nonfinite(grads[::-1])  # None: the scan does not apply (the order: the module's rule)
         if found is not None:
             return _reduced(torch.full((), float(found), dtype=torch.float32, device=device), reduce)
     dense_cpu = all(type(g) is Tensor and g.layout is _STRIDED and g.is_cpu for g in grads)
