@@ -347,6 +347,9 @@ def pieces(args: argparse.Namespace, models: dict[str, Any]) -> str:
             ops.isfinite(ops.stack([r for g in g32 for r in (ops.max(g), ops.min(g))]))))),
         "candidate check: sum(g * 0), FP32": tf.function(
             lambda: ops.logical_not(ops.isfinite(ops.sum(ops.stack([ops.sum(g * 0.0) for g in g32]))))),
+        "candidate check: two-stage (sums, exact under cond), FP32": tf.function(lambda: ops.logical_not(tf.cond(
+            tf.math.is_finite(tf.add_n([tf.reduce_sum(g) for g in g32])), lambda: tf.constant(True),
+            lambda: ops.logical_not(found_inf(g32))))),
     }
     bodies = {k: (lambda f=f: tf.nest.map_structure(lambda t: t, f())) for k, f in graphs.items()}
     if check is not None:

@@ -42,11 +42,12 @@ from mp_callbacks.diagnostics.divergence import DivergenceRule
 from mp_callbacks.diagnostics.monitor import MonitorPort
 from mp_callbacks.loss_scale.config import ScalerConfig
 from mp_callbacks.loss_scale.scaler import ScalerCounters
+from mp_callbacks.loss_scale.transition import fixed_scale
 from mp_callbacks.recipes import Recipe, get_recipe
 
 from .divergence import KerasDivergence
 from .global_policy import coerce_recipe, optimizer_recipe
-from .grad_check import found_inf, unscale
+from .grad_check import found_inf, scaled_loss, unscale
 from .jax_support import StepStateOwner, stateless_apply
 from .low_bit import eight_bit_inner
 from .masters import MasterWeights, check_variables, widened_in_update
@@ -212,10 +213,13 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
 
     # -- loss and gradients ------------------------------------------------------------
     def scale_loss(self, loss: Any) -> Any:
-        """``loss * scale`` (the current scale; the initial one before build).  Also records, for the
-        divergence rule, whether the loss is finite (Keras' train step calls this)."""
+        """``loss * scale`` (the current scale; the initial one before build); with scaling off the loss
+        itself (the core's :func:`~mp_callbacks.loss_scale.transition.fixed_scale` 1: no multiply, the dtype
+        of the product, :func:`keras_ext.grad_check.scaled_loss`).  Also records, for the divergence rule,
+        whether the loss is finite (Keras' train step calls this)."""
         self._divergence.record_loss(loss, sys._getframe(1))
-        return ops.multiply(loss, self.dynamic_scale)
+        known = fixed_scale(self.scaler_config)
+        return scaled_loss(loss, None if known == 1.0 else self.dynamic_scale if known is None else known)
 
     @property
     def divergence(self) -> DivergenceRule:

@@ -3,8 +3,9 @@
 With scaling off (``32-true``, ``bf16-mixed``, ``bf16-master``) the core holds the scale at 1 and the
 growth tracker, hysteresis, growths and floor hits where they are (``moving_fields``), and the overflow
 streak at 0 (``moving_streaks``: a scale of 1 is not below ``scale_below``): the step's graph does not
-touch their variables, and reads the divergence latch once before writing it.  With scaling on
-(``16-mixed``) every field is traced.  The values still follow the core (the counters, the stop).
+touch their variables, and reads the divergence latch once before writing it; nor does ``scale_loss``
+read the scale to multiply the loss by 1 (the forward and the backward lose a multiply each).  With
+scaling on (``16-mixed``) every field is traced.  The values still follow the core (the counters, the stop).
 """
 
 import keras
@@ -90,3 +91,64 @@ def test_counters_and_stops_still_follow_the_core_with_scaling_off():
     assert (opt.steps, opt.overflows, opt.skipped) == (3, 3, 3)
     assert int(ops.convert_to_numpy(opt.loss_scaler.variable("growth_tracker"))) == 0  # never moves
     assert float(ops.convert_to_numpy(opt._divergence._vars["stop_scale"])) == 0.0  # not written
+
+
+def _traced_train_step(opt, model, x, y):
+    """The concrete graph of a whole step (``scale_loss``, the tape, ``apply``) and its gradients."""
+    import tensorflow as tf
+
+    tvs = model.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = opt.scale_loss(tf.reduce_mean(tf.square(tf.cast(model(x), "float32") - y)))
+        grads = tape.gradient(loss, tvs)
+        opt.apply(grads, tvs)
+        return loss, grads
+
+    return step.get_concrete_function(x, y), step
+
+
+@pytest.mark.parametrize("recipe", ["32-true", "bf16-mixed", "bf16-master"])
+def test_scaling_off_scale_loss_neither_reads_the_scale_nor_multiplies(recipe):
+    """The core's known scale 1 (``fixed_scale``): the step never reads ``dynamic_scale``, and the loss and
+    gradients are those of the loss itself, bit for bit."""
+    import tensorflow as tf
+
+    model, opt = _setup(recipe)
+    x, y = tf.random.stateless_normal((8, 4), (1, 2)), tf.random.stateless_normal((8, 1), (3, 4))
+    concrete, step = _traced_train_step(opt, model, x, y)
+    assert id(opt.loss_scaler.variable("scale").handle) not in {id(t) for t in concrete.captured_inputs}
+    with tf.GradientTape() as tape:
+        expected_loss = tf.reduce_mean(tf.square(tf.cast(model(x), "float32") - y))
+    expected = tape.gradient(expected_loss, model.trainable_variables)
+    loss, grads = step(x, y)
+    assert loss.dtype == tf.float32
+    np.testing.assert_array_equal(loss.numpy(), expected_loss.numpy())
+    for g, e in zip(grads, expected):
+        np.testing.assert_array_equal(g.numpy(), e.numpy())
+
+
+def test_scaling_on_scale_loss_multiplies_by_the_scale():
+    import tensorflow as tf
+
+    model, opt = _setup("16-mixed")
+    x, y = tf.random.stateless_normal((8, 4), (1, 2)), tf.random.stateless_normal((8, 1), (3, 4))
+    concrete, _ = _traced_train_step(opt, model, x, y)
+    assert id(opt.loss_scaler.variable("scale").handle) in {id(t) for t in concrete.captured_inputs}
+    assert float(opt.scale_loss(tf.constant(2.0))) == 2.0 * opt.current_scale
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_scaled_loss_without_a_scale_has_the_products_dtype(dtype):
+    """``loss * float32 scale`` was float32 for a low-precision loss: so is the loss without the multiply."""
+    import tensorflow as tf
+
+    from keras_ext.grad_check import scaled_loss
+
+    loss = tf.constant(1.5, dtype)
+    out = scaled_loss(loss, None)
+    assert out.dtype == tf.float32 and float(out) == 1.5
+    assert out is loss or dtype != "float32"
+    assert scaled_loss(loss, tf.constant(1.0)).dtype == out.dtype
