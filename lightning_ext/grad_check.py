@@ -1,18 +1,18 @@
 """The step's non-finite check over an optimizer's gradients (the twin of :mod:`keras_ext.grad_check`).
 
-Rule: one pass over every gradient the optimizer will read, setting ``found_inf`` to 1 when any value is
-inf or NaN.  With loss scaling on it is torch's fused ``_amp_foreach_non_finite_check_and_unscale_``, which
-also multiplies each value by ``inv_scale`` in place (all gradients in one call on CPU, whose kernel takes
-mixed dtypes; one call per device and dtype elsewhere, as ``GradScaler``).  With scaling off nothing is
-written: on the CPU, dense contiguous bf16/FP32 gradients are scanned read-only by
-:func:`lightning_ext.master_native.any_nonfinite` (half the kernel's memory traffic, and the gradients come
-out of it in cache for the optimizer step that reads them next: measured in ``benchmarks/README.md``), last
-parameter first, so that the first ones, which the optimizer reads first, are the latest read;
-where the scan does not apply (another device or dtype, a sparse or strided gradient, no native library,
-more intra-op threads) the fused kernel runs with the unit inverse scale, which leaves the values as they
-are.  What the check reads of a gradient: a DTensor's (FSDP2 shard's) local shard, a sparse gradient's
-values (a float16 one coalesced first, as ``GradScaler``).  When the flag decides a skip (``reduce``), it is
-all-reduced (MAX) over the process group, so every rank decides alike.
+Rule: one pass over every gradient the optimizer will read, setting ``found_inf`` to 1 when any value is inf
+or NaN. With loss scaling on it is torch's fused ``_amp_foreach_non_finite_check_and_unscale_``, which also
+multiplies each value by ``inv_scale`` in place (all gradients in one call on CPU, whose kernel takes mixed
+dtypes; one call per device and dtype elsewhere, as ``GradScaler``). With scaling off nothing is written: on
+the CPU, dense contiguous bf16/FP32 gradients are scanned read-only by :func:`any_nonfinite` (the scan of
+:mod:`lightning_ext.master_native`'s library: half the kernel's memory traffic, and the gradients come out of
+it in cache for the optimizer step that reads them next, measured in ``benchmarks/README.md``), last parameter
+first, so that the first ones, which the optimizer reads first, are the latest read; where the scan does not
+apply (another device or dtype, a sparse or strided gradient, no native library, more intra-op threads) the
+fused kernel runs with the unit inverse scale, which leaves the values as they are. What the check reads of a
+gradient: a DTensor's (FSDP2 shard's) local shard, a sparse gradient's values (a float16 one coalesced first,
+as ``GradScaler``). When the flag decides a skip (``reduce``), it is all-reduced (MAX) over the process group,
+so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .master_native import any_nonfinite
+from .master_native import native_adam
 
-__all__ = ["UnitScales", "dense_local", "non_finite_check"]
+__all__ = ["UnitScales", "any_nonfinite", "dense_local", "non_finite_check"]
+
+_STRIDED, _F32, _BF16 = torch.strided, torch.float32, torch.bfloat16
 
 
 def dense_local(p: Tensor) -> Tensor:
@@ -37,6 +39,23 @@ def dense_local(p: Tensor) -> Tensor:
             p.grad = grad = grad.coalesce()
         grad = grad._values()
     return grad
+
+
+def any_nonfinite(grads: list[Tensor]) -> bool | None:
+    """Whether a value of ``grads`` is inf or NaN, by the native scan (read only); None where it does not apply
+    (not loaded, or a gradient that is not a dense contiguous bf16/FP32 CPU tensor).  Runs after every backward:
+    one look at each gradient's attributes (they are cold in the cache there)."""
+    native = native_adam()
+    if native is None:
+        return None
+    wide = []
+    for g in grads:
+        dtype = g.dtype
+        if not ((dtype is _F32 or dtype is _BF16) and type(g) is Tensor and g.is_cpu and g.layout is _STRIDED
+                and g.is_contiguous()):
+            return None
+        wide.append(dtype is _F32)
+    return native.scan(grads, wide)
 
 
 class UnitScales:
@@ -77,8 +96,6 @@ def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | N
         _check_grouped(param_groups, device, inv_scale, units, found_inf)
     return _reduced(found_inf, reduce)
 
-
-_STRIDED = torch.strided
 
 
 def _check_grouped(param_groups: Any, device: torch.device, inv_scale: Tensor | None, units: UnitScales,

@@ -1,17 +1,17 @@
 """``bf16-master``'s AdamW/Adam step as one native pass per parameter (CPU, bf16 weights): the same bits.
 
-The widened path (:mod:`lightning_ext.masters`) copies each bf16 gradient into an FP32 master gradient
-(2 B read, 4 written per parameter), checks it, steps the masters with torch's fused kernel (16 read,
-12 written) and rounds the masters into the weights (4 read, 2 written).  The one-pass step: the master's
-``.grad`` *is* the bf16 gradient (``grad_dtype=None`` lets an FP32 parameter hold one), the non-finite
-check is a read-only scan of it (:func:`any_nonfinite`, 2 B read), and inside ``optimizer.step()`` the
+The widened path (:mod:`lightning_ext.masters`) copies each bf16 gradient into an FP32 master gradient (2 B
+read, 4 written per parameter), checks it, steps the masters with torch's fused kernel (16 read, 12 written)
+and rounds the masters into the weights (4 read, 2 written). The one-pass step: the master's ``.grad`` *is*
+the bf16 gradient (``grad_dtype=None`` lets an FP32 parameter hold one), the non-finite check is a read-only
+scan of it (:func:`lightning_ext.grad_check.any_nonfinite`, 2 B read), and inside ``optimizer.step()`` the
 call of torch's ``_fused_adamw_``/``_fused_adam_`` runs :data:`SOURCE` instead: one loop that reads the
 gradient, master, ``exp_avg`` and ``exp_avg_sq`` and writes the last three and the bf16 weight (rounded to
-nearest-even as ``_foreach_copy_``, NaN as 0xffff): 14 B read, 14 written.  The FP32 parameters of that call
-(the policy's FP32 modules) take the same loop with their FP32 gradients.  The user's ``optimizer.step()``
+nearest-even as ``_foreach_copy_``, NaN as 0xffff): 14 B read, 14 written. The FP32 parameters of that call
+(the policy's FP32 modules) take the same loop with their FP32 gradients. The user's ``optimizer.step()``
 still runs (hooks, state creation, step counts, LR schedulers are torch's; a step hook sees the masters'
-gradients in bf16, the same values); what the pass cannot take (another thread's call, a stale bf16
-gradient) goes to torch's kernel, a bf16 gradient widened first.
+gradients in bf16, the same values); what the pass cannot take (another thread's call, a stale bf16 gradient)
+goes to torch's kernel, a bf16 gradient widened first.
 
 The loop is torch 2.13's CPU kernel (``FusedAdamKernel.cpp``, FP32) operation for operation: its vector
 body for whole vectors (``width`` floats: FMAs where it calls ``vec::fmadd`` and where GCC contracted,
@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .kahan_native import build_library
 
-__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeAdam", "alias_grads", "any_nonfinite", "native_adam",
+__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeAdam", "alias_grads", "native_adam",
            "one_pass_step"]
 
 NATIVE = True
@@ -149,7 +149,7 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-fn
           "-mprefer-vector-width=512", "-lm"]
 _WIDTHS = {"AVX512": (16, 8), "AVX2": (8, 8)}  # torch's CPU capability -> (its vector width, its tail's) in floats
 _loaded: list[NativeAdam | None] = []  # one entry once tried
-_BF16, _F32, _STRIDED = torch.bfloat16, torch.float32, torch.strided
+_BF16, _F32 = torch.bfloat16, torch.float32
 
 
 class NativeAdam:
@@ -207,23 +207,6 @@ def native_adam() -> NativeAdam | None:
             native = None
         _loaded.append(native)
     return _loaded[0]
-
-
-def any_nonfinite(grads: list[Tensor]) -> bool | None:
-    """Whether a value of ``grads`` is inf or NaN, by the native scan (read only); None where it does not apply
-    (not loaded, or a gradient that is not a dense contiguous bf16/FP32 CPU tensor).  Runs after every backward:
-    one look at each gradient's attributes (they are cold in the cache there)."""
-    native = native_adam()
-    if native is None:
-        return None
-    wide = []
-    for g in grads:
-        dtype = g.dtype
-        if not ((dtype is _F32 or dtype is _BF16) and type(g) is Tensor and g.is_cpu and g.layout is _STRIDED
-                and g.is_contiguous()):
-            return None
-        wide.append(dtype is _F32)
-    return native.scan(grads, wide)
 
 
 def _self_check(native: NativeAdam) -> None:

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_ext import MixedPrecision, MixedPrecisionMonitor, master_native
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor, grad_check, master_native
 from lightning_ext.masters import MasterWeights
 from mp_callbacks.app.lightning_runner import state_bytes
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
@@ -224,12 +224,12 @@ def test_the_scan_finds_every_nonfinite_value():
         for bad in (float("inf"), -float("inf"), float("nan")):
             for n in (1, 15, 33, 1000):
                 t = torch.randn(n, generator=gen).to(dtype)
-                assert master_native.any_nonfinite([t]) is False
+                assert grad_check.any_nonfinite([t]) is False
                 t[int(torch.randint(0, n, (), generator=gen))] = bad
-                assert master_native.any_nonfinite([torch.zeros(3), t]) is True
+                assert grad_check.any_nonfinite([torch.zeros(3), t]) is True
     big = torch.full((8,), 3.0e38, dtype=torch.float32)  # the largest finite values are finite
-    assert master_native.any_nonfinite([big, big.bfloat16(), torch.tensor([-0.0, 1e-45])]) is False
-    assert master_native.any_nonfinite([torch.zeros(4, 4).t()[:, :2]]) is None  # not contiguous: the kernel's
+    assert grad_check.any_nonfinite([big, big.bfloat16(), torch.tensor([-0.0, 1e-45])]) is False
+    assert grad_check.any_nonfinite([torch.zeros(4, 4).t()[:, :2]]) is None  # not contiguous: the kernel's
 
 
 @pytest.mark.parametrize("wrong", [
@@ -264,7 +264,7 @@ def test_no_compiler_means_the_widened_path_and_one_warning(passes, monkeypatch)
 def test_the_pass_is_off_by_switch_and_with_more_threads(monkeypatch):
     assert master_native.native_adam() is not None  # this machine has a C compiler
     monkeypatch.setattr(master_native, "NATIVE", False)
-    assert master_native.native_adam() is None and master_native.any_nonfinite([torch.zeros(2)]) is None
+    assert master_native.native_adam() is None and grad_check.any_nonfinite([torch.zeros(2)]) is None
     monkeypatch.setattr(master_native, "NATIVE", True)
     threads = torch.get_num_threads()
     try:
