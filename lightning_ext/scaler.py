@@ -52,8 +52,6 @@ for ``isinstance`` checks (Lightning's, users'), not built on one: no
 
 from __future__ import annotations
 
-import enum
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -70,9 +68,10 @@ from mp_callbacks.loss_scale.transition import ScalerState, initial_state, next_
 from .divergence import TorchDivergence
 from .grad_check import UnitScales, non_finite_check
 from .ops import TorchOps
+from .scaler_compat import GradScalerSettings, OptState
 from .scaler_state import ScalerStateMirror
 
-__all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unwrap_optimizer"]
+__all__ = ["TorchLossScaler", "scaler_config_from", "unwrap_optimizer"]
 
 
 def scaler_config_from(value: Any) -> ScalerConfig | None:
@@ -90,21 +89,13 @@ def scaler_config_from(value: Any) -> ScalerConfig | None:
     return ScalerConfig.coerce(value)
 
 
-class OptState(enum.Enum):
-    """Where an optimizer is in the scale -> unscale -> step -> update cycle."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer behind Lightning's ``LightningOptimizer`` (or Fabric's ``_FabricOptimizer``): the
     wrapper's own ``_optimizer`` attribute only (a ``Mock`` would make one up on access)."""
     return getattr(optimizer, "__dict__", {}).get("_optimizer", optimizer)
 
 
-class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
+class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp.GradScaler):
     """Dynamic loss scaling driven by :func:`mp_callbacks.loss_scale.scaler.next_state`, with ``GradScaler``'s API.
 
     Args:
@@ -166,48 +157,6 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
 
     def _counter(self, name: str) -> int:
         return self._mirror.counter(name)
-
-    def is_enabled(self) -> bool:
-        """True when the loss is scaled."""
-        return self.config.enabled
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (one host read; 1.0 with scaling disabled)."""
-        host = self._mirror.host
-        return float(host.scale) if host is not None else float(self._state.scale.item())
-
-    def get_growth_factor(self) -> float:
-        """``growth_factor`` of the configuration."""
-        return self.config.growth_factor
-
-    def get_backoff_factor(self) -> float:
-        """``backoff_factor`` of the configuration."""
-        return self.config.backoff_factor
-
-    def get_growth_interval(self) -> int:
-        """``growth_interval`` of the configuration."""
-        return self.config.growth_interval
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Replace ``growth_factor`` (validated by :class:`ScalerConfig`)."""
-        self.config = self.config.replace(growth_factor=float(new_factor))
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Replace ``backoff_factor`` (validated by :class:`ScalerConfig`)."""
-        self.config = self.config.replace(backoff_factor=float(new_factor))
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Replace ``growth_interval`` (validated by :class:`ScalerConfig`)."""
-        self.config = self.config.replace(growth_interval=int(new_interval))
-
-    @property
-    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
-        """torch ``GradScaler``'s per-optimizer record (``{id: {"stage", "found_inf_per_device"}}``), for
-        code that reads it; an optimizer not in the cycle is ``READY``."""
-        out: dict[int, dict[str, Any]] = defaultdict(lambda: {"stage": OptState.READY, "found_inf_per_device": {}})
-        for key, (stage, found) in self._stages.items():
-            out[key] = {"stage": stage, "found_inf_per_device": {} if found is None else {found.device: found}}
-        return out
 
     def latest(self) -> dict[str, Tensor]:
         """Device tensors of the latest transition (no sync): ``scale`` (the one its gradients were
