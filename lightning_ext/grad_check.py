@@ -17,6 +17,7 @@ so every rank decides alike.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -24,9 +25,11 @@ from torch import Tensor
 
 from .master_native import native_adam
 
-__all__ = ["UnitScales", "any_nonfinite", "dense_local", "non_finite_check"]
+__all__ = ["Flags", "UnitScales", "any_nonfinite", "dense_local", "host_check", "non_finite_check"]
 
 _STRIDED, _F32, _BF16 = torch.strided, torch.float32, torch.bfloat16
+_SCANNED = {_F32, _BF16}
+_dtype, _layout, _is_cpu = attrgetter("dtype"), attrgetter("layout"), attrgetter("is_cpu")
 
 
 def dense_local(p: Tensor) -> Tensor:
@@ -43,19 +46,27 @@ def dense_local(p: Tensor) -> Tensor:
 
 def any_nonfinite(grads: list[Tensor]) -> bool | None:
     """Whether a value of ``grads`` is inf or NaN, by the native scan (read only); None where it does not apply
-    (not loaded, or a gradient that is not a dense contiguous bf16/FP32 CPU tensor).  Runs after every backward:
-    one look at each gradient's attributes (they are cold in the cache there)."""
+    (not loaded, or a gradient that is not a dense contiguous bf16/FP32 CPU tensor).  Runs after every backward,
+    where the gradients' tensor objects are cold in the cache: each property is read over the whole list at once
+    (``map``, no Python loop)."""
     native = native_adam()
     if native is None:
         return None
-    wide = []
-    for g in grads:
-        dtype = g.dtype
-        if not ((dtype is _F32 or dtype is _BF16) and type(g) is Tensor and g.is_cpu and g.layout is _STRIDED
-                and g.is_contiguous()):
-            return None
-        wide.append(dtype is _F32)
-    return native.scan(grads, wide)
+    dtypes = list(map(_dtype, grads))
+    if not (_SCANNED.issuperset(dtypes) and set(map(type, grads)) <= {Tensor} and set(map(_layout, grads)) <= {_STRIDED}
+            and all(map(_is_cpu, grads)) and all(map(Tensor.is_contiguous, grads))):
+        return None
+    return native.scan(grads, [d is _F32 for d in dtypes])
+
+
+def host_check(optimizer: Any, device: torch.device, reduce: bool) -> bool | None:
+    """The check of a step without loss scaling decided on the host, no tensor made: whether ``optimizer``'s
+    gradients hold an inf or NaN, by :func:`any_nonfinite`.  None where :func:`non_finite_check` must decide: a
+    device other than the CPU, gradients the scan does not take, or ``reduce`` inside a process group of more
+    than one process (the ranks agree through the all-reduce of its flag)."""
+    if device.type != "cpu" or (reduce and _in_group()):
+        return None
+    return any_nonfinite(_grads(optimizer)[::-1])  # the order: the module's rule
 
 
 class UnitScales:
@@ -72,6 +83,22 @@ class UnitScales:
         return unit
 
 
+class Flags:
+    """``found_inf`` values decided on the host: a 0-d float32 0 or 1 per device, made once each and made again
+    when something wrote to one (its version moved), so a caller that changes the flag it got changes no other."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[bool, torch.device], tuple[Tensor, int]] = {}
+
+    def of(self, overflow: bool, device: torch.device) -> Tensor:
+        """The flag of ``overflow`` on ``device``."""
+        made = self._made.get((overflow, device))
+        if made is None or made[0]._version != made[1]:
+            flag = torch.full((), float(overflow), dtype=torch.float32, device=device)
+            made = self._made[(overflow, device)] = (flag, flag._version)
+        return made[0]
+
+
 def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | None, units: UnitScales,
                      reduce: bool) -> Tensor:
     """Check (and unscale by ``inv_scale``; None: scaling off, nothing written) ``optimizer``'s gradients;
@@ -79,10 +106,7 @@ def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | N
 
     Runs after every backward: the common case (dense CPU gradients, one process) is one comprehension,
     one look at each gradient and one native or kernel call; everything else takes the general grouping."""
-    param_groups = getattr(optimizer, "param_groups", None)
-    if not isinstance(param_groups, (list, tuple)):  # a test double has no param_groups: no grads
-        param_groups = ()
-    grads = [g for group in param_groups for p in group["params"] if (g := p.grad) is not None]
+    grads = _grads(optimizer)
     if inv_scale is None and device.type == "cpu":
         found = any_nonfinite(grads[::-1])  # None: the scan does not apply (the order: the module's rule)
         if found is not None:
@@ -93,9 +117,25 @@ def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | N
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale if inv_scale is not None
                                                          else units.on(device))
     else:
-        _check_grouped(param_groups, device, inv_scale, units, found_inf)
+        _check_grouped(_param_groups(optimizer), device, inv_scale, units, found_inf)
     return _reduced(found_inf, reduce)
 
+
+def _param_groups(optimizer: Any) -> Any:
+    """``optimizer.param_groups`` (a test double without them: no groups, no gradients)."""
+    param_groups = getattr(optimizer, "param_groups", None)
+    return param_groups if isinstance(param_groups, (list, tuple)) else ()
+
+
+def _grads(optimizer: Any) -> list[Tensor]:
+    """Every gradient of ``optimizer``'s parameters that is not None, in the groups' order."""
+    return [g for group in _param_groups(optimizer) for p in group["params"] if (g := p.grad) is not None]
+
+
+def _in_group() -> bool:
+    """Whether this process is in a process group of more than one process."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _check_grouped(param_groups: Any, device: torch.device, inv_scale: Tensor | None, units: UnitScales,
@@ -120,8 +160,6 @@ def _check_grouped(param_groups: Any, device: torch.device, inv_scale: Tensor | 
 def _reduced(found_inf: Tensor, reduce: bool) -> Tensor:
     """``found_inf``, all-reduced (MAX) over the process group when ``reduce`` (inside a group of more than one
     process)."""
-    if reduce:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+    if reduce and _in_group():
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
     return found_inf

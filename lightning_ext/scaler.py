@@ -66,12 +66,14 @@ from mp_callbacks.loss_scale.scaler import ScalerCounters, react_to_floor_hit
 from mp_callbacks.loss_scale.transition import ScalerState, initial_state, next_state
 
 from .divergence import TorchDivergence
-from .grad_check import UnitScales, non_finite_check
+from .grad_check import Flags, UnitScales, host_check, non_finite_check
 from .ops import TorchOps
 from .scaler_compat import GradScalerSettings, OptState
 from .scaler_state import ScalerStateMirror
 
 __all__ = ["TorchLossScaler", "scaler_config_from", "unwrap_optimizer"]
+
+_READY = (OptState.READY, None)
 
 
 def scaler_config_from(value: Any) -> ScalerConfig | None:
@@ -124,6 +126,8 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
         self._last_applied: dict[int, bool] = {}  # id(optimizer) -> its latest step applied
         self._latest_applied: bool | None = None  # the latest step of any optimizer applied
         self._units = UnitScales()  # the unit inverse scale per device (scaling off)
+        self._flags = Flags()  # found_inf 0 and 1 per device, for decisions made on the host
+        self._host_flags: dict[int, tuple[Tensor, int, bool]] = {}  # id(optimizer) -> (flag, its version, overflow)
 
     # ------------------------------------------------------------ state
     @property
@@ -220,23 +224,24 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
         """:meth:`unscale_`, or the earlier result when this optimizer is unscaled already (the plugin's path).
         ``one_pass``: nothing reads the gradients before the step (:meth:`MasterWeights.collect_grads`)."""
         raw = unwrap_optimizer(optimizer)
-        stage, found = self._stages.get(id(raw), (OptState.READY, None))
+        key = id(raw)
+        stage, found = self._stages.get(key, _READY)
         if stage is OptState.UNSCALED and found is not None:
             return found
-        device, one_pass = self._mirror.on_device, one_pass and not self.config.enabled
+        config, device = self.config, self._mirror.on_device
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # torch.no_grad() without its context object (once per step)
         try:
             if self.store is not None:
-                self.store.collect_grads(raw, one_pass=one_pass)
-            if self.checks_overflow:
+                self.store.collect_grads(raw, one_pass=one_pass and not config.enabled)
+            if config.can_skip or self.checks_overflow:
                 found = self._check_and_unscale(raw, device)
             else:  # nothing looked at: no overflow, known on the host (the transition runs there)
-                found = torch.zeros((), dtype=torch.float32, device=device)
-                self._decided[id(raw)] = False
+                found = self._flags.of(False, device)
+                self._decided[key] = False
         finally:
             torch._C._set_grad_enabled(grad_mode)
-        self._stages[id(raw)] = (OptState.UNSCALED, found)
+        self._stages[key] = (OptState.UNSCALED, found)
         return found
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -244,21 +249,21 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported with loss scaling: step() decides after the backward.")
         raw = unwrap_optimizer(optimizer)
-        stage, _ = self._stages.get(id(raw), (OptState.READY, None))
-        if stage is OptState.STEPPED:
+        key = id(raw)
+        if self._stages.get(key, _READY)[0] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        skip = self.skips(raw)  # the one host read of the step
-        self._stages[id(raw)] = (OptState.STEPPED, self._stages[id(raw)][1])
-        self._skips.pop(id(raw), None)
+        skip = self._skips.pop(key, None)  # read already (:meth:`skips`)
+        if skip is None:
+            skip = self._read_skip(raw, key)  # the one host read of the step (none when decided on the host)
+            del self._skips[key]
+        self._stages[key] = (OptState.STEPPED, self._stages[key][1])
         if self.config.can_skip:
-            self._decided[id(raw)] = skip
-        self._last_applied[id(raw)] = self._latest_applied = not skip
+            self._decided[key] = skip
+        self._last_applied[key] = self._latest_applied = not skip
         if skip:
             self.divergence.observe(True, self.grad_scale, self._state.steps)
-        else:
-            self.divergence.applied()
-        if skip:
             return None
+        self.divergence.applied()
         if self.store is not None:
             return self.store.step(raw, *args, **kwargs)
         return raw.step(*args, **kwargs)
@@ -267,36 +272,51 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
         """Whether this step of ``optimizer`` will be skipped (unscales first when needed): the step's one
         host read of ``found_inf``, cached for :meth:`step` (Fabric's clipping asks before the step)."""
         raw = unwrap_optimizer(optimizer)
-        if id(raw) not in self._skips:
-            stage, found = self._stages.get(id(raw), (OptState.READY, None))
-            if stage is OptState.READY or found is None:
-                found = self.unscale_once(raw)
-            self._skips[id(raw)] = self.config.can_skip and bool(found.item())
-        return self._skips[id(raw)]
+        key = id(raw)
+        skip = self._skips.get(key)
+        return self._read_skip(raw, key) if skip is None else skip
+
+    def _read_skip(self, raw: Any, key: int) -> bool:
+        """:meth:`skips` when not read yet: unscale (when not done), then the check's host decision if nothing
+        wrote to its flag since (FP8's amax check ORs into it), else one read of ``found_inf``."""
+        stage, found = self._stages.get(key, _READY)
+        if stage is OptState.READY or found is None:
+            found = self.unscale_once(raw)
+        host = self._host_flags.pop(key, None)
+        can_skip = self.config.can_skip
+        if host is not None and host[0] is found and found._version == host[1]:
+            self._decided[key] = host[2]
+            skip = can_skip and host[2]
+        else:
+            skip = can_skip and bool(found.item())
+        self._skips[key] = skip
+        return skip
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """One scaler transition with the flags of the optimizers stepped since the last update.
 
         ``new_scale`` sets the scale directly instead (no transition, as in torch).
         """
-        stepped_ids = [key for key, (stage, _) in self._stages.items() if stage is OptState.STEPPED]
-        stepped = [self._stages[key][1] for key in stepped_ids]
-        decided = self._decided
+        stages = self._stages
+        stepped_ids = [key for key, (stage, _) in stages.items() if stage is OptState.STEPPED]
+        stepped = [stages[key][1] for key in stepped_ids]
+        flags = [self._decided.get(key) for key in stepped_ids]
         self._decided = {}
-        self._stages.clear()
+        stages.clear()
         self._skips.clear()
+        self._host_flags.clear()
         if new_scale is not None:
             value = torch.as_tensor(new_scale, dtype=torch.float32, device=self._state.scale.device).reshape(())
             self._state = self._state._replace(scale=value.clone())
             return
         if not stepped:
             return
-        if all(key in decided for key in stepped_ids):  # every decision on the host: so is the transition
+        if None not in flags:  # every decision on the host: so is the transition
             produced = self._grad_scale  # the scale the gradients were made with, when not the current one
             current = produced is None or not self.config.enabled or produced is self._mirror.scale_tensor()
             used = None if current else self._mirror.host_value(produced)
             if current or used is not None:
-                self._host_transition(any(decided[key] for key in stepped_ids), used)
+                self._host_transition(any(flags), used)
                 return
         found = stepped[0] if len(stepped) == 1 else torch.stack(stepped).amax()
         self.record_transition(found > 0)
@@ -330,12 +350,22 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
         self._stages.pop(id(raw), None)
         self._skips.pop(id(raw), None)
         self._decided.pop(id(raw), None)
+        self._host_flags.pop(id(raw), None)
         self._last_applied[id(raw)] = self._latest_applied = False
 
     def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:
-        """:func:`~lightning_ext.grad_check.non_finite_check` with this step's inverse scale."""
-        inv_scale = self._mirror.inverse(self.grad_scale) if self.config.enabled else None
-        return non_finite_check(optimizer, device, inv_scale, self._units, self.config.can_skip)
+        """:func:`~lightning_ext.grad_check.non_finite_check` with this step's inverse scale; with scaling off,
+        where :func:`~lightning_ext.grad_check.host_check` decides, the decision is kept on the host (the step
+        reads no flag unless something writes to it first; the transition runs there), the flag a cached constant."""
+        config = self.config
+        if config.enabled:
+            return non_finite_check(optimizer, device, self._mirror.inverse(self.grad_scale), self._units, True)
+        overflow = host_check(optimizer, device, config.can_skip)
+        if overflow is None:
+            return non_finite_check(optimizer, device, None, self._units, config.can_skip)
+        found = self._flags.of(overflow, device)
+        self._host_flags[id(optimizer)] = (found, found._version, overflow)
+        return found
 
     # -------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

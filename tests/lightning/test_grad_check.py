@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_ext import master_native
-from lightning_ext.grad_check import UnitScales, non_finite_check
+from lightning_ext.grad_check import Flags, UnitScales, any_nonfinite, host_check, non_finite_check
 
 CPU = torch.device("cpu")
 
@@ -72,3 +72,29 @@ def test_scaling_on_unscales_with_the_kernel(kernel_calls):
     found = non_finite_check(_Opt(grads), CPU, torch.tensor(0.25), UnitScales(), reduce=True)
     assert found.item() == 0.0 and kernel_calls == [1]
     assert all(torch.equal(g.float(), torch.full(g.shape, 2.0)) for g in grads)
+
+
+@pytest.mark.parametrize("odd", ["sparse", "strided", "float16", "subclass"])
+def test_the_scan_declines_what_it_cannot_read_before_touching_it(odd):
+    # A sparse gradient has no is_contiguous (it raises): the layout is asked first; a float16 or strided one
+    # and a tensor subclass (a DTensor's kind) are declined too; a decline is None, never a guess.
+    master_native.native_adam()
+    grads = _grads()
+    grads[2] = {"sparse": torch.zeros(5).to_sparse(), "strided": torch.zeros(4, 2).t(),
+                "float16": torch.zeros(5, dtype=torch.float16),
+                "subclass": torch.nn.Parameter(torch.zeros(5))}[odd]
+    assert any_nonfinite(grads) is None
+    assert any_nonfinite(_grads(float("nan"))) is True and any_nonfinite(_grads()) is False
+
+
+def test_host_check_decides_on_the_cpu_only_and_flags_are_fresh_once_written(kernel_calls):
+    grads = _grads(float("inf"))
+    assert host_check(_Opt(grads), CPU, reduce=True) is True and host_check(_Opt(_grads()), CPU, True) is False
+    assert host_check(_Opt(grads), torch.device("meta"), reduce=True) is None  # another device: the kernel's
+    assert kernel_calls == []
+    flags = Flags()
+    one = flags.of(True, CPU)
+    assert one.item() == 1.0 and flags.of(True, CPU) is one and flags.of(False, CPU).item() == 0.0
+    one.zero_()  # a caller that writes to its flag gets it to itself: the next step's is made again
+    again = flags.of(True, CPU)
+    assert again is not one and again.item() == 1.0

@@ -152,10 +152,11 @@ def test_plugin_scaler_is_none_without_loss_scaling():
                  consecutive_hysteresis=True),
     ScalerConfig(dynamic=False, init_scale=8.0)], ids=["skip", "count", "torch", "hysteresis", "fixed"])
 def test_host_transition_state_equals_the_reference_step_by_step(config):
-    # Every decision read on the host (scaling off with skip_nonfinite, or scaling on): the transition runs on
-    # the host (PYTHON_OPS); the device state, latest(), the counters and the scale the next backward runs
-    # with (and the unscaled gradients) must equal the NumPy reference replayed on the same flags, as device
-    # tensors of the same dtypes; state is the same object until the next transition.
+    # Every decision read on the host (scaling on; scaling off, where the native scan decides on the host, with
+    # skip_nonfinite or only counting): the transition runs on the host (PYTHON_OPS); the device state,
+    # latest(), the counters and the scale the next backward runs with (and the unscaled gradients) must equal
+    # the NumPy reference replayed on the same flags, as device tensors of the same dtypes; state is the same
+    # object until the next transition.
     from mp_callbacks import NUMPY_OPS, initial_state, next_state
 
     scaler = TorchLossScaler(config, count_overflows=True)
@@ -177,7 +178,7 @@ def test_host_transition_state_equals_the_reference_step_by_step(config):
             assert torch.equal(p.grad, g * inv) or flag
         scaler.step(opt)
         scaler.update()
-        assert (scaler._mirror.host is not None) is config.can_skip  # host transition: no device op
+        assert scaler._mirror.host is not None  # host transition: no device op
         ref, applied = next_state(config, ref, flag, NUMPY_OPS)
         assert scaler.get_scale() == float(ref.scale)
         state = scaler.state
@@ -218,6 +219,43 @@ def test_the_opt_out_looks_at_nothing_and_moves_its_state_on_the_host(monkeypatc
         for name, value in zip(scaler.state._fields, scaler.state):
             assert value.item() == getattr(ref, name).item(), (step, name)
     assert (scaler.steps, scaler.overflows, scaler.skipped) == (6, 0, 0)
+
+
+@pytest.mark.parametrize("config", [ScalerConfig(enabled=False), ScalerConfig(enabled=False, skip_nonfinite=False)],
+                         ids=["skip", "count"])
+def test_scaling_off_on_the_cpu_decides_on_the_host_with_no_read(config, monkeypatch):
+    # The native scan answers on the host: the step reads no flag back (no item() after the first transition's
+    # one read of the initial state, no device transition), and skips (skip_nonfinite) or counts
+    # (count_overflows) exactly the inf steps, as the reference on the same flags.
+    from lightning_ext import master_native
+    from mp_callbacks import NUMPY_OPS, initial_state, next_state
+
+    master_native.native_adam()
+    scaler = TorchLossScaler(config, count_overflows=True)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: (reads.append(1), item(t))[1])
+    monkeypatch.setattr(TorchLossScaler, "record_transition", lambda *a: pytest.fail("a device transition"))
+    ref = initial_state(config, NUMPY_OPS)
+    for step in range(12):
+        x, y = _batch(step)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y) * (float("inf") if step in INF_STEPS else 1.0)).backward()
+        flag = not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        found = scaler.unscale_(opt)
+        assert scaler.step(opt) is None or not (flag and config.can_skip)
+        scaler.update()
+        if step == 0:
+            reads.clear()  # the host state starts from the device state, read once
+        assert reads == [] and found.dtype == torch.float32 and found.shape == ()
+        assert item(found) == float(flag)
+        ref, _ = next_state(config, ref, flag, NUMPY_OPS)
+        assert (scaler._mirror.host.steps, scaler._mirror.host.overflows, scaler._mirror.host.skipped) == (
+            int(ref.steps), int(ref.overflows), int(ref.skipped))
+    if config.can_skip:  # (counting only, an applied inf step poisons the weights: every later step overflows)
+        assert (scaler.overflows, scaler.skipped) == (len(INF_STEPS), len(INF_STEPS))
 
 
 def test_host_transition_floor_hit_warns_at_the_callers_line():
