@@ -2,7 +2,7 @@
 
     python benchmarks/bench_transformer.py [--threads 1] [--rounds 6] [--steps 120] [--batch-size 4]
         [--seq 32] [--d-model 128] [--layers 2] [--model tiny|hf] [--by-fit] [--only TEXT ...]
-        [--profile] [--json PATH]
+        [--profile] [--json PATH] [--no-pin]
 
 The MLP of bench_lightning.py has no attention, LayerNorm, GELU or embeddings,
 so it hides the cost of the policy's FP32 regions; this model has all of them
@@ -15,7 +15,8 @@ weights, same random-token batches, AdamW lr 1e-3) through ``Trainer``, and
 each native variant runs a second time as a control.  By default the variants
 alternate step by step (``lockstep.py``: every fit in its own thread, one step
 at a time, A B C / C B A per step; a step's figures its wall time and its
-thread's CPU time), ``--rounds`` windows of the steps after a tenth of warm-up,
+thread's CPU time; the process pinned to ``--threads`` CPUs, ``common.pin_cpus``, unless ``--no-pin``),
+``--rounds`` windows of the steps after a tenth of warm-up,
 a window's figure its median step, ratios the median of per-window ratios with
 their min-max; ``--by-fit`` alternates whole fits instead (``common.alternate``,
 ``--rounds`` fits each, a fit's figure its median timed window:
@@ -59,6 +60,7 @@ from common import (  # noqa: E402
     fit_figures,
     machine_line,
     per_step,
+    pin_cpus,
     print_tables,
     with_controls,
     write_json,
@@ -269,7 +271,7 @@ def main() -> None:
     summaries = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        print(machine_line(threads))
+        print(machine_line(threads) + ("" if args.no_pin else pin_cpus(threads)))
         if args.profile:
             profile(cfg, batches, threads)
             continue

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_transformer_keras.py [--threads 1] [--rounds 6] [--steps 120] [--batch-size 4]
         [--seq 32] [--d-model 128] [--layers 2] [--model tiny|keras_hub] [--by-fit] [--only TEXT ...]
-        [--profile] [--attribute RECIPE] [--json PATH]
+        [--profile] [--attribute RECIPE] [--json PATH] [--no-pin]
 
 The Keras twin of bench_transformer.py; the models are ``bench_transformer_keras_model.py``'s:
 ``tiny`` (default) is written out (GPT-2's blocks with a custom ``NewGELU`` layer of plain ops, which
@@ -22,7 +22,8 @@ its tied LM head (random init, no dropout; a third-party model).  Random-token b
   FP32 gradient list widened before the update (the step before each gradient
   was widened inside its own variable's update).
 
-Each native variant runs a second time as a control.  By default the variants alternate step by step
+Each native variant runs a second time as a control; the worker process is pinned to ``--threads`` CPUs
+before TensorFlow starts (``common.pin_cpus``; ``--no-pin``: not).  By default the variants alternate step by step
 (``lockstep.py``: every ``model.fit`` in its own thread, a Keras callback calling the clock at
 ``on_train_batch_begin`` / ``on_train_batch_end``, one step at a time, A B C / C B A per step; a step's
 figures its wall time and the process' CPU time: TF runs its kernels on its own pool threads),
@@ -68,6 +69,9 @@ NATIVES = ["native 32-true", "native 16-mixed", "native bf16-mixed"]
 
 
 def worker(args: argparse.Namespace) -> None:
+    from common import pin_cpus
+
+    pinned = "" if args.no_pin else pin_cpus(args.threads)  # before TensorFlow starts its thread pools
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
@@ -204,7 +208,7 @@ def worker(args: argparse.Namespace) -> None:
              and (args.only is None or any(t in p[0] for t in args.only))]
     names = list(dict.fromkeys(n for p in pairs for n in p[:2]))
     natives = [n for n in NATIVES if n in names]
-    print(machine_line(args.threads))
+    print(machine_line(args.threads) + pinned)
     if args.by_fit:
         times = alternate(with_controls({n: by_fit(n) for n in names}, natives), args.rounds)
         how = f"{args.steps} steps/fit, {args.rounds} fits alternating"
@@ -399,6 +403,8 @@ def main() -> None:
         passthrough += ["--attribute", args.attribute]
     if args.by_fit:
         passthrough.append("--by-fit")
+    if args.no_pin:
+        passthrough.append("--no-pin")
     env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "tensorflow"))
     for threads in args.threads:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import time
 import warnings
@@ -147,6 +148,25 @@ def machine_line(threads: int | None = None) -> str:
     return line + (f"; {threads} thread(s)" if threads else "")
 
 
+def pin_cpus(threads: int) -> str:
+    """Pin this process (and the threads it starts) to the last ``threads`` of the CPUs it could run on when
+    first asked; returns ``"; pinned to CPU(s) ..."`` for the machine line, or ``""`` where it runs unpinned (no
+    ``os.sched_setaffinity``, or ``threads`` not fewer than those CPUs: the first set again).
+
+    Why: on the shared 2-vCPU guests a 1-thread step that the scheduler moves between the vCPUs spreads
+    +-8 % step to step; pinned, +-3 % (lock-step pairs' quartiles, benchmarks/README.md)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return ""
+    if not _FIRST_CPUS:
+        _FIRST_CPUS.extend(sorted(os.sched_getaffinity(0)))
+    chosen = _FIRST_CPUS[-threads:] if threads < len(_FIRST_CPUS) else _FIRST_CPUS
+    os.sched_setaffinity(0, chosen)
+    return f"; pinned to CPU(s) {','.join(map(str, chosen))}" if chosen is not _FIRST_CPUS else ""
+
+
+_FIRST_CPUS: list[int] = []  # the CPUs this process could run on before pin_cpus first pinned it
+
+
 def bytes_by_dtype(per_dtype: Mapping[str, float]) -> str:
     """``{dtype: bytes}`` as ``"170,004 bf16"`` (several dtypes joined by ``+``; ``-`` when empty)."""
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -205,6 +225,9 @@ def base_parser(doc: str | None, rounds: int = 7, steps: int = 40, hidden: int =
     parser.add_argument("--depth", type=int, default=depth)
     parser.add_argument("--batch-size", type=int, default=batch_size)
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures to PATH (JSON)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="let the scheduler place the process (default: pinned to --threads CPUs where the "
+                             "benchmark supports it: pin_cpus)")
     return parser
 
 
