@@ -14,7 +14,7 @@ instead (random init, no dropout; a third-party model with the same
 weights, same random-token batches, AdamW lr 1e-3) through ``Trainer``, and
 each native variant runs a second time as a control.  By default the variants
 alternate step by step (``lockstep.py``: every fit in its own thread, one step
-at a time, A B C / C B A per step; a step's figures its wall time and its
+at a time, in a fresh random order each round; a step's figures its wall time and its
 thread's CPU time; the process pinned to ``--threads`` CPUs, ``common.pin_cpus``, unless ``--no-pin``),
 ``--rounds`` windows of the steps after a tenth of warm-up,
 a window's figure its median step, ratios the median of per-window ratios with
