@@ -92,6 +92,9 @@ class MixedPrecision(Precision, FabricMixedPrecision):
     # ----------------------------------------------------------------- steps
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
         """Multiply the loss by the current scale (when scaling is enabled), then run the hooks."""
+        if module is None:  # Fabric's backward: this is the Trainer's plugin (Lightning's own fails on .trainer)
+            raise TypeError("lightning_ext.MixedPrecision is the Trainer's precision plugin; with Fabric use "
+                            "lightning_ext.fabric.MixedPrecision (the same arguments)")
         self.loss_scaler.to(tensor.device)
         return super().pre_backward(self.loss_scaler.scale(tensor), module)
 

@@ -245,3 +245,11 @@ def test_one_class_for_both_and_what_each_refuses():
     fabric, model, _ = setup(MixedPrecision("bf16-master"))
     with pytest.raises(Exception, match="LBFGS"):
         fabric.setup_optimizers(torch.optim.LBFGS(model.parameters()))
+
+
+def test_the_trainer_plugin_in_fabric_names_the_fabric_one():
+    # Lightning's own Trainer plugin fails here with "'NoneType' object has no attribute 'trainer'".
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[lightning_ext.MixedPrecision("bf16-mixed")])
+    model, opt = fabric.setup(nn.Linear(4, 1), torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"with Fabric use lightning_ext\.fabric\.MixedPrecision"):
+        fabric.backward(model(torch.ones(2, 4)).sum())
