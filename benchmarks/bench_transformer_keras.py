@@ -20,7 +20,9 @@ its tied LM head (random init, no dropout; a third-party model).  Random-token b
   (``*-master``: bf16/fp16 variables with FP32 masters); ours bf16-mixed also
   with ``NewGELU`` declared low precision (``tiny`` only); ours bf16-master also with the whole
   FP32 gradient list widened before the update (the step before each gradient
-  was widened inside its own variable's update).
+  was widened inside its own variable's update); ours 32-true and bf16-mixed also with
+  the inf/NaN check off (``scaler={"enabled": False, "skip_nonfinite": False}``, the opt-out):
+  what the check and the skip cost.
 
 Each native variant runs a second time as a control; the worker process is pinned to ``--threads`` CPUs
 before TensorFlow starts (``common.pin_cpus``; ``--no-pin``: not).  By default the variants alternate step by step
@@ -56,8 +58,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 PAIRS = [
     ("ours 32-true", "native 32-true", "<= 1.02"),
+    ("ours 32-true, no inf/NaN check", "native 32-true", "the check's price (the opt-out)"),
     ("ours 16-mixed", "native 16-mixed", "<= 1.02"),
     ("ours bf16-mixed", "native bf16-mixed", "<= 1.02"),
+    ("ours bf16-mixed, no inf/NaN check", "native bf16-mixed", "the check's price (the opt-out)"),
     ("ours bf16-mixed", "ours bf16-mixed, NewGELU declared bf16", "FP32 region of the unknown GELU layer"),
     ("ours 16-master", "native 16-mixed", "<= 0.95"),
     ("ours bf16-master", "native bf16-mixed", "<= 0.95"),
@@ -145,8 +149,8 @@ def worker(args: argparse.Namespace) -> None:
             opt = keras.optimizers.LossScaleOptimizer(opt)
         return model, opt
 
-    def make_ours(recipe: str, gelu_low: bool = False, fp32_list: bool = False,
-                  off: str | None = None) -> tuple[keras.Model, keras.optimizers.Optimizer]:
+    def make_ours(recipe: str, gelu_low: bool = False, fp32_list: bool = False, off: str | None = None,
+                  check: bool = True) -> tuple[keras.Model, keras.optimizers.Optimizer]:
         before = keras.config.dtype_policy()
         keras.utils.set_random_seed(0)
         keras.config.set_dtype_policy("float32")
@@ -163,7 +167,8 @@ def worker(args: argparse.Namespace) -> None:
         finally:
             keras.config.set_dtype_policy(before)
         opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-3), recipe,
-                                         **({"divergence": False} if off == OFF[1] else {}))
+                                         **({"divergence": False} if off == OFF[1] else {}),
+                                         **({} if check else {"scaler": {"enabled": False, "skip_nonfinite": False}}))
         switch_off(opt, off)
         if fp32_list:  # the step before keras_ext widened each gradient in its own update (18 B/param)
             opt._masters.widens_in_update = lambda optimizer: False
@@ -179,6 +184,8 @@ def worker(args: argparse.Namespace) -> None:
         "native bf16-mixed": (make_native, ("mixed_bfloat16",)), "ours bf16-mixed": (make_ours, ("bf16-mixed",)),
         "ours 16-master": (make_ours, ("16-master",)), "ours bf16-master": (make_ours, ("bf16-master",)),
         "ours bf16-master, FP32 gradient list": (make_ours, ("bf16-master", False, True)),
+        "ours 32-true, no inf/NaN check": (make_ours, ("32-true", False, False, None, False)),
+        "ours bf16-mixed, no inf/NaN check": (make_ours, ("bf16-mixed", False, False, None, False)),
     }
     if args.model == "tiny":  # keras_hub's GELU is the Dense layer's activation, not a layer of its own
         makers["ours bf16-mixed, NewGELU declared bf16"] = (make_ours, ("bf16-mixed", True))

@@ -40,7 +40,8 @@ class OptimizerStep:
     def _step(self, found_inf: Any, loss_finite: Any, unscaled: list[Any], tvs: list[Any],
               apply_inner: Callable[[list[Any]], None]) -> Any:
         """Transition (frozen after a divergence stop), divergence rule, the update when applied
-        (``apply_inner`` + write-back), state write; returns the scale the gradients were produced
+        (``apply_inner`` + write-back; traced without a ``cond`` where no step can be skipped: scaling off,
+        ``skip_nonfinite=False``, no divergence latch), state write; returns the scale the gradients were produced
         with when a monitor is attached (else None)."""
         scale_used = self._scale_before()
         stopped = self._divergence.stopped()
@@ -57,7 +58,10 @@ class OptimizerStep:
             else:
                 update(unscaled)
 
-        run_if(applied, apply_fn, [*self.variables, *tvs])  # JAX: a select, no writes inside a cond branch
+        if stopped is None and not self.scaler_config.can_skip:  # never skipped (the opt-out): no cond at all
+            apply_fn()
+        else:
+            run_if(applied, apply_fn, [*self.variables, *tvs])  # JAX: a select, no writes inside a cond branch
         self._scaler.write(new)
         return scale_used
 

@@ -152,3 +152,27 @@ def test_scaled_loss_without_a_scale_has_the_products_dtype(dtype):
     assert out.dtype == tf.float32 and float(out) == 1.5
     assert out is loss or dtype != "float32"
     assert scaled_loss(loss, tf.constant(1.0)).dtype == out.dtype
+
+
+def _conds(concrete):
+    """The conditionals in a traced step: ``If``/``StatelessIf`` ops, or ``Switch`` where TensorFlow lowered one."""
+    return [op.type for op in concrete.graph.get_operations() if op.type in ("If", "StatelessIf", "Switch")]
+
+
+@pytest.mark.parametrize("recipe", ["32-true", "bf16-mixed", "bf16-master"])
+def test_the_opt_out_traces_no_cond_and_applies_every_step(recipe):
+    # With skip_nonfinite=False and scaling off no step can be skipped: the update is traced straight, not
+    # under a cond whose predicate is always True; the default (skip) keeps its cond (bf16-master's is inside
+    # the step's XLA function, not in this graph); an inf step is applied.
+    model, opt = _setup(recipe)
+    assert bool(_conds(_traced_step(opt, model)[0])) is (recipe != "bf16-master")
+    model, opt = _setup(recipe, scaler={"enabled": False, "skip_nonfinite": False})
+    assert _conds(_traced_step(opt, model)[0]) == []
+    import tensorflow as tf
+
+    tvs = model.trainable_variables
+    before = [np.array(v) for v in tvs]
+    step = tf.function(lambda gs: opt.apply(gs, tvs))
+    step([tf.fill(v.shape, tf.constant(float("inf"), v.dtype)) for v in tvs])
+    assert all(not np.isfinite(np.array(v, dtype=np.float32)).all() for v in tvs)  # applied, as the opt-out says
+    assert int(opt.loss_scaler.steps) == 1 and int(opt.loss_scaler.skipped) == 0 and before
