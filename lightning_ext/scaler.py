@@ -26,8 +26,11 @@ step is an error, as in torch.  Rules:
   all-reduced (MAX) over the process group so every rank decides alike
   (under FSDP2 each rank checks its local gradient shards: ``ShardedGradScaler``'s
   semantics): :func:`~lightning_ext.grad_check.non_finite_check`.
-* ``step``: one host read of ``found_inf`` when scaling is on (as
-  ``GradScaler.step``; :meth:`TorchLossScaler.skips` may read it earlier, once); a
+* ``step``: one host read of ``found_inf`` where the step can be skipped (as
+  ``GradScaler.step``; :meth:`TorchLossScaler.skips` may read it earlier, once), none
+  where the check decided on the host (scaling off on the CPU:
+  :func:`~lightning_ext.grad_check.host_check`; a write to the flag since, as FP8's
+  amax check makes, is read); a
   skipped step calls nothing, so parameters, masters, compensation buffers, the
   rounding stream, optimizer state and the optimizer's step counters stay as they
   were; an applied one goes through the weight store.  The divergence rule sees the
