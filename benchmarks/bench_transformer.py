@@ -71,6 +71,7 @@ from lockstep import StepClock, lockstep  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_ext import MixedPrecision  # noqa: E402
+from lightning_ext.check_native import native_check  # noqa: E402
 from mp_callbacks.app.lightning_runner import state_bytes  # noqa: E402
 from mp_callbacks.recipes import get_recipe  # noqa: E402
 
@@ -272,6 +273,7 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(machine_line(threads) + ("" if args.no_pin else pin_cpus(threads)))
+        native_check(wait=True)  # built (once per machine) and loaded before any step is timed
         if args.profile:
             profile(cfg, batches, threads)
             continue

@@ -4,10 +4,12 @@ Rule: one pass over every gradient the optimizer will read, setting ``found_inf`
 or NaN. With loss scaling on it is torch's fused ``_amp_foreach_non_finite_check_and_unscale_``, which also
 multiplies each value by ``inv_scale`` in place (all gradients in one call on CPU, whose kernel takes mixed
 dtypes; one call per device and dtype elsewhere, as ``GradScaler``). With scaling off nothing is written: on
-the CPU, dense contiguous bf16/FP32 gradients are scanned read-only by :func:`any_nonfinite` (the scan of
-:mod:`lightning_ext.master_native`'s library: half the kernel's memory traffic, and the gradients come out of
-it in cache for the optimizer step that reads them next, measured in ``benchmarks/README.md``), last parameter
-first, so that the first ones, which the optimizer reads first, are the latest read; where the scan does not
+the CPU, dense contiguous bf16/FP32 gradients are scanned read-only (half the kernel's memory traffic, and
+the gradients come out of it in cache for the optimizer step that reads them next, measured in
+``benchmarks/README.md``) by one native call over the optimizer's groups (:mod:`lightning_ext.check_native`),
+or, until that is built or where it declines, by :func:`any_nonfinite` (:mod:`lightning_ext.master_native`'s
+scan, the gradients listed in Python), last parameter first, so that the first ones, which the optimizer
+reads first, are the latest read; where the scan does not
 apply (another device or dtype, a sparse or strided gradient, no native library, more intra-op threads) the
 fused kernel runs with the unit inverse scale, which leaves the values as they are. What the check reads of a
 gradient: a DTensor's (FSDP2 shard's) local shard, a sparse gradient's values (a float16 one coalesced first,
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .check_native import native_check
 from .master_native import native_adam
 
 __all__ = ["Flags", "UnitScales", "any_nonfinite", "dense_local", "host_check", "non_finite_check"]
@@ -66,6 +69,18 @@ def host_check(optimizer: Any, device: torch.device, reduce: bool) -> bool | Non
     than one process (the ranks agree through the all-reduce of its flag)."""
     if device.type != "cpu" or (reduce and _in_group()):
         return None
+    return _scan(optimizer)
+
+
+def _scan(optimizer: Any) -> bool | None:
+    """Whether ``optimizer``'s gradients hold an inf or NaN, by one native call
+    (:func:`~lightning_ext.check_native.native_check`) or else :func:`any_nonfinite`; None where neither
+    applies."""
+    native = native_check()
+    if native is not None:
+        found = native.groups(_param_groups(optimizer))
+        if found >= 0:
+            return found == 1
     return any_nonfinite(_grads(optimizer)[::-1])  # the order: the module's rule
 
 
@@ -106,11 +121,11 @@ def non_finite_check(optimizer: Any, device: torch.device, inv_scale: Tensor | N
 
     Runs after every backward: the common case (dense CPU gradients, one process) is one comprehension,
     one look at each gradient and one native or kernel call; everything else takes the general grouping."""
-    grads = _grads(optimizer)
     if inv_scale is None and device.type == "cpu":
-        found = any_nonfinite(grads[::-1])  # None: the scan does not apply (the order: the module's rule)
+        found = _scan(optimizer)  # None: the scan does not apply
         if found is not None:
             return _reduced(torch.full((), float(found), dtype=torch.float32, device=device), reduce)
+    grads = _grads(optimizer)
     dense_cpu = all(type(g) is Tensor and g.layout is _STRIDED and g.is_cpu for g in grads)
     found_inf = torch.zeros((), dtype=torch.float32, device=device)
     if dense_cpu and device.type == "cpu":

@@ -130,13 +130,16 @@ def _build() -> Path:
     return build_library(SOURCE, "kahan_native", _FLAGS)
 
 
-def build_library(source: str, stem: str, flags: list[str]) -> Path:
-    """The shared library of C ``source`` built with ``flags``: ``<stem>-<hash>.so`` in the cache folder (a
-    private temporary one if that is not writable), built unless already there."""
-    cc = os.environ.get("CC") or "cc"
+def build_library(source: str, stem: str, flags: list[str], language: str = "c", link: list[str] | None = None
+                  ) -> Path:
+    """The shared library of ``source`` (``language`` "c": built with ``$CC``, else ``cc``; "c++": ``$CXX``,
+    else ``c++``) built with ``flags`` (``link``: after the source): ``<stem>-<hash>.so`` in the cache folder
+    (a private temporary one if that is not writable), built unless already there."""
+    link = link or []
+    cc = (os.environ.get("CC") or "cc") if language == "c" else (os.environ.get("CXX") or "c++")
     if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} not found)")
-    digest = hashlib.sha256("\0".join([source, cc, platform.machine(), *flags]).encode()).hexdigest()[:16]
+        raise RuntimeError(f"no {language.upper()} compiler ({cc!r} not found)")
+    digest = hashlib.sha256("\0".join([source, cc, platform.machine(), *flags, *link]).encode()).hexdigest()[:16]
     name = f"{stem}-{digest}.so"
     for folder in (_cache_folder(), None):
         if folder is not None and (folder / name).is_file():
@@ -147,9 +150,9 @@ def build_library(source: str, stem: str, flags: list[str]) -> Path:
                 atexit.register(shutil.rmtree, folder, True)
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                src, out = Path(tmp) / f"{stem}.c", Path(tmp) / name
+                src, out = Path(tmp) / f"{stem}.{'c' if language == 'c' else 'cpp'}", Path(tmp) / name
                 src.write_text(source)
-                done = subprocess.run([cc, *flags, str(src), "-o", str(out)], capture_output=True, text=True,
+                done = subprocess.run([cc, *flags, str(src), "-o", str(out), *link], capture_output=True, text=True,
                                       timeout=_BUILD_SECONDS)
                 if done.returncode != 0:
                     raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .kahan_native import build_library
 
-__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeAdam", "alias_grads", "native_adam",
+__all__ = ["CLONES", "MAX_THREADS", "NATIVE", "SCAN", "SOURCE", "NativeAdam", "alias_grads", "native_adam",
            "one_pass_step"]
 
 NATIVE = True
@@ -60,15 +60,35 @@ NATIVE = True
 MAX_THREADS = 1
 """The native pass is used while ``torch.get_num_threads()`` is at most this (it runs on one thread)."""
 
-SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+CLONES = r"""
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONES
 #endif
+"""
+"""C/C++: ``CLONES`` builds a function for AVX-512, AVX2 and baseline x86-64 (picked when loaded)."""
+
+SCAN = r"""
+/* 1 when one of the n values is inf or NaN (all exponent bits set), read only: FP32 ones as bits, bf16 ones */
+CLONES static int32_t scan_f32(const uint32_t *x, int64_t n) {
+    uint32_t top = 0;
+    for (int64_t i = 0; i < n; i++) { uint32_t e = x[i] & 0x7f800000u; top = e > top ? e : top; }
+    return top == 0x7f800000u;
+}
+CLONES static int32_t scan_bf16(const uint16_t *x, int64_t n) {
+    uint16_t top = 0;
+    for (int64_t i = 0; i < n; i++) { uint16_t e = x[i] & 0x7f80u; top = e > top ? e : top; }
+    return top == 0x7f80u;
+}
+"""
+"""C/C++ (after :data:`CLONES`): the read-only inf/NaN scan of one FP32 or bf16 array."""
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+""" + CLONES + SCAN + r"""
 typedef struct { float coeff, b2, c2, bcs, eps, nss, decay, wd; int small; } coefs;
 static inline float up(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
 /* f rounded to the nearest bf16, ties to even (torch's vectorized copy: NaN -> 0xffff) */
@@ -127,20 +147,11 @@ CLONES void adam_onepass(int64_t count, const int64_t *sizes, void *const *ptrs,
         else { if (!w) SPANS(0, 1) else SPANS(0, 0) }
     }
 }
-/* 1 when a value of the tensors is inf or NaN (wide: FP32, else bf16; all exponent bits set), read only */
-CLONES int32_t any_nonfinite(int64_t count, const int64_t *sizes, const void *const *data, const int32_t *wide) {
-    for (int64_t k = 0; k < count; k++) {
-        int64_t n = sizes[k];
-        if (wide[k]) {
-            const uint32_t *x = data[k]; uint32_t top = 0;
-            for (int64_t i = 0; i < n; i++) { uint32_t e = x[i] & 0x7f800000u; top = e > top ? e : top; }
-            if (top == 0x7f800000u) return 1;
-        } else {
-            const uint16_t *x = data[k]; uint16_t top = 0;
-            for (int64_t i = 0; i < n; i++) { uint16_t e = x[i] & 0x7f80u; top = e > top ? e : top; }
-            if (top == 0x7f80u) return 1;
-        }
-    }
+/* 1 when a value of the tensors is inf or NaN (wide: FP32, else bf16), read only */
+int32_t any_nonfinite(int64_t count, const int64_t *sizes, const void *const *data, const int32_t *wide) {
+    for (int64_t k = 0; k < count; k++)
+        if (wide[k] ? scan_f32((const uint32_t *)data[k], sizes[k]) : scan_bf16((const uint16_t *)data[k], sizes[k]))
+            return 1;
     return 0;
 }
 """
