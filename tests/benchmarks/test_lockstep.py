@@ -42,7 +42,29 @@ def test_lockstep_runs_one_step_at_a_time_in_turn():
             return train
         return build
 
-    out = lockstep({k: variant(k) for k in "abc"}, steps=6, windows=2, warmup=0)
+    out = lockstep({k: variant(k) for k in "abc"}, steps=6, windows=2, warmup=0, lead=False)
     assert sorted(out) == ["a", "b", "c"] and all(len(v) == 2 for v in out.values())
     for r in range(6):
         assert sorted(log[3 * r:3 * r + 3]) == ["a", "b", "c"]
+
+
+def test_the_lead_is_a_copy_of_the_first_variant_built_first_and_left_out():
+    built: list[str] = []
+    log: list[str] = []
+
+    def variant(name: str):
+        def build(clock: StepClock):
+            built.append(name)
+
+            def train():
+                for _ in range(4):
+                    clock.begin()
+                    log.append(name)
+                    clock.end()
+            return train
+        return build
+
+    out = lockstep({k: variant(k) for k in "ab"}, steps=4, windows=2, warmup=0)
+    assert built == ["a", "a", "b"] and sorted(out) == ["a", "b"]  # the lead: a, built first, not reported
+    for r in range(4):
+        assert sorted(log[3 * r:3 * r + 3]) == ["a", "a", "b"]
