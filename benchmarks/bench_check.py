@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(machine_line(1) + ("" if args.no_pin else pin_cpus(1)))
-    if check_native.native_check(wait=True) is None:
+    if check_native.native_check() is None:
         raise SystemExit("the native check is not available here (see its warning)")
     cfg = GPTConfig(vocab=512, seq=args.seq, d_model=args.d_model, heads=4, layers=args.layers, ff=4 * args.d_model)
     torch.manual_seed(0)

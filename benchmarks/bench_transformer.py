@@ -273,7 +273,7 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(machine_line(threads) + ("" if args.no_pin else pin_cpus(threads)))
-        native_check(wait=True)  # built (once per machine) and loaded before any step is timed
+        native_check()  # built (once per machine) and loaded before any step is timed
         if args.profile:
             profile(cfg, batches, threads)
             continue

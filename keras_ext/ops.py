@@ -8,7 +8,7 @@ The five vector ops of :class:`mp_callbacks.fp8.scaling.FP8ArrayOps` (``divide``
 ``reduce_max``, ``roll_left``, ``set_first``, ``zeros``) let the FP8 scaling
 transition (:func:`mp_callbacks.fp8.scaling.next_fp8_state`) run the same way, for one
 state or a batch (leading axes; a condition with fewer axes selects along them).
-:func:`is_tf` and :func:`dtype_name` are the backend questions the other
+:func:`is_tf`, :func:`in_xla_context` and :func:`dtype_name` are the backend questions the other
 modules ask.
 """
 
@@ -19,12 +19,25 @@ from typing import Any
 import keras
 from keras import ops
 
-__all__ = ["KerasOps", "KERAS_OPS", "dtype_name", "is_tf", "read_once"]
+__all__ = ["KerasOps", "KERAS_OPS", "dtype_name", "in_xla_context", "is_tf", "read_once"]
 
 
 def is_tf() -> bool:
     """True on Keras' TensorFlow backend."""
     return keras.backend.backend() == "tensorflow"
+
+
+def in_xla_context() -> bool:
+    """True while tracing a function that TensorFlow compiles with XLA (False on other backends)."""
+    if not is_tf():
+        return False
+    try:
+        import tensorflow as tf
+        from tensorflow.python.ops import control_flow_util
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except Exception:  # pragma: no cover - TF internals moved
+        return False
 
 
 def read_once(variable: Any) -> Any:

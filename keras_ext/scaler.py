@@ -47,7 +47,7 @@ from mp_callbacks.loss_scale.transition import (
 from mp_callbacks.recipes import Recipe
 
 from .jax_support import tracing
-from .ops import KERAS_OPS, is_tf, read_once
+from .ops import KERAS_OPS, in_xla_context, is_tf, read_once
 
 __all__ = ["KerasLossScaler", "VARIABLE_NAMES", "scaler_config"]
 
@@ -185,7 +185,7 @@ class KerasLossScaler(ScalerCounters):
 
         if tf.executing_eagerly():
             self._react_on_host(bool(hit), new)
-        elif _in_xla_context():
+        elif in_xla_context():
             warnings.warn(
                 f"keras_ext.LossScaleOptimizer: on_min_scale={self.config.on_min_scale!r} cannot act inside "
                 "an XLA-compiled step (jit_compile=True); floor hits are only counted (optimizer.floor_hits)",
@@ -230,14 +230,3 @@ class KerasLossScaler(ScalerCounters):
 
     def __repr__(self) -> str:
         return f"KerasLossScaler(scale={self.current_scale:g}, steps={self.steps}, overflows={self.overflows})"
-
-
-def _in_xla_context() -> bool:
-    """True while tracing a function that TF compiles with XLA."""
-    try:
-        import tensorflow as tf
-        from tensorflow.python.ops import control_flow_util
-
-        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-    except Exception:  # pragma: no cover - TF internals moved
-        return False

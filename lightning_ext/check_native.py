@@ -11,32 +11,31 @@ not apply, for the caller to decide by the Python path: a gradient that is not a
 bf16/FP32 CPU tensor with its own storage (a sparse, strided, float16, tensor-subclass or wrapper one), a
 parameter that is not a tensor, groups that are not a list of dicts holding a ``"params"`` list.  It reads
 what ``p.grad`` holds in C++ (a Python subclass overriding ``grad`` is not consulted), scans the gradients
-last parameter first (:mod:`lightning_ext.grad_check`'s order) with :data:`~lightning_ext.master_native.SCAN`,
-the same loop as the one-pass step's scan, and releases the GIL while it reads the values.
+last parameter first (:mod:`lightning_ext.grad_check`'s order) with :data:`~mp_callbacks.native.SCAN`,
+the same loop as the one-pass step's scan and keras_ext's, and releases the GIL while it reads the values.
 
 Build: a CPython extension module against torch's headers (``$CXX``, else ``c++``; the Python headers),
-built once per source, compiler, torch and Python into the cache folder of
-:func:`~lightning_ext.kahan_native.build_library` (~12 s), in a thread started by the first call; until it is
-loaded the first calls return None (the Python path: the same decisions); a process that ends sooner waits
-for the build at exit.  Once loaded it is checked against
-``isfinite``.  No compiler or headers, a failed build or load, or a mismatch: one warning, and the Python
-path.  Switch: :data:`NATIVE`.  Used while ``torch.get_num_threads()`` is at most
+built by the first call (~12 s, once per source, compiler, torch and Python, into the cache folder of
+:func:`~mp_callbacks.native.build_library`; later processes load it in milliseconds), then checked against
+the values it was given.  No compiler or headers, a failed build or load, or a mismatch: one warning, and the
+Python path.  Switch: :data:`NATIVE`.  Used while ``torch.get_num_threads()`` is at most
 :data:`~lightning_ext.master_native.MAX_THREADS` (the scan runs on one thread), as the Python path's scan.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sysconfig
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mp_callbacks.native import CLONES, SCAN, build_library
+
 from . import master_native
-from .kahan_native import build_library
 
 __all__ = ["NATIVE", "SOURCE", "NativeCheck", "native_check"]
 
@@ -49,7 +48,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <typeinfo>
 #include <vector>
-""" + master_native.CLONES + master_native.SCAN + r"""
+""" + CLONES + SCAN + r"""
 /* the gradient of the parameter o (undefined: none), or 0 when o is not a tensor */
 static const at::Tensor *grad_of(PyObject *o) {
     if (!THPVariable_Check(o)) return nullptr;
@@ -101,51 +100,25 @@ class NativeCheck:
         """``groups(optimizer.param_groups)`` -> 1, 0 or -1 (the module's rule)."""
 
 
-class _Build:
-    """The one build-and-load of this process, in a thread of its own; its result once finished."""
+_loaded: list[NativeCheck | None] = []  # one entry once tried
 
-    def __init__(self) -> None:
-        self.native: NativeCheck | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.warned = False
-        # not a daemon: a process that ends sooner waits for the build, so that it is not lost (nor left half-done)
-        self.thread = threading.Thread(target=self._run, name="mp_callbacks check_native build")
-        self.thread.start()
 
-    def _run(self) -> None:
+def native_check() -> NativeCheck | None:
+    """The native check when :data:`NATIVE` is on, the intra-op threads at most
+    :data:`~lightning_ext.master_native.MAX_THREADS` and the module built, loaded and checked (tried once per
+    process, built by the first call; a failure warns once); else None."""
+    if not NATIVE or torch.get_num_threads() > master_native.MAX_THREADS:
+        return None
+    if not _loaded:
         try:
             native = NativeCheck(_load(_build()))
             _self_check(native)
-            self.native = native
         except Exception as err:  # noqa: BLE001 - any failure means the Python path
-            self.error = err
-        finally:
-            self.done.set()
-
-
-_build_state: list[_Build] = []  # the one build of this process, once started
-
-
-def native_check(wait: bool = False) -> NativeCheck | None:
-    """The native check when :data:`NATIVE` is on, the intra-op threads at most
-    :data:`~lightning_ext.master_native.MAX_THREADS` and the module built, loaded and checked; else None.
-    The first call starts the build in a thread and returns None (``wait``: until it has finished); a failure
-    warns once, from the first call after it."""
-    if not NATIVE or torch.get_num_threads() > master_native.MAX_THREADS:
-        return None
-    if not _build_state or (not _build_state[0].done.is_set() and not _build_state[0].thread.is_alive()):
-        _build_state[:] = [_Build()]  # none yet, or a forked child's copy of a parent's unfinished one
-    build = _build_state[0]
-    if wait:
-        build.done.wait()
-    if not build.done.is_set():
-        return None
-    if build.error is not None and not build.warned:
-        build.warned = True
-        warnings.warn(f"lightning_ext.check_native: the native inf/NaN check is unavailable ({build.error}); the "
-                      "check runs its Python path (the same decisions, slower)", RuntimeWarning, stacklevel=2)
-    return build.native
+            warnings.warn(f"lightning_ext.check_native: the native inf/NaN check is unavailable ({err}); the "
+                          "check runs its Python path (the same decisions, slower)", RuntimeWarning, stacklevel=2)
+            native = None
+        _loaded.append(native)
+    return _loaded[0]
 
 
 def _build() -> Path:
@@ -175,7 +148,7 @@ def _load(path: Path) -> Any:
 
 
 def _self_check(native: NativeCheck) -> None:
-    """The check against ``isfinite`` on FP32 and bf16 gradients of every length 1..40 and 4099, one special
+    """The check against the values it was given on FP32 and bf16 gradients of every length 1..40 and 4099, one special
     value (inf, -inf, NaN; or the largest finite value, a subnormal, -0) at each place; and the -1 cases."""
     specials = [float("inf"), float("-inf"), float("nan"), 3.0e38, 1e-40, -0.0]
     for dtype in (torch.float32, torch.bfloat16):
@@ -186,7 +159,7 @@ def _self_check(native: NativeCheck) -> None:
                     grad = torch.randn(n).to(dtype)
                     grad[where] = value
                     p.grad = grad
-                    want = int(not bool(grad.isfinite().all()))
+                    want = int(not math.isfinite(float(grad[where])))  # randn's values are finite
                     if native.groups([{"params": [torch.nn.Parameter(torch.zeros(1)), p]}]) != want:
                         raise RuntimeError(f"the check differs from isfinite ({dtype}, {n} elements)")
     for grad in (torch.zeros(4, 4).t(), torch.zeros(4, 4, dtype=torch.float16), torch.zeros(4, 4).to_sparse()):

@@ -25,23 +25,18 @@ than the eager passes on an AVX2 CPU (benchmarks/README.md), so it is not used.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from mp_callbacks.native import build_library
+
 from .rounding_step import _kahan_chunk
 
-__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeKahan", "build_library", "native_kahan"]
+__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeKahan", "native_kahan"]
 
 NATIVE = True
 """Write Kahan segments back with the native pass (False: the eager torch passes; the same bits)."""
@@ -84,7 +79,6 @@ CLONES void kahan_write(const float *restrict t, uint16_t *restrict w, uint16_t 
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
-_BUILD_SECONDS = 120
 _loaded: list[NativeKahan | None] = []  # one entry once tried
 
 
@@ -128,44 +122,6 @@ def native_kahan() -> NativeKahan | None:
 def _build() -> Path:
     """The library's path, built into the cache folder unless already there."""
     return build_library(SOURCE, "kahan_native", _FLAGS)
-
-
-def build_library(source: str, stem: str, flags: list[str], language: str = "c", link: list[str] | None = None
-                  ) -> Path:
-    """The shared library of ``source`` (``language`` "c": built with ``$CC``, else ``cc``; "c++": ``$CXX``,
-    else ``c++``) built with ``flags`` (``link``: after the source): ``<stem>-<hash>.so`` in the cache folder
-    (a private temporary one if that is not writable), built unless already there."""
-    link = link or []
-    cc = (os.environ.get("CC") or "cc") if language == "c" else (os.environ.get("CXX") or "c++")
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no {language.upper()} compiler ({cc!r} not found)")
-    digest = hashlib.sha256("\0".join([source, cc, platform.machine(), *flags, *link]).encode()).hexdigest()[:16]
-    name = f"{stem}-{digest}.so"
-    for folder in (_cache_folder(), None):
-        if folder is not None and (folder / name).is_file():
-            return folder / name
-        try:
-            if folder is None:  # removed at exit (a loaded library may be unlinked)
-                folder = Path(tempfile.mkdtemp(prefix="mp_callbacks-"))
-                atexit.register(shutil.rmtree, folder, True)
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                src, out = Path(tmp) / f"{stem}.{'c' if language == 'c' else 'cpp'}", Path(tmp) / name
-                src.write_text(source)
-                done = subprocess.run([cc, *flags, str(src), "-o", str(out), *link], capture_output=True, text=True,
-                                      timeout=_BUILD_SECONDS)
-                if done.returncode != 0:
-                    raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
-                os.replace(out, folder / name)  # atomic: a concurrent process finds a whole file or none
-            return folder / name
-        except OSError:
-            continue  # the cache folder is not writable: a private temporary one
-    raise RuntimeError("no writable folder for the build")
-
-
-def _cache_folder() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "mp_callbacks"
 
 
 def _self_check(native: NativeKahan) -> None:

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kahan_native import build_library
+from mp_callbacks.native import CLONES, SCAN, build_library
 
-__all__ = ["CLONES", "MAX_THREADS", "NATIVE", "SCAN", "SOURCE", "NativeAdam", "alias_grads", "native_adam",
+__all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeAdam", "alias_grads", "native_adam",
            "one_pass_step"]
 
 NATIVE = True
@@ -59,30 +59,6 @@ NATIVE = True
 
 MAX_THREADS = 1
 """The native pass is used while ``torch.get_num_threads()`` is at most this (it runs on one thread)."""
-
-CLONES = r"""
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
-"""
-"""C/C++: ``CLONES`` builds a function for AVX-512, AVX2 and baseline x86-64 (picked when loaded)."""
-
-SCAN = r"""
-/* 1 when one of the n values is inf or NaN (all exponent bits set), read only: FP32 ones as bits, bf16 ones */
-CLONES static int32_t scan_f32(const uint32_t *x, int64_t n) {
-    uint32_t top = 0;
-    for (int64_t i = 0; i < n; i++) { uint32_t e = x[i] & 0x7f800000u; top = e > top ? e : top; }
-    return top == 0x7f800000u;
-}
-CLONES static int32_t scan_bf16(const uint16_t *x, int64_t n) {
-    uint16_t top = 0;
-    for (int64_t i = 0; i < n; i++) { uint16_t e = x[i] & 0x7f80u; top = e > top ? e : top; }
-    return top == 0x7f80u;
-}
-"""
-"""C/C++ (after :data:`CLONES`): the read-only inf/NaN scan of one FP32 or bf16 array."""
 
 SOURCE = r"""
 #include <math.h>

@@ -5,7 +5,7 @@ elsewhere; with scaling on the kernel unscales, as ``GradScaler``."""
 import pytest
 import torch
 
-from lightning_ext import master_native
+from lightning_ext import check_native, master_native
 from lightning_ext.grad_check import Flags, UnitScales, any_nonfinite, host_check, non_finite_check
 
 CPU = torch.device("cpu")
@@ -61,7 +61,8 @@ def test_where_the_scan_does_not_apply_the_kernel_checks_alike(special, kernel_c
     strided[1] = strided[1].t()  # not contiguous: the kernel's
     assert bool(non_finite_check(_Opt(strided), CPU, None, UnitScales(), reduce=True).item()) == (special is not None)
     assert kernel_calls == [1]
-    monkeypatch.setattr(master_native, "NATIVE", False)  # no library: the kernel's
+    monkeypatch.setattr(master_native, "NATIVE", False)  # no libraries: the kernel's
+    monkeypatch.setattr(check_native, "NATIVE", False)
     assert bool(non_finite_check(_Opt(_grads(special)), CPU, None, UnitScales(), reduce=True).item()) == (
         special is not None)
     assert kernel_calls == [1, 1]

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_ext import MixedPrecision, MixedPrecisionMonitor, grad_check, master_native
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor, check_native, grad_check, master_native
 from lightning_ext.masters import MasterWeights
 from mp_callbacks.app.lightning_runner import state_bytes
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
@@ -284,8 +284,9 @@ def test_where_the_pass_cannot_apply_the_step_widens_and_the_check_scans(passes,
     assert kernel == []  # scaling off: the read-only scan checks the FP32 master gradients (lightning_ext.grad_check)
 
 
-def test_without_the_library_the_check_is_torchs_kernel(monkeypatch):
+def test_without_the_libraries_the_check_is_torchs_kernel(monkeypatch):
     monkeypatch.setattr(master_native, "NATIVE", False)
+    monkeypatch.setattr(check_native, "NATIVE", False)  # the check's one native call off too
     checks = []
     original = torch._amp_foreach_non_finite_check_and_unscale_
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",

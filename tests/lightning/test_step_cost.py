@@ -5,7 +5,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_ext import MixedPrecision, MixedPrecisionMonitor, master_native
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor, check_native, master_native
 from mp_callbacks.app.lightning_runner import state_bytes
 from mp_callbacks.memory.estimate import bytes_per_param
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
@@ -32,11 +32,15 @@ def every_finite_check(monkeypatch):
 
 @pytest.fixture
 def check_calls(monkeypatch):
-    """Counts calls of torch's fused non-finite check and of the one-pass step's native scan (what the plugin
-    uses to look at gradients)."""
+    """Counts calls of torch's fused non-finite check, of the one-pass step's native scan and of the native
+    check's one call (what the plugin uses to look at gradients)."""
     calls = []
     original, scan = torch._amp_foreach_non_finite_check_and_unscale_, master_native.NativeAdam.scan
     master_native.native_adam()  # loaded (and checked) before counting
+    native = check_native.native_check()
+    if native is not None:
+        groups = native.groups
+        monkeypatch.setattr(native, "groups", lambda param_groups: (calls.append(1), groups(param_groups))[1])
 
     def counting(*args, **kwargs):
         calls.append(1)
