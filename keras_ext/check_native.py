@@ -91,8 +91,9 @@ def _loaded() -> NativeCheck | None:
     if tf.config.list_physical_devices("GPU"):
         return None
     try:
-        native = NativeCheck(tf.load_op_library(str(_build())))
-        _self_check(native)
+        with tf.init_scope():  # eagerly, also when the first call comes while a step is being traced
+            native = NativeCheck(tf.load_op_library(str(_build())))
+            _self_check(native)
     except Exception as err:  # noqa: BLE001 - any failure means the generic check
         warnings.warn(f"keras_ext.check_native: the native inf/NaN check is unavailable ({err}); the check "
                       "runs as IsFinite + All per gradient (the same decisions, slower)", RuntimeWarning,

@@ -70,6 +70,15 @@ def test_what_the_op_cannot_take_keeps_the_generic_check(tf):
     assert bool(xla(grads)) and not bool(xla(_grads(tf)))
 
 
+def test_a_first_call_inside_a_trace_loads_and_checks_it_eagerly(tf):
+    check_native._loaded.cache_clear()
+    try:
+        assert "MpAnyNonfinite" in _op_types(tf, lambda gs: found_inf(gs), _grads(tf))
+        assert check_native.native_check() is not None
+    finally:
+        check_native._loaded.cache_clear()
+
+
 def test_off_with_the_switch(tf, monkeypatch):
     monkeypatch.setattr(check_native, "NATIVE", False)
     assert check_native.native_check() is None
