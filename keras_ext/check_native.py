@@ -19,10 +19,9 @@ build or load, or a mismatch: one warning, and the generic check.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
-from mp_callbacks.native import CLONES, SCAN, build_library
+from mp_callbacks.native import CLONES, SCAN, build_library, loaded_once
 
 from .ops import is_tf
 
@@ -90,15 +89,17 @@ def _loaded() -> NativeCheck | None:
 
     if tf.config.list_physical_devices("GPU"):
         return None
-    try:
-        with tf.init_scope():  # eagerly, also when the first call comes while a step is being traced
-            native = NativeCheck(tf.load_op_library(str(_build())))
-            _self_check(native)
-    except Exception as err:  # noqa: BLE001 - any failure means the generic check
-        warnings.warn(f"keras_ext.check_native: the native inf/NaN check is unavailable ({err}); the check "
-                      "runs as IsFinite + All per gradient (the same decisions, slower)", RuntimeWarning,
-                      stacklevel=4)
-        return None
+    return loaded_once([], _checked, "keras_ext.check_native: the native inf/NaN check is unavailable ({err}); "
+                       "the check runs as IsFinite + All per gradient (the same decisions, slower)")
+
+
+def _checked() -> NativeCheck:
+    """Built, loaded and checked, eagerly (also when the first call comes while a step is being traced)."""
+    import tensorflow as tf
+
+    with tf.init_scope():
+        native = NativeCheck(tf.load_op_library(str(_build())))
+        _self_check(native)
     return native
 
 

@@ -27,13 +27,12 @@ from __future__ import annotations
 import importlib.util
 import math
 import sysconfig
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mp_callbacks.native import CLONES, SCAN, build_library
+from mp_callbacks.native import CLONES, SCAN, build_library, loaded_once
 
 from . import master_native
 
@@ -109,16 +108,15 @@ def native_check() -> NativeCheck | None:
     process, built by the first call; a failure warns once); else None."""
     if not NATIVE or torch.get_num_threads() > master_native.MAX_THREADS:
         return None
-    if not _loaded:
-        try:
-            native = NativeCheck(_load(_build()))
-            _self_check(native)
-        except Exception as err:  # noqa: BLE001 - any failure means the Python path
-            warnings.warn(f"lightning_ext.check_native: the native inf/NaN check is unavailable ({err}); the "
-                          "check runs its Python path (the same decisions, slower)", RuntimeWarning, stacklevel=2)
-            native = None
-        _loaded.append(native)
-    return _loaded[0]
+    return loaded_once(_loaded, _checked, "lightning_ext.check_native: the native inf/NaN check is unavailable "
+                       "({err}); the check runs its Python path (the same decisions, slower)")
+
+
+def _checked() -> NativeCheck:
+    """Built, loaded and checked."""
+    native = NativeCheck(_load(_build()))
+    _self_check(native)
+    return native
 
 
 def _build() -> Path:

@@ -26,13 +26,12 @@ than the eager passes on an AVX2 CPU (benchmarks/README.md), so it is not used.
 from __future__ import annotations
 
 import ctypes
-import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from mp_callbacks.native import build_library
+from mp_callbacks.native import build_library, loaded_once
 
 from .rounding_step import _kahan_chunk
 
@@ -107,16 +106,15 @@ def native_kahan() -> NativeKahan | None:
     library built, loaded and checked (tried once per process; a failure warns once); else None."""
     if not NATIVE or torch.get_num_threads() > MAX_THREADS:
         return None
-    if not _loaded:
-        try:
-            native = NativeKahan(ctypes.CDLL(str(_build())))
-            _self_check(native)
-        except Exception as err:  # noqa: BLE001 - any failure means the eager passes
-            warnings.warn(f"lightning_ext.kahan_native: the native Kahan write-back is unavailable ({err}); "
-                          "bf16-kahan uses the eager passes (the same bits, slower)", RuntimeWarning, stacklevel=2)
-            native = None
-        _loaded.append(native)
-    return _loaded[0]
+    return loaded_once(_loaded, _checked, "lightning_ext.kahan_native: the native Kahan write-back is "
+                       "unavailable ({err}); bf16-kahan uses the eager passes (the same bits, slower)")
+
+
+def _checked() -> NativeKahan:
+    """Built, loaded and checked."""
+    native = NativeKahan(ctypes.CDLL(str(_build())))
+    _self_check(native)
+    return native
 
 
 def _build() -> Path:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-import warnings
 from array import array
 from collections.abc import Iterator
 from itertools import chain
@@ -49,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mp_callbacks.native import CLONES, SCAN, build_library
+from mp_callbacks.native import CLONES, SCAN, build_library, loaded_once
 
 __all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeAdam", "alias_grads", "native_adam",
            "one_pass_step"]
@@ -179,21 +178,20 @@ def native_adam() -> NativeAdam | None:
     a failure warns once); else None."""
     if not NATIVE or torch.get_num_threads() > MAX_THREADS:
         return None
-    if not _loaded:
-        try:
-            widths = _WIDTHS.get(torch.backends.cpu.get_cpu_capability())
-            if widths is None:
-                raise RuntimeError(f"torch's CPU kernels are built for {torch.backends.cpu.get_cpu_capability()}")
-            native = NativeAdam(ctypes.CDLL(str(build_library(SOURCE, "master_native", _FLAGS))), widths)
-            _self_check(native)
-        except Exception as err:  # noqa: BLE001 - any failure means torch's kernel
-            warnings.warn(f"lightning_ext.master_native: the native pass is unavailable ({err}); bf16-master "
-                          "widens the gradients and steps with torch's kernel, and the inf/NaN check of unscaled "
-                          "recipes runs torch's fused kernel (the same bits and decisions, slower)",
-                          RuntimeWarning, stacklevel=2)
-            native = None
-        _loaded.append(native)
-    return _loaded[0]
+    return loaded_once(_loaded, _checked, "lightning_ext.master_native: the native pass is unavailable ({err}); "
+                       "bf16-master widens the gradients and steps with torch's kernel, and the inf/NaN check of "
+                       "unscaled recipes runs torch's fused kernel where lightning_ext.check_native does not "
+                       "(the same bits and decisions, slower)")
+
+
+def _checked() -> NativeAdam:
+    """Built for torch's vector width, loaded and checked."""
+    widths = _WIDTHS.get(torch.backends.cpu.get_cpu_capability())
+    if widths is None:
+        raise RuntimeError(f"torch's CPU kernels are built for {torch.backends.cpu.get_cpu_capability()}")
+    native = NativeAdam(ctypes.CDLL(str(build_library(SOURCE, "master_native", _FLAGS))), widths)
+    _self_check(native)
+    return native
 
 
 def _self_check(native: NativeAdam) -> None:

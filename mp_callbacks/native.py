@@ -18,9 +18,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["CLONES", "SCAN", "build_library"]
+__all__ = ["CLONES", "SCAN", "build_library", "loaded_once"]
+
+T = TypeVar("T")
 
 _BUILD_SECONDS = 180
 
@@ -86,3 +91,16 @@ def build_library(source: str, stem: str, flags: list[str], language: str = "c",
 def _cache_folder() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "mp_callbacks"
+
+
+def loaded_once(slot: list[T | None], load: Callable[[], T], unavailable: str) -> T | None:
+    """``load()``'s result, tried once per process and kept in ``slot`` (an empty list the caller owns): a
+    failure warns once, ``unavailable`` with ``{err}`` filled in (what runs instead), and keeps None."""
+    if not slot:
+        try:
+            value: T | None = load()
+        except Exception as err:  # noqa: BLE001 - any failure means the caller's framework path
+            warnings.warn(unavailable.format(err=err), RuntimeWarning, stacklevel=3)
+            value = None
+        slot.append(value)
+    return slot[0]
