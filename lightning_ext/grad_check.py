@@ -7,7 +7,7 @@ dtypes; one call per device and dtype elsewhere, as ``GradScaler``). With scalin
 the CPU, dense contiguous bf16/FP32 gradients are scanned read-only (half the kernel's memory traffic, and
 the gradients come out of it in cache for the optimizer step that reads them next, measured in
 ``benchmarks/README.md``) by one native call over the optimizer's groups (:mod:`lightning_ext.check_native`),
-or, until that is built or where it declines, by :func:`any_nonfinite` (:mod:`lightning_ext.master_native`'s
+or, where that is not available or declines, by :func:`any_nonfinite` (:mod:`lightning_ext.master_native`'s
 scan, the gradients listed in Python), last parameter first, so that the first ones, which the optimizer
 reads first, are the latest read; where the scan does not
 apply (another device or dtype, a sparse or strided gradient, no native library, more intra-op threads) the
