@@ -20,7 +20,8 @@ its tied LM head (random init, no dropout; a third-party model).  Random-token b
   (``*-master``: bf16/fp16 variables with FP32 masters); ours bf16-mixed also
   with ``NewGELU`` declared low precision (``tiny`` only); ours bf16-master also with the whole
   FP32 gradient list widened before the update (the step before each gradient
-  was widened inside its own variable's update); ours 32-true and bf16-mixed also with
+  was widened inside its own variable's update), and with the masters' update as Keras' ops compiled by XLA
+  (the step before ``keras_ext.master_native``'s one op); ours 32-true and bf16-mixed also with
   the inf/NaN check off (``scaler={"enabled": False, "skip_nonfinite": False}``, the opt-out):
   what the check and the skip cost.
 
@@ -67,6 +68,7 @@ PAIRS = [
     ("ours 16-master", "native 16-mixed", "<= 0.95"),
     ("ours bf16-master", "native bf16-mixed", "<= 0.95"),
     ("ours bf16-master", "ours bf16-master, FP32 gradient list", "grads widened in their own update vs all first"),
+    ("ours bf16-master", "ours bf16-master, XLA update", "the one-op update (keras_ext.master_native) vs XLA's"),
     ("ours bf16-kahan", "native bf16-mixed", "none"),
     ("ours bf16-sr", "native bf16-mixed", "none"),
 ]
@@ -90,6 +92,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import keras_ext
     import keras_ext.check_native
+    import keras_ext.master_native
     from mp_callbacks.app.keras_runner import graph_options
     from mp_callbacks.app.keras_runner import run as keras_run
     from mp_callbacks.recipes import get_recipe
@@ -152,7 +155,8 @@ def worker(args: argparse.Namespace) -> None:
         return model, opt
 
     def make_ours(recipe: str, gelu_low: bool = False, fp32_list: bool = False, off: str | None = None,
-                  check: bool = True, generic: bool = False) -> tuple[keras.Model, keras.optimizers.Optimizer]:
+                  check: bool = True, generic: bool = False, xla_update: bool = False
+                  ) -> tuple[keras.Model, keras.optimizers.Optimizer]:
         before = keras.config.dtype_policy()
         keras.utils.set_random_seed(0)
         keras.config.set_dtype_policy("float32")
@@ -174,6 +178,8 @@ def worker(args: argparse.Namespace) -> None:
         switch_off(opt, off)
         if fp32_list:  # the step before keras_ext widened each gradient in its own update (18 B/param)
             opt._masters.widens_in_update = lambda optimizer: False
+        if xla_update:  # the masters' update as Keras' ops compiled by XLA, not keras_ext.master_native's one op
+            opt._native_master_step = lambda: None
         if generic:  # the check traced as IsFinite + All per gradient, not keras_ext.check_native's one op
             opt._found_inf = generic_check(opt._found_inf)
         return model, opt
@@ -201,6 +207,7 @@ def worker(args: argparse.Namespace) -> None:
         "native bf16-mixed": (make_native, ("mixed_bfloat16",)), "ours bf16-mixed": (make_ours, ("bf16-mixed",)),
         "ours 16-master": (make_ours, ("16-master",)), "ours bf16-master": (make_ours, ("bf16-master",)),
         "ours bf16-master, FP32 gradient list": (make_ours, ("bf16-master", False, True)),
+        "ours bf16-master, XLA update": (make_ours, ("bf16-master", False, False, None, True, False, True)),
         "ours 32-true, no inf/NaN check": (make_ours, ("32-true", False, False, None, False)),
         "ours bf16-mixed, no inf/NaN check": (make_ours, ("bf16-mixed", False, False, None, False)),
         "ours 32-true, generic check": (make_ours, ("32-true", False, False, None, True, True)),
@@ -236,6 +243,7 @@ def worker(args: argparse.Namespace) -> None:
     natives = [n for n in NATIVES if n in names]
     print(machine_line(args.threads) + pinned)
     keras_ext.check_native.native_check()  # built (once per machine) and loaded before any step is timed
+    keras_ext.master_native.native_master_adam()
     if args.by_fit:
         times = alternate(with_controls({n: by_fit(n) for n in names}, natives), args.rounds)
         how = f"{args.steps} steps/fit, {args.rounds} fits alternating"

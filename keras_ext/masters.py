@@ -58,6 +58,7 @@ class MasterWeights:
             raise TypeError(f"master_weights must be True or False, not {enabled!r}")
         self.enabled = enabled
         self._masters: list[Any] = []
+        self._written: set[int] = set()  # ids of variables the traced update rounded itself (write_back skips them)
 
     @property
     def variables(self) -> list[Any]:
@@ -109,13 +110,19 @@ class MasterWeights:
 
         return tf.distribute.get_strategy().num_replicas_in_sync == 1
 
+    def written_in_update(self, variables: set[int]) -> None:
+        """The update just traced also rounded the masters into these variables (ids;
+        :mod:`keras_ext.master_native`): the next :meth:`write_back` leaves them alone."""
+        self._written = set(variables)
+
     def write_back(self, tvs: Sequence[Any], index: Callable[[Any], int]) -> None:
-        """Round the FP32 masters into the low-precision variables."""
+        """Round the FP32 masters into the low-precision variables (but those the update wrote itself)."""
+        written, self._written = self._written, set()
         if not self.enabled:
             return
         for v in tvs:
             master = self.master_of(v, index)
-            if master is not None:
+            if master is not None and id(v) not in written:
                 v.assign(ops.cast(master, v.dtype))
 
 

@@ -45,6 +45,7 @@ from mp_callbacks.loss_scale.scaler import ScalerCounters
 from mp_callbacks.loss_scale.transition import fixed_scale
 from mp_callbacks.recipes import Recipe, get_recipe
 
+from . import master_native
 from .divergence import KerasDivergence
 from .global_policy import coerce_recipe, optimizer_recipe
 from .grad_check import found_inf, scaled_loss, unscale
@@ -295,10 +296,29 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
 
     def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any], widen: Callable[[Any], Any] | None = None) -> None:
         """The inner optimizer's update (on the masters, or the rounding's FP32 working values);
-        ``widen``: each gradient is widened inside its own variable's update (:func:`widened_in_update`)."""
-        grads, tvs = self._masters.targets(grads, tvs, self._get_variable_index, widen=widen is None)
+        ``widen``: each gradient is widened inside its own variable's update (:func:`widened_in_update`), or, where
+        :mod:`keras_ext.master_native` applies, the whole update is its one op (it writes the bf16 variables)."""
+        grads, targets = self._masters.targets(grads, tvs, self._get_variable_index, widen=widen is None)
+        native = self._native_master_step() if widen is not None else None
+        lows = {id(t): v for t, v in zip(targets, tvs) if t is not v}
+        if native is not None and master_native.applies(self.inner_optimizer, grads, targets,
+                                                        [lows.get(id(t)) for t in targets]):
+            with master_native.fused_in_update(self.inner_optimizer, native, lows, self._scale_to_divide()) as written:
+                self.inner_optimizer.apply(grads, targets)
+            self._masters.written_in_update(written)
+            return
         with contextlib.nullcontext() if widen is None else widened_in_update(self.inner_optimizer, widen):
-            self.inner_optimizer.apply(grads, tvs)
+            self.inner_optimizer.apply(grads, targets)
+
+    def _native_master_step(self) -> Any:
+        """The one-op master update (:func:`keras_ext.master_native.native_master_adam`) where its rule holds for
+        this optimizer (FP32 masters widened in the update, the inner optimizer an eligible Adam/AdamW); else
+        None.  Read when the step is traced: the update then runs outside XLA (:attr:`fuses_whole_step`)."""
+        if self.fp32_master_grads or type(self._masters) is not MasterWeights or not self.master_weights:
+            return None
+        if not master_native.applies(self.inner_optimizer, (), (), ()):
+            return None
+        return master_native.native_master_adam()
 
     def __repr__(self) -> str:
         return (f"keras_ext.LossScaleOptimizer(inner={type(self.inner_optimizer).__name__}, "

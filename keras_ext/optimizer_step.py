@@ -69,9 +69,10 @@ class OptimizerStep:
     def fuses_whole_step(self) -> bool:
         """True when this step's update (inner optimizer, and the rounding rules or the masters' write-back) runs
         as one XLA function (:func:`keras_ext.rounding_step.fuses_whole_step`): ``bf16-kahan``/``bf16-sr``, and
-        FP32 masters (``*-master``) while :attr:`fuse_masters`."""
+        FP32 masters (``*-master``) while :attr:`fuse_masters`, unless their update is one op
+        (:mod:`keras_ext.master_native`)."""
         fused = self.update_rounding is not None or (self.fuse_masters and type(self._masters) is MasterWeights
-                                                     and self.master_weights)
+                                                     and self.master_weights and self._native_master_step() is None)
         return fused and rounding_step.fuses_whole_step()
 
     def _decides_in_whole_step(self) -> bool:

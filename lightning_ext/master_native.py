@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mp_callbacks.native import CLONES, SCAN, build_library, loaded_once
+from mp_callbacks.native import BF16, CLONES, SCAN, build_library, loaded_once
 
 __all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeAdam", "alias_grads", "native_adam",
            "one_pass_step"]
@@ -63,15 +63,10 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-""" + CLONES + SCAN + r"""
+""" + CLONES + SCAN + BF16 + r"""
 typedef struct { float coeff, b2, c2, bcs, eps, nss, decay, wd; int small; } coefs;
-static inline float up(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
 /* f rounded to the nearest bf16, ties to even (torch's vectorized copy: NaN -> 0xffff) */
-static inline uint16_t rne(float f) {
-    uint32_t b; memcpy(&b, &f, 4);
-    uint16_t r = (uint16_t)((b + (((b >> 16) & 1u) + 0x7fffu)) >> 16);
-    return f != f ? (uint16_t)0xffff : r;
-}
+static inline uint16_t rne(float f) { uint16_t r = rne_bits(f); return f != f ? (uint16_t)0xffff : r; }
 /* elements [lo, hi): l2 = Adam's L2 term, sv = the scalar tail's exp_avg_sq contraction, wide = an FP32
    gradient and no weight (an FP32 parameter), else a bf16 gradient and weight */
 static inline __attribute__((always_inline)) void span(int64_t lo, int64_t hi, int l2, int sv, int wide,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["CLONES", "SCAN", "build_library", "loaded_once"]
+__all__ = ["BF16", "CLONES", "SCAN", "build_library", "loaded_once"]
 
 T = TypeVar("T")
 
@@ -53,6 +53,18 @@ CLONES static int32_t scan_bf16(const uint16_t *x, int64_t n) {
 """
 """C/C++ (after :data:`CLONES`): the read-only inf/NaN scan of one FP32 or bf16 array: the step's non-finite
 check of both adapters where they run it natively."""
+
+BF16 = r"""
+/* bf16 bits <-> float (needs <stdint.h>, <string.h>) */
+static inline float up(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
+/* f (not NaN) rounded to the nearest bf16, ties to even; NaN is the caller's (each framework writes its own) */
+static inline uint16_t rne_bits(float f) {
+    uint32_t b; memcpy(&b, &f, 4);
+    return (uint16_t)((b + (((b >> 16) & 1u) + 0x7fffu)) >> 16);
+}
+"""
+"""C/C++: widening a bf16 value and rounding an FP32 one to bf16 (nearest, ties to even), as both frameworks'
+casts do; the fused master steps of both adapters write their bf16 weights with it."""
 
 
 def build_library(source: str, stem: str, flags: list[str], language: str = "c", link: list[str] | None = None
