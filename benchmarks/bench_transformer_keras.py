@@ -179,7 +179,7 @@ def worker(args: argparse.Namespace) -> None:
         if fp32_list:  # the step before keras_ext widened each gradient in its own update (18 B/param)
             opt._masters.widens_in_update = lambda optimizer: False
         if xla_update:  # the masters' update as Keras' ops compiled by XLA, not keras_ext.master_native's one op
-            opt._native_master_step = lambda: None
+            opt._native_update = lambda: None
         if generic:  # the check traced as IsFinite + All per gradient, not keras_ext.check_native's one op
             opt._found_inf = generic_check(opt._found_inf)
         return model, opt

@@ -59,11 +59,11 @@ SOURCE = r"""
 /* TensorFlow's cast to bf16: nearest even, NaN 0x7fc0 (as its vector loop writes any NaN) */
 static inline uint16_t tf_bf16(float f) { return f != f ? (uint16_t)0x7fc0u : rne_bits(f); }
 typedef struct { float lr, alpha, wd, scale, c1, c2, eps; } coefs;
-/* elements [lo, hi) of one variable: decay = the weight decay applies, divide = unscale, wide = FP32 gradient
-   and no bf16 weight (a variable that is its own master), else a bf16 gradient and weight */
+/* elements [lo, hi) of one variable: decay = the weight decay applies, divide = unscale, wide = an FP32 gradient
+   (else bf16), w = the bf16 weight to round the master into (else none: a variable that is its own master) */
 static inline __attribute__((always_inline)) void span(int64_t lo, int64_t hi, int decay, int divide, int wide,
-        const coefs *c, const void *__restrict g, float *__restrict p, float *__restrict m, float *__restrict v,
-        uint16_t *__restrict w) {
+        int weight, const coefs *c, const void *__restrict g, float *__restrict p, float *__restrict m,
+        float *__restrict v, uint16_t *__restrict w) {
     const float lr = c->lr, alpha = c->alpha, wd = c->wd, scale = c->scale, c1 = c->c1, c2 = c->c2, eps = c->eps;
     for (int64_t i = lo; i < hi; i++) {
         float pi = p[i];
@@ -74,16 +74,18 @@ static inline __attribute__((always_inline)) void span(int64_t lo, int64_t hi, i
         float vi = v[i] + (gi * gi - v[i]) * c2;
         pi = pi - (mi * alpha) / (sqrtf(vi) + eps);
         p[i] = pi; m[i] = mi; v[i] = vi;
-        if (!wide) w[i] = tf_bf16(pi);
+        if (weight) w[i] = tf_bf16(pi);
     }
 }
 CLONES static void adam_span(int64_t lo, int64_t hi, int decay, int divide, int wide, const coefs *c,
                              const void *g, float *p, float *m, float *v, uint16_t *w) {
-#define SPAN(D, S, W) span(lo, hi, D, S, W, c, g, p, m, v, w)
-#define WIDE(D, S) { if (wide) SPAN(D, S, 1); else SPAN(D, S, 0); }
+#define SPAN(D, S, G, W) span(lo, hi, D, S, G, W, c, g, p, m, v, w)
+#define WEIGHT(D, S, G) { if (w) SPAN(D, S, G, 1); else SPAN(D, S, G, 0); }
+#define WIDE(D, S) { if (wide) WEIGHT(D, S, 1) else WEIGHT(D, S, 0) }
     if (decay) { if (divide) WIDE(1, 1) else WIDE(1, 0) }
     else { if (divide) WIDE(0, 1) else WIDE(0, 0) }
 #undef WIDE
+#undef WEIGHT
 #undef SPAN
 }
 using namespace tensorflow;
@@ -102,15 +104,15 @@ REGISTER_OP("MpMasterAdam")
     .Attr("k: int >= 0")
     .Attr("weight_of: list(int)")
     .Attr("decays: list(bool)")
+    .Attr("divides: list(bool)")
     .Attr("c1: float")
     .Attr("c2: float")
     .Attr("epsilon: float")
-    .Attr("divide: bool")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs);
-/* Adam/AdamW on n FP32 masters (with their moments) from n gradients; master i also rounded into bf16 weight
-   weight_of[i] (-1: none, an FP32 gradient); every variable written in place (copied first when its buffer is
-   shared, as TensorFlow's training ops do) */
+/* Adam/AdamW on n FP32 masters (with their moments) from n gradients (FP32 or bf16; divides[i]: divided by the
+   scale); master i also rounded into bf16 weight weight_of[i] (-1: none); every variable written in place
+   (copied first when its buffer is shared, as TensorFlow's training ops do) */
 class MpMasterAdamOp : public OpKernel {
   public:
     explicit MpMasterAdamOp(OpKernelConstruction *c) : OpKernel(c) {
@@ -118,12 +120,12 @@ class MpMasterAdamOp : public OpKernel {
         OP_REQUIRES_OK(c, c->GetAttr("k", &k_));
         OP_REQUIRES_OK(c, c->GetAttr("weight_of", &weight_of_));
         OP_REQUIRES_OK(c, c->GetAttr("decays", &decays_));
+        OP_REQUIRES_OK(c, c->GetAttr("divides", &divides_));
         OP_REQUIRES_OK(c, c->GetAttr("c1", &c1_));
         OP_REQUIRES_OK(c, c->GetAttr("c2", &c2_));
         OP_REQUIRES_OK(c, c->GetAttr("epsilon", &eps_));
-        OP_REQUIRES_OK(c, c->GetAttr("divide", &divide_));
-        OP_REQUIRES(c, (int)weight_of_.size() == n_ && (int)decays_.size() == n_,
-                    errors::InvalidArgument("weight_of and decays need one entry per master"));
+        OP_REQUIRES(c, (int)weight_of_.size() == n_ && (int)decays_.size() == n_ && (int)divides_.size() == n_,
+                    errors::InvalidArgument("weight_of, decays and divides need one entry per master"));
     }
     void Compute(OpKernelContext *c) override {
         OP_REQUIRES(c, c->num_inputs() == 4 * n_ + k_ + 4, errors::InvalidArgument("expected one gradient per master"));
@@ -136,11 +138,12 @@ class MpMasterAdamOp : public OpKernel {
         for (int i = 0; i < n_; ++i) {
             const Tensor &g = c->input(i);
             const int w = weight_of_[i];
-            const bool wide = w < 0;
-            OP_REQUIRES(c, g.dtype() == (wide ? DT_FLOAT : DT_BFLOAT16),
-                        errors::InvalidArgument("gradient ", i, ": bfloat16 with a weight, float32 without"));
+            const int wide = g.dtype() == DT_FLOAT;
+            OP_REQUIRES(c, wide || g.dtype() == DT_BFLOAT16,
+                        errors::InvalidArgument("gradient ", i, ": not FP32/bf16"));
+            OP_REQUIRES(c, w < k_, errors::InvalidArgument("weight_of[", i, "] = ", w, " with ", k_, " weights"));
             core::RefCountPtr<Var> vars[4];
-            const int inputs[4] = {n_ + i, 2 * n_ + i, 3 * n_ + i, wide ? -1 : 4 * n_ + w};
+            const int inputs[4] = {n_ + i, 2 * n_ + i, 3 * n_ + i, w < 0 ? -1 : 4 * n_ + w};
             std::vector<mutex *> locks;
             for (int j = 0; j < 4; ++j) {
                 if (inputs[j] < 0) continue;
@@ -173,7 +176,7 @@ class MpMasterAdamOp : public OpKernel {
                 const void *gd = g.tensor_data().data();
                 float *p = (float *)data[0], *m = (float *)data[1], *v = (float *)data[2];
                 uint16_t *wt = (uint16_t *)data[3];
-                const int decay = decays_[i], divide = divide_;
+                const int decay = decays_[i], divide = divides_[i];
                 auto run = [&](int64_t lo, int64_t hi) { adam_span(lo, hi, decay, divide, wide, &k, gd, p, m, v, wt); };
                 workers->ParallelFor(g.NumElements(), 24, run);
             }
@@ -184,9 +187,8 @@ class MpMasterAdamOp : public OpKernel {
   private:
     int n_, k_;
     std::vector<int> weight_of_;
-    std::vector<bool> decays_;
+    std::vector<bool> decays_, divides_;
     float c1_, c2_, eps_;
-    bool divide_;
 };
 REGISTER_KERNEL_BUILDER(Name("MpMasterAdam").Device(DEVICE_CPU), MpMasterAdamOp);
 """
@@ -201,8 +203,8 @@ class NativeMasterAdam:
     def step(self, optimizer: Any, grads: Sequence[Any], targets: Sequence[Any], weights: Sequence[Any | None],
              learning_rate: Any, scale: Any | None) -> Any:
         """``optimizer``'s (Keras Adam/AdamW) weight decay and update of ``targets`` (FP32 masters, or FP32
-        variables that are their own) from ``grads`` (bf16 where ``weights`` has the bf16 variable to round the
-        master into, FP32 where None), each gradient divided by ``scale`` first (None: not divided)."""
+        variables that are their own) from the dense ``grads`` (bf16 or FP32), each divided by ``scale`` (None: not
+        divided), each master also rounded into its bf16 variable in ``weights`` (None: none)."""
         import tensorflow as tf
 
         f32 = tf.float32
@@ -224,14 +226,17 @@ class NativeMasterAdam:
             velocities=[_handle(optimizer._velocities[index(t)]) for t in targets],  # noqa: SLF001
             weights=[_handle(w) for w in lows], lr=lr, alpha=alpha,
             weight_decay=tf.cast(optimizer.weight_decay if decay else 0.0, f32),
-            scale=tf.constant(1.0, f32) if scale is None else tf.cast(scale, f32),
-            weight_of=weight_of, decays=[decay and bool(optimizer._use_weight_decay(t)) for t in targets],  # noqa: SLF001
-            c1=1 - optimizer.beta_1, c2=1 - optimizer.beta_2, epsilon=optimizer.epsilon, divide=scale is not None)
+            scale=tf.constant(1.0, f32) if scale is None else tf.cast(scale, f32), weight_of=weight_of,
+            decays=[decay and bool(optimizer._use_weight_decay(t)) for t in targets],  # noqa: SLF001
+            divides=[scale is not None] * len(targets), c1=1 - optimizer.beta_1, c2=1 - optimizer.beta_2,
+            epsilon=optimizer.epsilon)
 
 
 def _handle(variable: Any) -> Any:
     """The resource handle of a Keras variable (its ``tf.Variable``) or of a ``tf.Variable``."""
-    return getattr(variable, "value", variable).handle
+    import keras
+
+    return (variable.value if isinstance(variable, keras.Variable) else variable).handle
 
 
 def native_master_adam() -> NativeMasterAdam | None:
@@ -249,7 +254,7 @@ def _loaded() -> NativeMasterAdam | None:
     if tf.config.list_physical_devices("GPU"):
         return None
     return loaded_once([], _checked, "keras_ext.master_native: the one-op master step is unavailable ({err}); "
-                       "*-master runs Keras' update per variable (the same decisions and bits, slower)")
+                       "the update runs as Keras' ops per variable (the same decisions and bits, slower)")
 
 
 def _checked() -> NativeMasterAdam:
@@ -276,32 +281,44 @@ def applies(optimizer: Any, grads: Sequence[Any], targets: Sequence[Any], weight
             and not optimizer.amsgrad and not optimizer.use_ema and widens_in_update(optimizer)
             and not in_xla_context()):
         return False
+    index = optimizer._get_variable_index  # noqa: SLF001 - Keras' own slot lookup
     for g, t, w in zip(grads, targets, weights):
         if g is None:
             continue
-        if type(g).__name__ == "IndexedSlices" or dtype_name(t) != "float32" or dtype_name(g) != (
-                "float32" if w is None else "bfloat16") or (w is not None and dtype_name(w) != "bfloat16"):
+        slots = (optimizer._momentums[index(t)], optimizer._velocities[index(t)])  # noqa: SLF001
+        if not (dtype_name(t) == "float32" and dtype_name(g) in ("float32", "bfloat16")
+                and all(dtype_name(s) == "float32" for s in slots) and (w is None or dtype_name(w) == "bfloat16")):
             return False
     return native_master_adam() is not None  # asked last: nothing is built where the op could not apply
 
 
 @contextlib.contextmanager
-def fused_in_update(optimizer: Any, native: NativeMasterAdam, weights: dict[int, Any], scale: Any | None
-                    ) -> Iterator[set[int]]:
+def fused_in_update(optimizer: Any, native: NativeMasterAdam, weights: dict[int, Any], scale: Any | None,
+                    sparse: set[int] = frozenset()) -> Iterator[set[int]]:
     """Within the block, ``optimizer.apply`` runs its weight decay and per-variable updates as one ``MpMasterAdam``
-    (``native``'s :meth:`NativeMasterAdam.step`); ``weights``: ``{id(master): its bf16 variable}``; yields the ids
-    of the bf16 variables the op wrote (rounded from their masters: no write-back for them)."""
-    written: set[int] = set()
+    (``native``'s :meth:`NativeMasterAdam.step`); ``weights``: ``{id(master): its bf16 variable}``; ``sparse``:
+    the ids of the variables whose gradient is an ``IndexedSlices`` (Keras' update mixes sparse and dense
+    arithmetic on it: they keep Keras' own decay and ``update_step``, their gradient widened and divided by
+    ``scale`` first); yields the ids of the bf16 variables the op wrote (no write-back for them)."""
+    from .grad_check import unscale
 
-    def no_decay(variables: Any) -> None:  # in the op
-        return None
+    written: set[int] = set()
+    decay, update_step = optimizer._apply_weight_decay, optimizer.update_step  # noqa: SLF001
+
+    def decay_sparse(variables: list[Any]) -> None:  # the op decays the others
+        decay([v for v in variables if id(v) in sparse])
 
     def update_all(grads: list[Any], variables: list[Any], learning_rate: Any) -> None:
-        lows = [weights.get(id(v)) for v in variables]
-        native.step(optimizer, grads, variables, lows, learning_rate, scale)
-        written.update(id(w) for w in lows if w is not None)
+        op = [(g, v) for g, v in zip(grads, variables) if id(v) not in sparse]
+        if op:
+            lows = [weights.get(id(v)) for _, v in op]
+            native.step(optimizer, [g for g, _ in op], [v for _, v in op], lows, learning_rate, scale)
+            written.update(id(w) for w in lows if w is not None)
+        for g, v in zip(grads, variables):
+            if id(v) in sparse:
+                update_step(unscale(g, scale), v, learning_rate)
 
-    optimizer._apply_weight_decay = no_decay  # instance attributes: shadow the methods for this call
+    optimizer._apply_weight_decay = decay_sparse  # instance attributes: shadow the methods for this call
     optimizer._backend_update_step = update_all
     try:
         yield written

@@ -296,25 +296,28 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
 
     def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any], widen: Callable[[Any], Any] | None = None) -> None:
         """The inner optimizer's update (on the masters, or the rounding's FP32 working values);
-        ``widen``: each gradient is widened inside its own variable's update (:func:`widened_in_update`), or, where
-        :mod:`keras_ext.master_native` applies, the whole update is its one op (it writes the bf16 variables)."""
+        ``widen``: each gradient is widened inside its own variable's update (:func:`widened_in_update`).  Where
+        :mod:`keras_ext.master_native` applies, the update is its one op instead (which also rounds the masters
+        into the bf16 variables)."""
         grads, targets = self._masters.targets(grads, tvs, self._get_variable_index, widen=widen is None)
-        native = self._native_master_step() if widen is not None else None
+        native = self._native_update() if widen is not None or not self.master_weights else None
         lows = {id(t): v for t, v in zip(targets, tvs) if t is not v}
         if native is not None and master_native.applies(self.inner_optimizer, grads, targets,
                                                         [lows.get(id(t)) for t in targets]):
-            with master_native.fused_in_update(self.inner_optimizer, native, lows, self._scale_to_divide()) as written:
+            sparse = {id(t) for g, t in zip(grads, targets) if type(g).__name__ == "IndexedSlices"}
+            scale = self._scale_to_divide() if widen is not None else None  # else divided already
+            with master_native.fused_in_update(self.inner_optimizer, native, lows, scale, sparse) as written:
                 self.inner_optimizer.apply(grads, targets)
             self._masters.written_in_update(written)
             return
         with contextlib.nullcontext() if widen is None else widened_in_update(self.inner_optimizer, widen):
             self.inner_optimizer.apply(grads, targets)
 
-    def _native_master_step(self) -> Any:
-        """The one-op master update (:func:`keras_ext.master_native.native_master_adam`) where its rule holds for
-        this optimizer (FP32 masters widened in the update, the inner optimizer an eligible Adam/AdamW); else
-        None.  Read when the step is traced: the update then runs outside XLA (:attr:`fuses_whole_step`)."""
-        if self.fp32_master_grads or type(self._masters) is not MasterWeights or not self.master_weights:
+    def _native_update(self) -> Any:
+        """The one-op update (:func:`keras_ext.master_native.native_master_adam`) where its rule holds for this
+        optimizer (no masters, or FP32 masters widened in the update; the inner optimizer an eligible Adam/AdamW);
+        else None.  Read when the step is traced: a masters' update then runs outside XLA (:attr:`fuses_whole_step`)."""
+        if type(self._masters) is not MasterWeights or (self.master_weights and self.fp32_master_grads):
             return None
         if not master_native.applies(self.inner_optimizer, (), (), ()):
             return None

@@ -72,7 +72,7 @@ class OptimizerStep:
         FP32 masters (``*-master``) while :attr:`fuse_masters`, unless their update is one op
         (:mod:`keras_ext.master_native`)."""
         fused = self.update_rounding is not None or (self.fuse_masters and type(self._masters) is MasterWeights
-                                                     and self.master_weights and self._native_master_step() is None)
+                                                     and self.master_weights and self._native_update() is None)
         return fused and rounding_step.fuses_whole_step()
 
     def _decides_in_whole_step(self) -> bool:

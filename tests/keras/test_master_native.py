@@ -39,25 +39,30 @@ def traced(monkeypatch):
     return calls
 
 
-def _fit(make_inner, native=True, scaler=None, steps=6, batches=None, compile_kw=None):
-    """A small bf16-master model (Dense, LayerNormalization kept FP32, Dense) fitted ``steps`` steps; returns the
-    model, the optimizer and every variable's value (model, then optimizer)."""
+def _fit(make_inner, native=True, scaler=None, steps=6, batches=None, compile_kw=None, recipe="bf16-master",
+         embedding=False):
+    """A small model (Dense, LayerNormalization kept FP32, Dense; ``embedding``: an Embedding first, whose
+    gradient is an ``IndexedSlices``) fitted ``steps`` steps under ``recipe``; returns the model, the optimizer
+    and every variable's value (model, then optimizer)."""
     keras.utils.set_random_seed(0)
-    keras_ext.set_global_policy("bf16-master")
+    keras_ext.set_global_policy(recipe)
     try:
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="gelu"),
+        head = [keras.Input((3,), dtype="int32"), keras.layers.Embedding(11, 8), keras.layers.Flatten()] \
+            if embedding else [keras.Input((8,))]
+        model = keras.Sequential([*head, keras.layers.Dense(16, activation="gelu"),
                                   keras.layers.LayerNormalization(), keras.layers.Dense(4)])
         model = keras_ext.apply_policy(model, keras_ext.get_global_recipe().policy)
     finally:
         keras.config.set_dtype_policy("float32")
-    opt = keras_ext.master_optimizer(make_inner(), "bf16-master", **({"scaler": scaler} if scaler else {}))
+    opt = keras_ext.master_optimizer(make_inner(), recipe, **({"scaler": scaler} if scaler else {}))
     if not native:  # Keras' update in the step's graph: the op off, XLA off
         opt.fuse_masters = False
-        opt._native_master_step = lambda: None
+        opt._native_update = lambda: None
     model.compile(opt, loss="mse", **{"jit_compile": False, **(compile_kw or {})})
     rng = np.random.default_rng(1)
-    x, y = batches or (rng.standard_normal((4 * steps, 8)).astype("float32"),
-                       rng.standard_normal((4 * steps, 4)).astype("float32"))
+    x = rng.integers(0, 11, (4 * steps, 3)).astype("int32") if embedding else \
+        rng.standard_normal((4 * steps, 8)).astype("float32")
+    x, y = batches or (x, rng.standard_normal((4 * steps, 4)).astype("float32"))
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     values = [np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(v.value, "float32")))
               for v in [*model.variables, *opt.variables]]
@@ -90,6 +95,24 @@ def test_the_op_steps_with_the_bits_of_keras_update(tf, traced, inner):
     assert len(traced) == n  # the reference ran without the op
     assert _same(got, want)
     assert int(opt.inner_optimizer.iterations.numpy()) == 6
+
+
+@pytest.mark.parametrize("recipe", ["32-true", "bf16-mixed", "16-mixed"])
+def test_without_masters_the_op_steps_the_fp32_variables_with_keras_bits(tf, traced, recipe):
+    model, _, got = _fit(INNERS["AdamW"], recipe=recipe)
+    assert set(traced) == {len(model.trainable_variables)}  # one op per trace, every variable
+    assert all(v.dtype == "float32" for v in model.trainable_variables)
+    n = len(traced)
+    _, _, want = _fit(INNERS["AdamW"], native=False, recipe=recipe)
+    assert len(traced) == n and _same(got, want)
+
+
+@pytest.mark.parametrize("recipe", ["bf16-master", "bf16-mixed"])
+def test_sparse_gradients_keep_keras_update_and_the_rest_is_the_op(tf, traced, recipe):
+    model, _, got = _fit(INNERS["AdamW"], recipe=recipe, embedding=True)
+    assert set(traced) == {len(model.trainable_variables) - 1}  # all but the embedding
+    _, _, want = _fit(INNERS["AdamW"], native=False, recipe=recipe, embedding=True)
+    assert _same(got, want)
 
 
 def test_weight_decay_exclusions_are_keras(tf, traced):
