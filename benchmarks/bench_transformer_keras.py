@@ -22,8 +22,8 @@ its tied LM head (random init, no dropout; a third-party model).  Random-token b
   FP32 gradient list widened before the update (the step before each gradient
   was widened inside its own variable's update), and with the masters' update as Keras' ops compiled by XLA
   (the step before ``keras_ext.master_native``'s one op); ours 32-true and bf16-mixed also with
-  the inf/NaN check off (``scaler={"enabled": False, "skip_nonfinite": False}``, the opt-out):
-  what the check and the skip cost.
+  Keras' own update ops instead of that one op (the same bits), and with the inf/NaN check off
+  (``scaler={"enabled": False, "skip_nonfinite": False}``, the opt-out): what the check and the skip cost.
 
 Each native variant runs a second time as a control; the worker process is pinned to ``--threads`` CPUs
 before TensorFlow starts (``common.pin_cpus``; ``--no-pin``: not).  By default the variants alternate step by step
@@ -60,10 +60,14 @@ PAIRS = [
     ("ours 32-true", "native 32-true", "<= 1.02"),
     ("ours 32-true, no inf/NaN check", "native 32-true", "the check's price (the opt-out)"),
     ("ours 32-true", "ours 32-true, generic check", "the one-op check (keras_ext.check_native) vs IsFinite+All"),
+    ("ours 32-true", "ours 32-true, Keras' update", "the one-op update (keras_ext.master_native) vs Keras' ops"),
+    ("ours 32-true, Keras' update", "native 32-true", "ours but the update (the same bits)"),
     ("ours 16-mixed", "native 16-mixed", "<= 1.02"),
     ("ours bf16-mixed", "native bf16-mixed", "<= 1.02"),
     ("ours bf16-mixed, no inf/NaN check", "native bf16-mixed", "the check's price (the opt-out)"),
     ("ours bf16-mixed", "ours bf16-mixed, generic check", "the one-op check vs IsFinite+All"),
+    ("ours bf16-mixed", "ours bf16-mixed, Keras' update", "the one-op update vs Keras' ops"),
+    ("ours bf16-mixed, Keras' update", "native bf16-mixed", "ours but the update (the same bits)"),
     ("ours bf16-mixed", "ours bf16-mixed, NewGELU declared bf16", "FP32 region of the unknown GELU layer"),
     ("ours 16-master", "native 16-mixed", "<= 0.95"),
     ("ours bf16-master", "native bf16-mixed", "<= 0.95"),
@@ -155,7 +159,7 @@ def worker(args: argparse.Namespace) -> None:
         return model, opt
 
     def make_ours(recipe: str, gelu_low: bool = False, fp32_list: bool = False, off: str | None = None,
-                  check: bool = True, generic: bool = False, xla_update: bool = False
+                  check: bool = True, generic: bool = False, op_update: bool = True
                   ) -> tuple[keras.Model, keras.optimizers.Optimizer]:
         before = keras.config.dtype_policy()
         keras.utils.set_random_seed(0)
@@ -178,7 +182,7 @@ def worker(args: argparse.Namespace) -> None:
         switch_off(opt, off)
         if fp32_list:  # the step before keras_ext widened each gradient in its own update (18 B/param)
             opt._masters.widens_in_update = lambda optimizer: False
-        if xla_update:  # the masters' update as Keras' ops compiled by XLA, not keras_ext.master_native's one op
+        if not op_update:  # the update as Keras' ops (*-master: compiled by XLA), not keras_ext.master_native's op
             opt._native_update = lambda: None
         if generic:  # the check traced as IsFinite + All per gradient, not keras_ext.check_native's one op
             opt._found_inf = generic_check(opt._found_inf)
@@ -207,7 +211,9 @@ def worker(args: argparse.Namespace) -> None:
         "native bf16-mixed": (make_native, ("mixed_bfloat16",)), "ours bf16-mixed": (make_ours, ("bf16-mixed",)),
         "ours 16-master": (make_ours, ("16-master",)), "ours bf16-master": (make_ours, ("bf16-master",)),
         "ours bf16-master, FP32 gradient list": (make_ours, ("bf16-master", False, True)),
-        "ours bf16-master, XLA update": (make_ours, ("bf16-master", False, False, None, True, False, True)),
+        "ours bf16-master, XLA update": (make_ours, ("bf16-master", False, False, None, True, False, False)),
+        "ours 32-true, Keras' update": (make_ours, ("32-true", False, False, None, True, False, False)),
+        "ours bf16-mixed, Keras' update": (make_ours, ("bf16-mixed", False, False, None, True, False, False)),
         "ours 32-true, no inf/NaN check": (make_ours, ("32-true", False, False, None, False)),
         "ours bf16-mixed, no inf/NaN check": (make_ours, ("bf16-mixed", False, False, None, False)),
         "ours 32-true, generic check": (make_ours, ("32-true", False, False, None, True, True)),
