@@ -1,30 +1,35 @@
-"""``*-master``'s Adam/AdamW update as one TensorFlow op (CPU): the twin of :mod:`lightning_ext.master_native`.
+"""An Adam/AdamW update as one TensorFlow op (CPU): the twin of :mod:`lightning_ext.master_native`.
 
-Why: on TensorFlow the masters' step is Keras' own update traced per variable (a weight-decay read, multiply and
-assign, a widening cast, Adam's dozen ops, the write-back's cast and assign), or that graph compiled by XLA
-(:func:`keras_ext.rounding_step.whole_step`); each op is a pass over its tensors.  Here the update is one op,
-``MpMasterAdam``, that steps every variable in place in one pass: it reads the gradient (bf16; FP32 for a
-variable that is its own master), the master and both moments, and writes the master, the moments and the bf16
-variable.
+Why: on TensorFlow the step's update is Keras' own, traced per variable (a weight-decay read, multiply and
+assign, Adam's dozen ops; under ``*-master`` also a widening cast and the write-back's cast and assign), or
+under ``*-master`` that graph compiled by XLA (:func:`keras_ext.rounding_step.whole_step`); each op is a pass
+over its tensors and a dispatch.  Here the update is one op, ``MpMasterAdam``, that steps every variable in
+place in one pass: it reads the gradient (bf16 or FP32), the FP32 master and both moments, and writes the
+master, the moments and, under ``*-master``, the bf16 variable.  A variable kept in FP32 is its own master
+(every variable of ``32-true``, ``bf16-mixed``, ``16-mixed``).
 
 The math is Keras': the base optimizer's decoupled weight decay (``p - p * wd * lr``) then
 ``keras.optimizers.Adam.update_step`` (``m + (g - m) * (1 - beta_1)``, ``v + (g * g - v) * (1 - beta_2)``,
 ``p - m * alpha / (sqrt(v) + epsilon)``), operation for operation in float32 with no contraction; ``alpha``
-(the bias correction) is computed in the graph by Keras' own expression once per step; the gradient is widened
-and divided by the scale as :func:`keras_ext.grad_check.unscale`; the bf16 variable is the master rounded as
-TensorFlow's cast (nearest even; a NaN as 0x7fc0, as its vector loop writes every NaN).  So the bits are those
-of Keras' update run op by op (eagerly; checked on load, :func:`_self_check`); XLA's (the whole-step path) may
-differ in the last bit where it contracts ``a * b + c``.  The learning rate (a schedule too), weight decay and
-its exclusions, ``iterations`` and every other part of ``apply`` stay the inner optimizer's: only its
-``_apply_weight_decay`` and ``_backend_update_step`` are replaced, for the duration of one traced call
-(:func:`fused_in_update`).
+(the bias correction) is computed in the graph by Keras' own expression once per step; a bf16 gradient is
+widened and divided by the scale as :func:`keras_ext.grad_check.unscale`; the bf16 variable is the master
+rounded as TensorFlow's cast (nearest even; a NaN as 0x7fc0, as its vector loop writes every NaN).  So the bits
+are those of Keras' update run op by op (checked on load against it run eagerly, :func:`_self_check`; the tests
+compare whole runs against it traced); XLA's (the ``*-master`` fallback) may differ in the last bit where it
+contracts ``a * b + c``.  The learning rate (a schedule too), weight decay and its exclusions, ``iterations``
+and every other part of ``apply`` stay the inner optimizer's: only its ``_apply_weight_decay`` and
+``_backend_update_step`` are replaced, for the duration of one traced call (:func:`fused_in_update`).  A
+variable whose gradient is an ``IndexedSlices`` (an embedding's) keeps Keras' own decay and ``update_step``
+(which mix sparse and dense arithmetic on it).
 
 Rule (:func:`applies`): TensorFlow, no GPU visible (a CPU kernel only), :data:`NATIVE` on, the library built,
 loaded and checked; an exact ``keras.optimizers.Adam``/``AdamW`` without ``amsgrad`` or EMA whose gradients
 reach ``update_step`` untouched (:func:`keras_ext.masters.widens_in_update`: no clipping, accumulation or
-``loss_scale_factor``), FP32 masters (not remainders) widened in the update (no monitor, one replica), not inside
-an XLA function; every gradient dense, bf16 for a variable with a master, FP32 for one that is its own.  Else
-the widened path (the same decisions).  The kernel shards each variable over TensorFlow's intra-op threads.
+``loss_scale_factor``) and whose moments are FP32, no ``tf.distribute`` strategy in scope, not inside an XLA
+function; the caller's part
+(:meth:`keras_ext.LossScaleOptimizer._native_update`): :class:`~keras_ext.masters.MasterWeights` (no update
+rounding, no remainders), and under ``*-master`` the gradients widened in the update (no monitor, one replica).
+Else Keras' update (the same decisions).  The kernel shards each variable over TensorFlow's intra-op threads.
 """
 
 from __future__ import annotations
@@ -280,6 +285,10 @@ def applies(optimizer: Any, grads: Sequence[Any], targets: Sequence[Any], weight
     if not (NATIVE and is_tf() and type(optimizer) in (keras.optimizers.Adam, keras.optimizers.AdamW)
             and not optimizer.amsgrad and not optimizer.use_ema and widens_in_update(optimizer)
             and not in_xla_context()):
+        return False
+    import tensorflow as tf
+
+    if tf.distribute.has_strategy():  # Keras' update reduces and updates through the strategy
         return False
     index = optimizer._get_variable_index  # noqa: SLF001 - Keras' own slot lookup
     for g, t, w in zip(grads, targets, weights):

@@ -164,6 +164,12 @@ def test_what_the_op_cannot_take_keeps_keras_update(tf, traced, case):
     assert all(np.isfinite(v).all() for v in values)
 
 
+def test_under_a_distribution_strategy_keras_update_runs(tf, traced):
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        _, _, values = _fit(INNERS["AdamW"], recipe="bf16-mixed")
+    assert not traced and all(np.isfinite(v).all() for v in values)
+
+
 def test_off_with_the_switch(tf, traced, monkeypatch):
     monkeypatch.setattr(master_native, "NATIVE", False)
     assert master_native.native_master_adam() is None
