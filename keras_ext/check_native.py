@@ -19,13 +19,15 @@ build or load, or a mismatch: one warning, and the generic check.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from mp_callbacks.native import CLONES, SCAN, build_library, loaded_once
 
 from .ops import is_tf
 
-__all__ = ["NATIVE", "SOURCE", "NativeCheck", "native_check"]
+__all__ = ["NATIVE", "SOURCE", "NativeCheck", "build_op_library", "native_check"]
 
 NATIVE = True
 """Check with the op (False: the generic check; the same decisions)."""
@@ -105,11 +107,18 @@ def _checked() -> NativeCheck:
 
 def _build() -> Any:
     """The op library's path, built into the cache folder unless already there."""
+    return build_op_library(SOURCE, "keras_check_native")
+
+
+def build_op_library(source: str, stem: str, flags: Sequence[str] = ()) -> Path:
+    """The path of TensorFlow op library ``source`` (C++ against TensorFlow's headers, ``-O3`` and ``flags``),
+    built by :func:`~mp_callbacks.native.build_library` unless already there (keyed by TensorFlow's version)."""
     import tensorflow as tf
 
-    flags = ["-O3", "-shared", "-fPIC", "-w", f"-DMP_TF_VERSION={tf.__version__.replace('+', '_')}",
-             *tf.sysconfig.get_compile_flags()]
-    return build_library(SOURCE, "keras_check_native", flags, language="c++", link=tf.sysconfig.get_link_flags())
+    return build_library(source, stem, ["-O3", "-shared", "-fPIC", "-w", *flags,
+                                        f"-DMP_TF_VERSION={tf.__version__.replace('+', '_')}",
+                                        *tf.sysconfig.get_compile_flags()],
+                         language="c++", link=tf.sysconfig.get_link_flags())
 
 
 def _self_check(native: NativeCheck) -> None:

@@ -39,8 +39,9 @@ import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from mp_callbacks.native import BF16, CLONES, build_library, loaded_once
+from mp_callbacks.native import BF16, CLONES, loaded_once
 
+from .check_native import build_op_library
 from .ops import dtype_name, in_xla_context, is_tf
 
 __all__ = ["NATIVE", "SOURCE", "NativeMasterAdam", "applies", "fused_in_update", "native_master_adam"]
@@ -267,9 +268,8 @@ def _checked() -> NativeMasterAdam:
     import tensorflow as tf
 
     with tf.init_scope():
-        flags = ["-O3", "-shared", "-fPIC", "-w", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
-                 f"-DMP_TF_VERSION={tf.__version__.replace('+', '_')}", *tf.sysconfig.get_compile_flags()]
-        path = build_library(SOURCE, "keras_master_native", flags, language="c++", link=tf.sysconfig.get_link_flags())
+        path = build_op_library(SOURCE, "keras_master_native", ["-ffp-contract=off", "-fno-fast-math",
+                                                                "-fno-math-errno"])
         native = NativeMasterAdam(tf.load_op_library(str(path)))
         _self_check(native)
     return native
@@ -292,11 +292,12 @@ def applies(optimizer: Any, grads: Sequence[Any], targets: Sequence[Any], weight
         return False
     index = optimizer._get_variable_index  # noqa: SLF001 - Keras' own slot lookup
     for g, t, w in zip(grads, targets, weights):
-        if g is None:
+        if g is None or getattr(t, "overwrite_with_gradient", False):  # Keras assigns these itself (FP8 scales)
             continue
         slots = (optimizer._momentums[index(t)], optimizer._velocities[index(t)])  # noqa: SLF001
         if not (dtype_name(t) == "float32" and dtype_name(g) in ("float32", "bfloat16")
-                and all(dtype_name(s) == "float32" for s in slots) and (w is None or dtype_name(w) == "bfloat16")):
+                and all(s is not None and dtype_name(s) == "float32" for s in slots)
+                and (w is None or dtype_name(w) == "bfloat16")):
             return False
     return native_master_adam() is not None  # asked last: nothing is built where the op could not apply
 

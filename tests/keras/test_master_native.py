@@ -107,6 +107,27 @@ def test_without_masters_the_op_steps_the_fp32_variables_with_keras_bits(tf, tra
     assert len(traced) == n and _same(got, want)
 
 
+def test_variables_keras_overwrites_with_their_gradient_stay_keras(tf, traced):
+    def fit(native):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)])
+        model.quantize("float8")  # Keras' own FP8: scale and amax-history variables set from their "gradient"
+        opt = keras_ext.master_optimizer(INNERS["AdamW"](), "32-true")
+        if not native:
+            opt._native_update = lambda: None
+        model.compile(opt, loss="mse", jit_compile=False)
+        rng = np.random.default_rng(1)
+        model.fit(rng.standard_normal((24, 8)).astype("float32"), rng.standard_normal((24, 4)).astype("float32"),
+                  batch_size=4, verbose=0, shuffle=False)
+        return model, [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in [*model.variables, *opt.variables]]
+
+    model, got = fit(True)
+    overwritten = [v for v in model.trainable_variables if getattr(v, "overwrite_with_gradient", False)]
+    assert overwritten and traced and max(traced) == len(model.trainable_variables) - len(overwritten)
+    _, want = fit(False)
+    assert _same(got, want)
+
+
 @pytest.mark.parametrize("recipe", ["bf16-master", "bf16-mixed"])
 def test_sparse_gradients_keep_keras_update_and_the_rest_is_the_op(tf, traced, recipe):
     model, _, got = _fit(INNERS["AdamW"], recipe=recipe, embedding=True)
@@ -193,7 +214,7 @@ def test_a_failed_build_warns_once_and_keras_update_runs(tf, traced, monkeypatch
     def fail(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(master_native, "build_library", fail)
+    monkeypatch.setattr(master_native, "build_op_library", fail)
     master_native._loaded.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="no compiler here"):
