@@ -338,16 +338,16 @@ def fused_in_update(optimizer: Any, native: NativeMasterAdam, weights: dict[int,
 
 def _self_check(native: NativeMasterAdam) -> None:
     """The op against Keras' own update run eagerly (the base optimizer's weight decay, then Adam), then
-    ``tf.cast`` to bf16: AdamW (weight decay 0.004, one variable excluded) and Adam, steps 1 and 3, FP32 and bf16
-    gradients, divided by a scale or not, sizes 1..40 and 4099, training-like values with special ones (inf,
-    NaN, subnormals, -0, huge) and masters on bf16 ties: every master, moment and weight bit for bit (NaNs as
-    NaN: :func:`_same`)."""
+    ``tf.cast`` to bf16: AdamW (weight decay 0.004, one variable excluded; two steps, divided by a scale) and Adam
+    (one step), FP32 and bf16 gradients, sizes around the vector widths (1-33, 4099), training-like values with
+    special ones (inf, NaN, subnormals, -0, huge) and masters on bf16 ties: every master, moment and weight bit
+    for bit (NaNs as NaN: :func:`_same`).  ~0.3 s, once per process."""
     import keras
     import numpy as np
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
-    sizes = [*range(1, 41), 4099]
+    sizes = [1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 4099]
     specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-42, 3.0e38], np.float32)
 
     def sample(n: int, scale: float, ties: bool = False) -> np.ndarray:
@@ -359,8 +359,7 @@ def _self_check(native: NativeMasterAdam) -> None:
         x[every] = specials[rng.integers(len(specials), size=int(every.sum()))]
         return x
 
-    for kind, steps, divide in ((keras.optimizers.AdamW, 1, False), (keras.optimizers.AdamW, 3, True),
-                                (keras.optimizers.Adam, 3, False)):
+    for kind, steps, divide in ((keras.optimizers.AdamW, 2, True), (keras.optimizers.Adam, 1, False)):
         masters = [sample(n, 1.0, ties=n % 2 == 0) for n in sizes]
         wide = [n % 3 == 0 for n in sizes]  # FP32 gradient, no weight
         grads = [[sample(n, 10.0 ** rng.integers(-8, 3)) for n in sizes] for _ in range(steps)]
