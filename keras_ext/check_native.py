@@ -19,15 +19,17 @@ build or load, or a mismatch: one warning, and the generic check.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mp_callbacks.native import CLONES, SCAN, build_library, loaded_once
 
 from .ops import is_tf
 
-__all__ = ["NATIVE", "SOURCE", "NativeCheck", "build_op_library", "native_check"]
+__all__ = ["NATIVE", "SOURCE", "NativeCheck", "build_op_library", "load_cpu_op", "native_check"]
+
+T = TypeVar("T")
 
 NATIVE = True
 """Check with the op (False: the generic check; the same decisions)."""
@@ -86,23 +88,29 @@ def native_check() -> NativeCheck | None:
 
 @functools.cache
 def _loaded() -> NativeCheck | None:
-    """The op, tried once per process: None with a GPU visible, or with one warning after a failure."""
+    """The op, tried once per process (:func:`load_cpu_op`)."""
+    return load_cpu_op(_build, NativeCheck, _self_check,
+                       "keras_ext.check_native: the native inf/NaN check is unavailable ({err}); "
+                       "the check runs as IsFinite + All per gradient (the same decisions, slower)")
+
+
+def load_cpu_op(build: Callable[[], Path], wrap: Callable[[Any], T], check: Callable[[T], None],
+                unavailable: str) -> T | None:
+    """``wrap(tf.load_op_library(build()))`` once ``check`` passed on it, built and loaded eagerly (under
+    ``tf.init_scope``: also when the first call comes while a step is being traced); None with a GPU visible
+    (the ops have CPU kernels only), or after one warning (``unavailable``) when a step fails."""
     import tensorflow as tf
 
     if tf.config.list_physical_devices("GPU"):
         return None
-    return loaded_once([], _checked, "keras_ext.check_native: the native inf/NaN check is unavailable ({err}); "
-                       "the check runs as IsFinite + All per gradient (the same decisions, slower)")
 
+    def load() -> T:
+        with tf.init_scope():
+            native = wrap(tf.load_op_library(str(build())))
+            check(native)
+        return native
 
-def _checked() -> NativeCheck:
-    """Built, loaded and checked, eagerly (also when the first call comes while a step is being traced)."""
-    import tensorflow as tf
-
-    with tf.init_scope():
-        native = NativeCheck(tf.load_op_library(str(_build())))
-        _self_check(native)
-    return native
+    return loaded_once([], load, unavailable)
 
 
 def _build() -> Any:

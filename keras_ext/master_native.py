@@ -39,9 +39,9 @@ import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from mp_callbacks.native import BF16, CLONES, loaded_once
+from mp_callbacks.native import BF16, CLONES
 
-from .check_native import build_op_library
+from .check_native import build_op_library, load_cpu_op
 from .ops import dtype_name, in_xla_context, is_tf
 
 __all__ = ["NATIVE", "SOURCE", "NativeMasterAdam", "applies", "fused_in_update", "native_master_adam"]
@@ -255,24 +255,13 @@ def native_master_adam() -> NativeMasterAdam | None:
 
 @functools.cache
 def _loaded() -> NativeMasterAdam | None:
-    import tensorflow as tf
-
-    if tf.config.list_physical_devices("GPU"):
-        return None
-    return loaded_once([], _checked, "keras_ext.master_native: the one-op master step is unavailable ({err}); "
+    return load_cpu_op(_build, NativeMasterAdam, _self_check,
+                       "keras_ext.master_native: the one-op master step is unavailable ({err}); "
                        "the update runs as Keras' ops per variable (the same decisions and bits, slower)")
 
 
-def _checked() -> NativeMasterAdam:
-    """Built, loaded and checked, eagerly (also when the first call comes while a step is being traced)."""
-    import tensorflow as tf
-
-    with tf.init_scope():
-        path = build_op_library(SOURCE, "keras_master_native", ["-ffp-contract=off", "-fno-fast-math",
-                                                                "-fno-math-errno"])
-        native = NativeMasterAdam(tf.load_op_library(str(path)))
-        _self_check(native)
-    return native
+def _build() -> Any:
+    return build_op_library(SOURCE, "keras_master_native", ["-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"])
 
 
 def applies(optimizer: Any, grads: Sequence[Any], targets: Sequence[Any], weights: Sequence[Any | None]) -> bool:
