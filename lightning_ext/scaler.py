@@ -68,6 +68,7 @@ from mp_callbacks.loss_scale.record import check_state_dict, make_state_dict, st
 from mp_callbacks.loss_scale.scaler import ScalerCounters, react_to_floor_hit
 from mp_callbacks.loss_scale.transition import ScalerState, initial_state, next_state
 
+from .adam_native import single_tensor_pass
 from .divergence import TorchDivergence
 from .grad_check import Flags, UnitScales, host_check, non_finite_check
 from .ops import TorchOps
@@ -269,7 +270,8 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
         self.divergence.applied()
         if self.store is not None:
             return self.store.step(raw, *args, **kwargs)
-        return raw.step(*args, **kwargs)
+        with single_tensor_pass(raw):  # torch's default CPU Adam/AdamW in one native pass, the same bits
+            return raw.step(*args, **kwargs)
 
     def skips(self, optimizer: Any) -> bool:
         """Whether this step of ``optimizer`` will be skipped (unscales first when needed): the step's one
