@@ -10,6 +10,9 @@ benchmark MLP (3x1024, bench_lightning.py) or of the transformer
   parameters and FP32 gradients, torch's default implementation (the
   single-tensor loop on CPU);
 * ``native bf16-mixed, fused=True``: the same with ``AdamW(fused=True)``;
+* ``ours *-mixed, one pass``: native bf16-mixed's step as ours runs it under ``32-true``/``*-mixed``
+  (``lightning_ext.adam_native.single_tensor_pass``: torch's single-tensor loop answered by one native
+  pass per parameter, the same bits);
 * ``ours bf16-master``: ``MasterWeights``: bf16 grads -> FP32 master grads, the
   user's AdamW on the masters with the fused kernel
   (``lightning_ext.fused_step``), masters -> bf16 weights (the weights'
@@ -61,6 +64,7 @@ from common import (  # noqa: E402
 )
 from torch import nn  # noqa: E402
 
+from lightning_ext.adam_native import single_tensor_pass  # noqa: E402
 from lightning_ext.masters import MasterWeights  # noqa: E402
 from mp_callbacks.app.lightning_runner import mlp  # noqa: E402
 
@@ -74,7 +78,7 @@ def model(name: str) -> nn.Module:
     return TinyGPT(GPTConfig())
 
 
-def native(name: str, steps: int, fused: bool) -> Callable[[], tuple[float, float]]:
+def native(name: str, steps: int, fused: bool, one_pass: bool = False) -> Callable[[], tuple[float, float]]:
     net = model(name)
     params = list(net.parameters())
     grads = [torch.randn_like(p) * 1e-2 for p in params]
@@ -83,7 +87,11 @@ def native(name: str, steps: int, fused: bool) -> Callable[[], tuple[float, floa
     def one_step() -> None:
         for p, g in zip(params, grads):
             p.grad = g
-        opt.step()
+        if one_pass:
+            with single_tensor_pass(opt):
+                opt.step()
+        else:
+            opt.step()
     return per_step(one_step, steps)
 
 
@@ -221,6 +229,7 @@ def main() -> None:
             variants = {
                 "native bf16-mixed": native(name, args.steps, fused=False),
                 "native bf16-mixed, fused=True": native(name, args.steps, fused=True),
+                "ours *-mixed, one pass": native(name, args.steps, fused=False, one_pass=True),
                 "ours bf16-master": masters(name, args.steps, fused_step=True),
                 "ours bf16-master, torch's default step": masters(name, args.steps, fused_step=False),
                 "ours bf16-master, one pass": masters(name, args.steps, fused_step=True, one_pass=True),
@@ -231,7 +240,9 @@ def main() -> None:
             if not args.no_compile:
                 variants["compiled single pass"] = compiled(name, args.steps, report)
             times = alternate(with_controls(variants, ["native bf16-mixed"]), args.rounds)
-            pairs = [("ours bf16-master", "native bf16-mixed", "optimizer step"),
+            pairs = [("ours *-mixed, one pass", "native bf16-mixed", "torch's loop in one pass"),
+                     ("ours *-mixed, one pass", "native bf16-mixed, fused=True", "reference"),
+                     ("ours bf16-master", "native bf16-mixed", "optimizer step"),
                      ("ours bf16-master", "native bf16-mixed, fused=True", "reference"),
                      ("ours bf16-master", "ours bf16-master, torch's default step", "the fused step's gain"),
                      ("ours bf16-master, one pass", "native bf16-mixed, fused=True", "reference"),

@@ -42,7 +42,9 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_ext import (  # noqa: E402
     MixedPrecision,  # noqa: E402
+    adam_native,
     forward_state,
+    master_native,
     masters,
     plugin,
     policy,
@@ -56,10 +58,11 @@ GELU_RULES = (("NewGELUActivation", "float32"),)  # its FP32 region (the default
 
 
 class LM(pl.LightningModule):
-    def __init__(self, make_net: Callable[[], torch.nn.Module], seed: int) -> None:
+    def __init__(self, make_net: Callable[[], torch.nn.Module], seed: int, fused: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.net = make_net()
+        self.fused = fused
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -67,14 +70,14 @@ class LM(pl.LightningModule):
         return lm_loss(out.logits if hasattr(out, "logits") else out, y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused or None)
 
 
-def fit(plugin_: Any, make_net: Callable[[], torch.nn.Module], batches: list) -> None:
+def fit(plugin_: Any, make_net: Callable[[], torch.nn.Module], batches: list, fused: bool = False) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin_], max_steps=len(batches), max_epochs=1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(LM(make_net, 0), train_dataloaders=DataLoader(batches, batch_size=None))
+    trainer.fit(LM(make_net, 0, fused), train_dataloaders=DataLoader(batches, batch_size=None))
 
 
 def ours(recipe: str, module_rules: tuple = ()) -> Callable[[], Any]:
@@ -92,7 +95,10 @@ VARIANTS: dict[str, tuple[Callable[[], Any], str | None]] = {  # name -> (plugin
     "ours bf16-mixed": (ours("bf16-mixed"), "native bf16-mixed"),
     "ours bf16-mixed, GELU in an FP32 region": (ours("bf16-mixed", GELU_RULES), "native bf16-mixed"),
     "ours bf16-master": (ours("bf16-master"), "native bf16-mixed"),
+    "native bf16-mixed, AdamW(fused=True)": (lambda: NativeMixed("bf16-mixed", "cpu"), None),
+    "ours bf16-master (against fused)": (ours("bf16-master"), "native bf16-mixed, AdamW(fused=True)"),
 }
+FUSED = {"native bf16-mixed, AdamW(fused=True)"}  # the variants whose AdamW runs torch's fused kernel
 
 # (owner, attribute, range label): the plugin's per-step hooks (what bench_transformer.py's ratios pay for).
 HOOKS: list[tuple[Any, str, str]] = [
@@ -110,6 +116,11 @@ HOOKS: list[tuple[Any, str, str]] = [
     (scaler.TorchLossScaler, "update", "scaler.update (state transition)"),
     (fabric_mod.MixedPrecision, "_after_step", "plugin._after_step"),
     (torch.optim.AdamW, "step", "AdamW.step (not ours; ours run it)"),
+    (scaler, "host_check", "scaler.host_check (the native scan + decision)"),
+    (masters, "alias_grads", "master_native.alias_grads (bf16 grads onto the masters)"),
+    (master_native, "_take_over", "master_native._take_over (the fused call, Python + C)"),
+    (master_native.NativeAdam, "step", "master_native.NativeAdam.step (the C pass)"),
+    (adam_native.NativeSingleAdam, "step", "adam_native.NativeSingleAdam.step (the C pass)"),
 ]
 
 
@@ -149,9 +160,9 @@ def hook_ranges() -> Iterator[None]:
 
 def profile_variant(name: str, make_net: Callable[[], torch.nn.Module], batches: list) -> dict[str, Any]:
     make, _ = VARIANTS[name]
-    fit(make(), make_net, batches[:2])  # warm-up
+    fit(make(), make_net, batches[:2], name in FUSED)  # warm-up
     with hook_ranges(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        fit(make(), make_net, batches)
+        fit(make(), make_net, batches, name in FUSED)
     steps = len(batches)
     out: dict[str, Any] = {"ops": {}, "hooks": {}}
     for e in prof.key_averages():

@@ -6,8 +6,9 @@ On the CPU an ``Adam``/``AdamW`` left to torch's default (``foreach=None``, ``fu
 for three of them a new tensor: 1.5-1.8 ms of a 0.5 M-parameter transformer's step (28 tensors), where
 torch's fused kernel takes 0.4 ms with other bits.  Under ``32-true``, ``bf16-mixed`` and ``16-mixed``
 (the parameters FP32) the plugin's ``optimizer.step()`` runs with that function answered by
-:data:`SOURCE` for this thread: one loop per parameter that reads the gradient, the parameter and both
-moments once and writes the last three once, in chunks of :data:`CHUNK` values.  The user's step still
+:data:`SOURCE` for this thread: per chunk of :data:`CHUNK` values of a parameter, one loop for
+``exp_avg_sq``, MKL's root of the chunk, one loop for ``exp_avg`` and the parameter, so that the gradient,
+the parameter and both moments come from memory once and the last three go back once.  The user's step still
 runs (hooks, state creation, LR schedulers, checkpoints are torch's).
 
 The same bits: torch 2.13's kernels operation for operation, as measured against them on this kind of CPU
@@ -68,23 +69,28 @@ SOURCE = r"""
 """ + r"""
 typedef void (*vsqrt_fn)(int n, const float *a, float *r, long long mode);
 typedef struct { float decay, wd, w, b2, c2, bcs, eps, nss; int small; } coefs;
-/* the moments of [lo, hi) and the parameter's decay or L2 term; the parameter's update after the roots */
-static inline __attribute__((always_inline)) void moments(int64_t lo, int64_t hi, int l2, int decay,
-        const coefs *c, float *restrict p, const float *restrict g, float *restrict m, float *restrict v) {
-    const float w = c->w, b2 = c->b2, c2 = c->c2, d = c->decay, wd = c->wd;
-    const int small = c->small;
+/* exp_avg_sq of [lo, hi) (l2: Adam's L2 term added to the gradient first) */
+static inline __attribute__((always_inline)) void second(int64_t lo, int64_t hi, int l2, const coefs *c,
+        const float *restrict p, const float *restrict g, float *restrict v) {
+    const float b2 = c->b2, c2 = c->c2, wd = c->wd;
     for (int64_t i = lo; i < hi; i++) {
-        float gi = g[i], mi = m[i];
-        if (l2) gi = fmaf(p[i], wd, gi);
-        if (decay) p[i] = p[i] * d;
-        m[i] = small ? fmaf(w, gi - mi, mi) : fmaf(w - 1.0f, gi - mi, gi);
+        float gi = l2 ? fmaf(p[i], wd, g[i]) : g[i];
         v[i] = fmaf(c2 * gi, gi, v[i] * b2);
     }
 }
-static inline __attribute__((always_inline)) void update(int64_t lo, int64_t hi, const coefs *c,
-        float *restrict p, const float *restrict m, const float *restrict root) {
-    const float bcs = c->bcs, eps = c->eps, nss = c->nss;
-    for (int64_t i = lo; i < hi; i++) p[i] = p[i] + (nss * m[i]) / (root[i - lo] / bcs + eps);
+/* exp_avg and the parameter of [lo, hi), given the roots of exp_avg_sq (decay: AdamW's, first) */
+static inline __attribute__((always_inline)) void first(int64_t lo, int64_t hi, int l2, int decay,
+        const coefs *c, float *restrict p, const float *restrict g, float *restrict m, const float *restrict root) {
+    const float w = c->w, d = c->decay, wd = c->wd, bcs = c->bcs, eps = c->eps, nss = c->nss;
+    const int small = c->small;
+    for (int64_t i = lo; i < hi; i++) {
+        float pi = p[i], mi = m[i];
+        float gi = l2 ? fmaf(pi, wd, g[i]) : g[i];
+        if (decay) pi = pi * d;
+        mi = small ? fmaf(w, gi - mi, mi) : fmaf(w - 1.0f, gi - mi, gi);
+        m[i] = mi;
+        p[i] = pi + (nss * mi) / (root[i - lo] / bcs + eps);
+    }
 }
 /* ptrs: count params, then count grads, exp_avgs, exp_avg_sqs and (float32) steps, each advanced by one */
 CLONES void adam_single(int64_t count, const int64_t *sizes, void *const *ptrs, double lr, double beta1,
@@ -107,12 +113,12 @@ CLONES void adam_single(int64_t count, const int64_t *sizes, void *const *ptrs, 
         int64_t n = sizes[k];
         for (int64_t lo = 0; lo < n; lo += CHUNK) {
             int64_t hi = n - lo < CHUNK ? n : lo + CHUNK;
-            if (l2) moments(lo, hi, 1, 0, &c, p, g, m, v);
-            else if (decay) moments(lo, hi, 0, 1, &c, p, g, m, v);
-            else moments(lo, hi, 0, 0, &c, p, g, m, v);
+            if (l2) second(lo, hi, 1, &c, p, g, v); else second(lo, hi, 0, &c, p, g, v);
             if (vsqrt) vsqrt((int)(hi - lo), v + lo, root, VML_MODE);
             else for (int64_t i = lo; i < hi; i++) root[i - lo] = sqrtf(v[i]);
-            update(lo, hi, &c, p, m, root);
+            if (l2) first(lo, hi, 1, 0, &c, p, g, m, root);
+            else if (decay) first(lo, hi, 0, 1, &c, p, g, m, root);
+            else first(lo, hi, 0, 0, &c, p, g, m, root);
         }
     }
 }

@@ -188,7 +188,7 @@ def test_a_graph_saved_before_the_step_sees_the_native_write(passes):
 @pytest.mark.parametrize("wrong", [
     ("fmaf(c2 * gi, gi, v[i] * b2)", "fmaf(v[i], b2, (c2 * gi) * gi)"),  # addcmul_'s contraction
     ("if (vsqrt) vsqrt(", "if (0) vsqrt("),  # the correctly rounded root, not torch's
-    ("fmaf(p[i], wd, gi)", "gi + wd * p[i]"),  # Adam's L2 term
+    ("fmaf(pi, wd, g[i])", "g[i] + wd * pi"),  # Adam's L2 term (in the first moment's loop)
 ], ids=["addcmul", "sqrt", "l2"])
 def test_a_library_that_differs_from_torchs_loop_is_refused(wrong, monkeypatch, tmp_path):
     monkeypatch.setattr(adam_native, "_loaded", [])
@@ -226,3 +226,30 @@ def test_the_pass_is_off_by_switch_and_with_more_threads(monkeypatch):
         assert adam_native.native_single_adam() is None
     finally:
         torch.set_num_threads(threads)
+
+
+def test_under_fabric_the_step_takes_the_pass_bit_for_bit_fabrics_own_32_true(passes):
+    from lightning.fabric import Fabric
+
+    from lightning_ext.fabric import MixedPrecision as FabricMixedPrecision
+
+    def run(plugins):
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=plugins)
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
+        model, opt = fabric.setup(net, OPTIMIZERS["adamw, two groups"](list(net.parameters())))
+        for x, y in loader(dim=DIM):
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        return model, opt.optimizer
+
+    theirs = run([])
+    assert passes["params"] == 0
+    ours = run([FabricMixedPrecision("32-true")])
+    assert passes["params"] == 4 * 8
+    (model_a, opt_a), (model_b, opt_b) = ours, theirs
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(_bits(p), _bits(q))
+    for sa, sb in zip(opt_a.state.values(), opt_b.state.values()):
+        assert all(torch.equal(_bits(sa[k]), _bits(sb[k])) for k in sa)
