@@ -23,12 +23,13 @@ against torch's own function (Adam and AdamW, weight decay on and off, both ``le
 and 7, every length 1..40 and 4099, special values); a mismatch, no compiler or a failed build: one
 warning, and torch's loop.  Any finite, infinite or zero result has torch's bits; a NaN stays a NaN.
 
-The rule (:func:`single_tensor_pass`): an exact ``Adam``/``AdamW`` not compiled, :data:`NATIVE` on, at
-most :data:`~lightning_ext.master_native.MAX_THREADS` intra-op threads, the library loaded; then per call
-of torch's function without ``amsgrad``, ``maximize``, ``capturable``, ``differentiable``, complex values,
-tensor hyperparameters or a gradient scale, each parameter whose parameter, gradient and moments are dense
-contiguous FP32 CPU tensors (exact :class:`torch.Tensor`) with a float32 CPU step count takes the pass, the
-others torch's loop.  The pass bumps the version counters torch's in-place kernels bump.
+The rule (:func:`single_tensor_pass`): an exact ``Adam``/``AdamW`` not compiled, :data:`NATIVE` on, the
+library loaded; then per call of torch's function without ``amsgrad``, ``maximize``, ``capturable``,
+``differentiable``, complex values, tensor hyperparameters or a gradient scale, each parameter whose
+parameter, gradient and moments are dense contiguous FP32 CPU tensors (exact :class:`torch.Tensor`) with a
+float32 CPU step count takes the pass, the others torch's loop; with more than one intra-op thread only
+those of at most :data:`SERIAL` values (torch runs their kernels on one thread too; the pass is serial, the
+bits the same either way).  The pass bumps the version counters torch's in-place kernels bump.
 """
 
 from __future__ import annotations
@@ -50,13 +51,18 @@ from mp_callbacks.native import CLONES, build_library, loaded_once
 
 from . import master_native
 
-__all__ = ["CHUNK", "NATIVE", "SOURCE", "NativeSingleAdam", "native_single_adam", "single_tensor_pass"]
+__all__ = ["CHUNK", "NATIVE", "SERIAL", "SOURCE", "NativeSingleAdam", "native_single_adam", "single_tensor_pass"]
 
 NATIVE = True
 """Step eligible parameters with the native pass (False: torch's single-tensor loop; the same bits)."""
 
 CHUNK = 1024
 """Values per chunk: the chunk's moments are square-rooted by one ``vmsSqrt`` call while in cache."""
+
+SERIAL = 32768
+"""With more than one intra-op thread the pass takes parameters of at most this many values: torch's grain
+size (``at::internal::GRAIN_SIZE``), below which its elementwise kernels run on one thread; larger ones keep
+torch's parallel loop."""
 
 _VML_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: torch's (ATen/cpu/vml.h)
 
@@ -158,10 +164,9 @@ class NativeSingleAdam:
 
 
 def native_single_adam() -> NativeSingleAdam | None:
-    """The native pass when :data:`NATIVE` is on, the intra-op threads at most
-    :data:`~lightning_ext.master_native.MAX_THREADS` and the library built, loaded and checked (tried once
-    per process; a failure warns once); else None."""
-    if not NATIVE or torch.get_num_threads() > master_native.MAX_THREADS:
+    """The native pass when :data:`NATIVE` is on and the library built, loaded and checked (tried once per
+    process; a failure warns once); else None."""
+    if not NATIVE:
         return None
     return loaded_once(_loaded, _checked, "lightning_ext.adam_native: the native Adam/AdamW pass is unavailable "
                        "({err}); torch's single-tensor loop steps (the same bits, slower)")
@@ -259,6 +264,7 @@ def _take_over(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
         return original(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, grad_scale, found_inf,
                         **kw)
     mine, rest = [], []
+    serial = torch.get_num_threads() > 1
     for i, p in enumerate(params):
         g, m, v, s = grads[i], exp_avgs[i], exp_avg_sqs[i], state_steps[i]
         if (type(p) is Tensor or type(p) is torch.nn.Parameter) and type(g) is Tensor and type(m) is Tensor and (
@@ -266,7 +272,7 @@ def _take_over(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
                 p.is_cpu and g.is_cpu and m.is_cpu and v.is_cpu and g.layout is torch.strided) and (
                 p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()) and (
                 type(s) is Tensor and s.dtype is _F32 and s.is_cpu and s.numel() == 1) and (
-                p.numel() == g.numel() == m.numel() == v.numel()):
+                p.numel() == g.numel() == m.numel() == v.numel()) and not (serial and p.numel() > SERIAL):
             mine.append(i)
         else:
             rest.append(i)

@@ -51,7 +51,8 @@ def passes(monkeypatch):
 def _fit(make_optimizer, precision="32-true", steps=6, ours=True, **model_kwargs):
     plugins = [MixedPrecision(precision=precision)] if ours else []
     model = _Model(make_optimizer, **model_kwargs)
-    trainer = pl.Trainer(plugins=plugins, max_steps=steps, **trainer_kwargs(**({} if ours else {"precision": precision})))
+    native = {} if ours else {"precision": precision}
+    trainer = pl.Trainer(plugins=plugins, max_steps=steps, **trainer_kwargs(**native))
     trainer.fit(model, loader(dim=DIM))
     return model, trainer.optimizers[0]
 
@@ -125,13 +126,14 @@ def test_parameters_the_pass_cannot_take_go_to_torchs_loop_in_the_same_step(pass
         ps[0].data = torch.linspace(-1, 1, 12).reshape(3, 4).t()
 
     make = OPTIMIZERS["adamw, eps 1e-3"]
-    (ps_a, opt_a), (ps_b, opt_b) = _run(make, sizes, True, transposed), _run(make, sizes, False, transposed)
+    (ps_a, _), (ps_b, _) = _run(make, sizes, True, transposed), _run(make, sizes, False, transposed)
     for a, b in zip(ps_a, ps_b):
         assert torch.equal(_bits(a), _bits(b))
     assert passes["params"] == 2 * 3
 
 
-@pytest.mark.parametrize("options", [{"amsgrad": True}, {"maximize": True}, {"foreach": False, "lr": torch.tensor(1e-2)},
+@pytest.mark.parametrize("options", [{"amsgrad": True}, {"maximize": True},
+                                     {"foreach": False, "lr": torch.tensor(1e-2)},
                                      {"betas": (torch.tensor(0.9), torch.tensor(0.999))}],
                          ids=["amsgrad", "maximize", "tensor lr", "tensor betas"])
 def test_options_the_pass_does_not_implement_run_torchs_loop(options, passes):
@@ -215,17 +217,35 @@ def test_no_compiler_means_torchs_loop_and_one_warning(monkeypatch):
     _assert_same(ours, _fit(make, steps=3, ours=False))
 
 
-def test_the_pass_is_off_by_switch_and_with_more_threads(monkeypatch):
+def test_the_pass_is_off_by_switch():
     assert adam_native.native_single_adam() is not None  # this machine has a C compiler
-    monkeypatch.setattr(adam_native, "NATIVE", False)
-    assert adam_native.native_single_adam() is None
-    monkeypatch.setattr(adam_native, "NATIVE", True)
+    adam_native.NATIVE = False
+    try:
+        assert adam_native.native_single_adam() is None
+        ps, _ = _params([5])
+        ps[0].grad = torch.ones(5)
+        opt = torch.optim.Adam(ps)
+        with adam_native.single_tensor_pass(opt) as taking:
+            opt.step()
+        assert not taking
+    finally:
+        adam_native.NATIVE = True
+
+
+def test_with_more_threads_parameters_torch_would_split_keep_torchs_parallel_loop(passes):
+    """Two threads: the pass takes the parameters torch's kernels run on one thread (at most SERIAL values), the
+    large one goes to torch's loop, which splits it between the threads; the bits are torch's either way."""
+    sizes = [adam_native.SERIAL + 4099, 45, adam_native.SERIAL]
+    make = OPTIMIZERS["adam, L2 decay, beta1 0.3"]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert adam_native.native_single_adam() is None
+        (ps_a, _), (ps_b, _) = _run(make, sizes, True), _run(make, sizes, False)
     finally:
         torch.set_num_threads(threads)
+    for a, b in zip(ps_a, ps_b):
+        assert torch.equal(_bits(a), _bits(b))
+    assert passes["params"] == 2 * 3
 
 
 def test_under_fabric_the_step_takes_the_pass_bit_for_bit_fabrics_own_32_true(passes):
