@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import threading
 from array import array
 from collections.abc import Iterator
 from itertools import chain
@@ -50,6 +49,7 @@ from torch import Tensor
 from mp_callbacks.native import CLONES, build_library, loaded_once
 
 from . import master_native
+from .thread_swap import ThreadSwap
 
 __all__ = ["CHUNK", "NATIVE", "SERIAL", "SOURCE", "NativeSingleAdam", "native_single_adam", "single_tensor_pass"]
 
@@ -217,9 +217,6 @@ def _self_check(native: NativeSingleAdam) -> None:
 
 # --------------------------------------------------------------------------- the step
 _single_tensor_adam = _adam._single_tensor_adam  # torch's, as imported
-_lock = threading.Lock()
-_installed: dict[str, Any] = {}  # torch's function while some thread's step runs with the pass, and how many do
-_local = threading.local()  # .active: this thread's step runs with the pass
 
 
 @contextlib.contextmanager
@@ -230,21 +227,8 @@ def single_tensor_pass(optimizer: Any) -> Iterator[bool]:
             native_single_adam() is None):
         yield False
         return
-    with _lock:
-        if not _installed:
-            _installed["original"] = _adam._single_tensor_adam
-            _adam._single_tensor_adam = _take_over
-        _installed["depth"] = _installed.get("depth", 0) + 1
-    _local.active = True
-    try:
+    with _swap.active(True):
         yield True
-    finally:
-        _local.active = False
-        with _lock:
-            _installed["depth"] -= 1
-            if not _installed["depth"]:
-                _adam._single_tensor_adam = _installed.pop("original")
-                _installed.clear()
 
 
 def _take_over(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -253,11 +237,11 @@ def _take_over(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
                weight_decay: Any, eps: float, maximize: bool, capturable: bool, differentiable: bool,
                decoupled_weight_decay: bool) -> None:
     """torch's function: the parameters the pass takes in one native call, the rest by torch's loop."""
-    original = _installed.get("original", _single_tensor_adam)
+    original = _swap.original("_single_tensor_adam")
     kw = {"amsgrad": amsgrad, "has_complex": has_complex, "beta1": beta1, "beta2": beta2, "lr": lr,
           "weight_decay": weight_decay, "eps": eps, "maximize": maximize, "capturable": capturable,
           "differentiable": differentiable, "decoupled_weight_decay": decoupled_weight_decay}
-    native = native_single_adam() if getattr(_local, "active", False) else None
+    native = native_single_adam() if _swap.state() else None
     if native is None or amsgrad or has_complex or maximize or capturable or differentiable or (
             grad_scale is not None or found_inf is not None) or not all(
             type(x) in (float, int) for x in (beta1, beta2, lr, weight_decay, eps)):
@@ -285,3 +269,7 @@ def _take_over(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
         lists = [[t[i] for i in rest] if t else t for t in
                  (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)]
         original(*lists, grad_scale, found_inf, **kw)
+
+
+_swap = ThreadSwap(_adam, {"_single_tensor_adam": _take_over})
+"""torch's single-tensor loop answered by :func:`_take_over` while a step runs with the pass (state: True)."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
 from array import array
 from collections.abc import Iterator
 from itertools import chain
@@ -49,6 +48,8 @@ import torch
 from torch import Tensor
 
 from mp_callbacks.native import BF16, CLONES, SCAN, build_library, loaded_once
+
+from .thread_swap import ThreadSwap
 
 __all__ = ["MAX_THREADS", "NATIVE", "SOURCE", "NativeAdam", "alias_grads", "native_adam",
            "one_pass_step"]
@@ -295,28 +296,12 @@ def one_pass_step(optimizer: Any, table: dict[int, Tensor]) -> Iterator[set[int]
     for group in groups:
         group["fused"] = True
     written: set[int] = set()
-    with _lock:
-        if not _installed:
-            _installed.update(adamw=torch._fused_adamw_, adam=torch._fused_adam_)
-            torch._fused_adamw_, torch._fused_adam_ = _fused_adamw, _fused_adam
-        _installed["depth"] = _installed.get("depth", 0) + 1
-    _local.step = (table, written)
     try:
-        yield written
+        with _swap.active((table, written)):
+            yield written
     finally:
-        _local.step = None
-        with _lock:
-            _installed["depth"] -= 1
-            if not _installed["depth"]:
-                torch._fused_adamw_, torch._fused_adam_ = _installed.pop("adamw"), _installed.pop("adam")
-                _installed.clear()
         for group in groups:
             group["fused"] = None
-
-
-_lock = threading.Lock()
-_installed: dict[str, Any] = {}  # torch's kernels while a one-pass step runs in some thread, and how many do
-_local = threading.local()  # .step: (table, written) of this thread's one-pass step
 
 
 def _fused_adamw(*args: Any, **kwargs: Any) -> None:
@@ -333,8 +318,8 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
                maximize: bool, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
     """The kernel call: the registered masters with a bf16 gradient in the native pass, the rest (bf16
     gradients widened) in torch's kernel."""
-    kernel = _installed["adamw" if adamw else "adam"]
-    step = getattr(_local, "step", None)
+    kernel = _swap.original("_fused_adamw_" if adamw else "_fused_adam_")
+    step = _swap.state()
     native = native_adam() if step is not None else None
     mine, rest = [], []
     if native is not None and not (amsgrad or maximize or grad_scale is not None or found_inf is not None
@@ -368,3 +353,7 @@ def _take_over(adamw: bool, params: list[Tensor], grads: list[Tensor], exp_avgs:
         lists[1] = [g.float() if g.dtype is _BF16 and p.dtype is not _BF16 else g for p, g in zip(lists[0], lists[1])]
         kernel(*lists, amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+
+
+_swap = ThreadSwap(torch, {"_fused_adamw_": _fused_adamw, "_fused_adam_": _fused_adam})
+"""torch's fused kernels answered by :func:`_take_over` while a one-pass step runs (state: (table, written))."""

@@ -99,7 +99,7 @@ def test_the_one_pass_step_is_the_widened_path_bit_for_bit(opt, norm, passes, mo
     assert passes == {"native": 6 * groups, "widened": 6}
     _assert_same(one_pass, widened)
     assert all(float(s["step"]) == 6 for s in one_pass[2].state.values())
-    assert torch._fused_adamw_ is not master_native._fused_adamw and not master_native._installed  # put back
+    assert torch._fused_adamw_ is not master_native._fused_adamw and master_native._swap.state() is None  # put back
 
 
 def test_a_nonfinite_gradient_skips_the_step_alike(passes, monkeypatch):
