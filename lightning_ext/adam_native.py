@@ -241,7 +241,7 @@ def _take_over(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     kw = {"amsgrad": amsgrad, "has_complex": has_complex, "beta1": beta1, "beta2": beta2, "lr": lr,
           "weight_decay": weight_decay, "eps": eps, "maximize": maximize, "capturable": capturable,
           "differentiable": differentiable, "decoupled_weight_decay": decoupled_weight_decay}
-    native = native_single_adam() if _swap.state() else None
+    native = native_single_adam() if _swap.state() and not torch.compiler.is_compiling() else None
     if native is None or amsgrad or has_complex or maximize or capturable or differentiable or (
             grad_scale is not None or found_inf is not None) or not all(
             type(x) in (float, int) for x in (beta1, beta2, lr, weight_decay, eps)):
