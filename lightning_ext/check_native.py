@@ -18,8 +18,8 @@ Build: a CPython extension module against torch's headers (``$CXX``, else ``c++`
 built by the first call (~12 s, once per source, compiler, torch and Python, into the cache folder of
 :func:`~mp_callbacks.native.build_library`; later processes load it in milliseconds), then checked against
 the values it was given.  No compiler or headers, a failed build or load, or a mismatch: one warning, and the
-Python path.  Switch: :data:`NATIVE`.  Used while ``torch.get_num_threads()`` is at most
-:data:`~lightning_ext.master_native.MAX_THREADS` (the scan runs on one thread), as the Python path's scan.
+Python path.  Switch: :data:`NATIVE`.  The scan runs on one thread: with more intra-op threads it takes at
+most :data:`SERIAL_VALUES` gradient values (more: -1, and torch's kernel, spread over its threads).
 """
 
 from __future__ import annotations
@@ -34,12 +34,16 @@ import torch
 
 from mp_callbacks.native import CLONES, SCAN, build_library, loaded_once
 
-from . import master_native
-
-__all__ = ["NATIVE", "SOURCE", "NativeCheck", "native_check"]
+__all__ = ["NATIVE", "SERIAL_VALUES", "SOURCE", "NativeCheck", "native_check"]
 
 NATIVE = True
 """Check with the native call (False: the Python path; the same decisions)."""
+
+SERIAL_VALUES = 1 << 22
+"""With more than one intra-op thread the native call scans at most this many gradient values (4 Mi, 16 MiB of
+FP32).  Measured on a 2-vCPU AMD EPYC (Zen 4) with the gradients out of the caches: the serial scan took
+0.9-1.1x torch's check kernel at two threads from 0.5 M to 32 M values (``benchmarks/README.md``); where more
+cores share the kernel, larger gradient sets are left to it."""
 
 SOURCE = r"""
 #include <Python.h>
@@ -60,10 +64,15 @@ static bool scannable(const at::Tensor &g) {
     if (g.layout() != at::kStrided || !g.has_storage() || !g.is_contiguous()) return false;
     return g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16;
 }
-/* groups: a list of dicts with a "params" list -> 1 (inf/NaN), 0 (none), -1 (the scan does not apply) */
-static PyObject *groups_nonfinite(PyObject *, PyObject *groups) {
+/* (groups, limit): groups a list of dicts with a "params" list -> 1 (inf/NaN), 0 (none), -1 (the scan does
+   not apply, or more than limit values when limit >= 0) */
+static PyObject *groups_nonfinite(PyObject *, PyObject *args) {
+    PyObject *groups;
+    long long limit;
+    if (!PyArg_ParseTuple(args, "OL", &groups, &limit)) return nullptr;
     if (!PyList_Check(groups)) return PyLong_FromLong(-1);
     std::vector<at::Tensor> grads;
+    int64_t values = 0;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(groups); k++) {
         PyObject *group = PyList_GET_ITEM(groups, k);
         PyObject *params = PyDict_Check(group) ? PyDict_GetItemString(group, "params") : nullptr;
@@ -74,8 +83,10 @@ static PyObject *groups_nonfinite(PyObject *, PyObject *groups) {
             if (!g->defined()) continue;
             if (!scannable(*g)) return PyLong_FromLong(-1);
             grads.push_back(*g);  /* held: the values stay alive while the GIL is released */
+            values += g->numel();
         }
     }
+    if (limit >= 0 && values > limit) return PyLong_FromLong(-1);
     int32_t found = 0;
     Py_BEGIN_ALLOW_THREADS
     for (auto g = grads.rbegin(); g != grads.rend() && !found; ++g)
@@ -84,7 +95,7 @@ static PyObject *groups_nonfinite(PyObject *, PyObject *groups) {
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(found);
 }
-static PyMethodDef methods[] = {{"groups_nonfinite", groups_nonfinite, METH_O, nullptr},
+static PyMethodDef methods[] = {{"groups_nonfinite", groups_nonfinite, METH_VARARGS, nullptr},
                                 {nullptr, nullptr, 0, nullptr}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mp_check_native", nullptr, -1, methods};
 PyMODINIT_FUNC PyInit_mp_check_native(void) { return PyModule_Create(&module); }
@@ -95,18 +106,21 @@ class NativeCheck:
     """The loaded module's check (the module's rule)."""
 
     def __init__(self, module: Any) -> None:
-        self.groups = module.groups_nonfinite
-        """``groups(optimizer.param_groups)`` -> 1, 0 or -1 (the module's rule)."""
+        self._groups = module.groups_nonfinite
+
+    def groups(self, groups: Any) -> int:
+        """``groups(optimizer.param_groups)`` -> 1, 0 or -1 (the module's rule; at more than one intra-op thread
+        -1 also for more than :data:`SERIAL_VALUES` values)."""
+        return self._groups(groups, -1 if torch.get_num_threads() <= 1 else SERIAL_VALUES)
 
 
 _loaded: list[NativeCheck | None] = []  # one entry once tried
 
 
 def native_check() -> NativeCheck | None:
-    """The native check when :data:`NATIVE` is on, the intra-op threads at most
-    :data:`~lightning_ext.master_native.MAX_THREADS` and the module built, loaded and checked (tried once per
+    """The native check when :data:`NATIVE` is on and the module built, loaded and checked (tried once per
     process, built by the first call; a failure warns once); else None."""
-    if not NATIVE or torch.get_num_threads() > master_native.MAX_THREADS:
+    if not NATIVE:
         return None
     return loaded_once(_loaded, _checked, "lightning_ext.check_native: the native inf/NaN check is unavailable "
                        "({err}); the check runs its Python path (the same decisions, slower)")

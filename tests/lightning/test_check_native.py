@@ -129,9 +129,26 @@ def test_a_failed_build_warns_once_and_the_python_path_decides(monkeypatch):
     assert host_check(_Opt(_groups(float("nan"))), CPU, reduce=True) is True  # any_nonfinite's scan
 
 
-def test_off_with_the_switch_or_more_threads(native, monkeypatch):
+def test_off_with_the_switch(native, monkeypatch):
     monkeypatch.setattr(check_native, "NATIVE", False)
     assert check_native.native_check() is None
-    monkeypatch.setattr(check_native, "NATIVE", True)
-    monkeypatch.setattr(master_native, "MAX_THREADS", 0)
-    assert check_native.native_check() is None
+
+
+@pytest.mark.parametrize("special", [None, float("inf")])
+def test_with_more_threads_it_scans_up_to_serial_values_and_torchs_kernel_the_rest(native, monkeypatch, special):
+    """Two intra-op threads: the serial scan decides on the host for small gradient sets; beyond SERIAL_VALUES
+    it declines, the Python path's scan is off at two threads too, and torch's kernel decides alike."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert native.groups(_groups(special)) == int(special is not None)
+        assert host_check(_Opt(_groups(special)), CPU, reduce=True) is (special is not None)
+        monkeypatch.setattr(check_native, "SERIAL_VALUES", 33 + 8 * 130 + 5 + 1000 - 1)  # one value short
+        assert native.groups(_groups(special)) == -1
+        assert host_check(_Opt(_groups(special)), CPU, reduce=True) is None
+        found = non_finite_check(_Opt(_groups(special)), CPU, None, grad_check.UnitScales(), reduce=True)
+        assert found.item() == float(special is not None)
+        monkeypatch.setattr(check_native, "SERIAL_VALUES", 33 + 8 * 130 + 5 + 1000)
+        assert native.groups(_groups(special)) == int(special is not None)
+    finally:
+        torch.set_num_threads(threads)
