@@ -11,6 +11,13 @@ decide alike (asserted every step).
 
     python benchmarks/bench_check.py --layers 2 --d-model 128     # the transformer benchmark's model
     python benchmarks/bench_check.py --layers 12 --d-model 64     # deeper: more, smaller gradients
+    python benchmarks/bench_check.py --serial-vs-kernel --threads 2  # the basis of check_native.SERIAL_VALUES
+
+``--serial-vs-kernel``: synthetic FP32 gradient sets (0.5 M to 32 M values in 6 to 400 tensors), each pass after
+a 32 MiB write (the gradients out of the caches, as after a backward), the native call (serial, no value limit)
+and torch's check kernel (``_amp_foreach_non_finite_check_and_unscale_`` with a unit scale and the flag's host
+read, what the check runs where the native call declines) at ``--threads`` intra-op threads, alternating with a
+native control; the median per way and the ratios kernel / native per window (min-max).
 """
 
 from __future__ import annotations
@@ -32,12 +39,58 @@ from lightning_ext.grad_check import host_check  # noqa: E402
 WAYS = ["native call", "Python path", "native call (control)"]
 
 
+SETS = [(532_000, 29), (2_100_000, 6), (2_100_000, 60), (8_000_000, 50), (8_000_000, 200), (32_000_000, 100),
+        (32_000_000, 400)]  # (values, tensors)
+
+
+def serial_vs_kernel(threads: int, rounds: int, repeats: int) -> None:
+    """The native call against torch's kernel on :data:`SETS` at ``threads`` threads (module docstring)."""
+    torch.set_num_threads(1)
+    native = check_native.native_check()
+    if native is None:
+        raise SystemExit("the native check is not available here (see its warning)")
+    torch.set_num_threads(threads)
+    print(machine_line(threads))
+    flush, unit, found = torch.randn(8 << 20), torch.ones(()), torch.zeros(())
+    for values, count in SETS:
+        params = [torch.nn.Parameter(torch.zeros(values // count)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn(p.numel())
+        groups, grads = [{"params": params}], [p.grad for p in params]
+        ways = {"native call": lambda g=groups: native._groups(g, -1),
+                "torch's kernel": lambda g=grads: (torch._amp_foreach_non_finite_check_and_unscale_(g, found, unit),
+                                                   found.item()),
+                "native call (control)": lambda g=groups: native._groups(g, -1)}
+        medians: dict[str, list[float]] = {w: [] for w in ways}
+        for _ in range(rounds):
+            times: dict[str, list[float]] = {w: [] for w in ways}
+            for _ in range(repeats):
+                for way, run in ways.items():
+                    flush.add_(1.0)
+                    t0 = time.perf_counter()
+                    run()
+                    times[way].append(time.perf_counter() - t0)
+            for way in ways:
+                medians[way].append(statistics.median(times[way]))
+        kernel = [a / b for a, b in zip(medians["torch's kernel"], medians["native call"])]
+        control = [a / b for a, b in zip(medians["native call (control)"], medians["native call"])]
+        ours_us = 1e6 * statistics.median(medians["native call"])
+        kernel_us = 1e6 * statistics.median(medians["torch's kernel"])
+        print(f"  {values:>10} values in {count:>3} tensors: native {ours_us:8.1f} us, kernel {kernel_us:8.1f} us; "
+              f"ratio kernel / native {statistics.median(kernel):.3f} ({min(kernel):.3f}-{max(kernel):.3f}), "
+              f"control {statistics.median(control):.3f}")
+
+
 def main() -> None:
     parser = base_parser(__doc__, rounds=8, steps=600, batch_size=4)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--serial-vs-kernel", action="store_true", help="the native call vs torch's kernel")
     args = parser.parse_args()
+    if args.serial_vs_kernel:
+        serial_vs_kernel(args.threads[0], min(args.rounds, 5), 12)
+        return
     torch.set_num_threads(1)
     print(machine_line(1) + ("" if args.no_pin else pin_cpus(1)))
     if check_native.native_check() is None:
