@@ -12,6 +12,7 @@ import torch.optim.adam as torch_adam
 
 from lightning_ext import MixedPrecision, adam_native
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.native_build import assert_wrong_source_refused
 
 DIM, HIDDEN = 37, 45  # tensors of 1665, 45, 45 and 1 elements: chunks, vector bodies and every kind of tail
 
@@ -193,14 +194,9 @@ def test_a_graph_saved_before_the_step_sees_the_native_write(passes):
     ("fmaf(pi, wd, g[i])", "g[i] + wd * pi"),  # Adam's L2 term (in the first moment's loop)
 ], ids=["addcmul", "sqrt", "l2"])
 def test_a_library_that_differs_from_torchs_loop_is_refused(wrong, monkeypatch, tmp_path):
-    monkeypatch.setattr(adam_native, "_loaded", [])
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    source = adam_native.SOURCE.replace(*wrong)
-    assert source != adam_native.SOURCE
-    monkeypatch.setattr(adam_native, "SOURCE", source)
-    with pytest.warns(RuntimeWarning, match="native Adam/AdamW pass is unavailable.*differs from torch's loop"):
-        assert adam_native.native_single_adam() is None
-    assert len(list((tmp_path / "mp_callbacks").glob("adam_native-*.so"))) == 1  # built, then refused
+    assert_wrong_source_refused(adam_native, adam_native.native_single_adam, "adam_native", wrong,
+                                "native Adam/AdamW pass is unavailable.*differs from torch's loop",
+                                monkeypatch, tmp_path)
 
 
 def test_no_compiler_means_torchs_loop_and_one_warning(monkeypatch):

@@ -12,6 +12,7 @@ import torch
 
 from lightning_ext import kahan_native
 from lightning_ext import rounding as rounding_module
+from tests.lightning.helpers.native_build import assert_wrong_source_refused
 from tests.lightning.test_rounding_batch import OPTS, SEGMENT, assert_same, bits, grads_for, make, run
 
 
@@ -75,14 +76,9 @@ def test_no_compiler_means_the_eager_passes_and_one_warning(writes, monkeypatch)
 
 def test_a_library_that_rounds_differently_is_refused(monkeypatch, tmp_path):
     """Ties rounded down instead of to even: the check on load finds it, warns, and the eager passes are used."""
-    monkeypatch.setattr(kahan_native, "_loaded", [])
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    wrong = kahan_native.SOURCE.replace("(((b >> 16) & 1u) + 0x7fffu)", "0x7fffu")
-    assert wrong != kahan_native.SOURCE
-    monkeypatch.setattr(kahan_native, "SOURCE", wrong)
-    with pytest.warns(RuntimeWarning, match="write-back differs from the eager passes"):
-        assert kahan_native.native_kahan() is None
-    assert len(list((tmp_path / "mp_callbacks").glob("kahan_native-*.so"))) == 1  # built, then refused
+    assert_wrong_source_refused(kahan_native, kahan_native.native_kahan, "kahan_native",
+                                ("(((b >> 16) & 1u) + 0x7fffu)", "0x7fffu"), "write-back differs from the eager passes",
+                                monkeypatch, tmp_path)
 
 
 def test_the_native_pass_is_off_by_switch_and_with_more_threads(monkeypatch):

@@ -14,6 +14,7 @@ from lightning_ext import MixedPrecision, MixedPrecisionMonitor, check_native, g
 from lightning_ext.masters import MasterWeights
 from mp_callbacks.app.lightning_runner import state_bytes
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
+from tests.lightning.helpers.native_build import assert_wrong_source_refused
 
 DIM, HIDDEN = 37, 45  # tensors of 1665, 45, 45 and 1 elements: vector bodies and every kind of tail
 
@@ -238,14 +239,8 @@ def test_the_scan_finds_every_nonfinite_value():
     ("(((b >> 16) & 1u) + 0x7fffu)", "0x7fffu"),  # the weight's ties
 ], ids=["body", "tail", "rounding"])
 def test_a_library_that_differs_from_torchs_kernel_is_refused(wrong, monkeypatch, tmp_path):
-    monkeypatch.setattr(master_native, "_loaded", [])
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    source = master_native.SOURCE.replace(*wrong)
-    assert source != master_native.SOURCE
-    monkeypatch.setattr(master_native, "SOURCE", source)
-    with pytest.warns(RuntimeWarning, match="native pass is unavailable.*differs from torch's kernel"):
-        assert master_native.native_adam() is None
-    assert len(list((tmp_path / "mp_callbacks").glob("master_native-*.so"))) == 1  # built, then refused
+    assert_wrong_source_refused(master_native, master_native.native_adam, "master_native", wrong,
+                                "native pass is unavailable.*differs from torch's kernel", monkeypatch, tmp_path)
 
 
 def test_no_compiler_means_the_widened_path_and_one_warning(passes, monkeypatch):
