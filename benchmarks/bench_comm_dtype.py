@@ -64,7 +64,7 @@ def run_one(strategy: str, recipe: str, comm: str, args, data) -> dict:
     from lightning_ext import CommCounter, MixedPrecision
     from lightning_ext.distributed import fsdp_comm_units
     from lightning_ext.fsdp import fully_shard_model
-    from mp_callbacks.memory.sharding import allreduce_bytes, fsdp_step_bytes
+    from mp_callbacks.memory import allreduce_bytes, fsdp_step_bytes
 
     x, y = data
 
@@ -129,7 +129,7 @@ def worker(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from mp_callbacks.app.compare import digits_data
-    from mp_callbacks.memory.sharding import consensus_cost
+    from mp_callbacks.memory import consensus_cost
 
     quiet_torch_worker()
     args = parse(argv)

@@ -151,7 +151,7 @@ def worker(argv: list[str]) -> None:
 
 
 def report(runs: list[dict], args) -> None:
-    from mp_callbacks.memory.sharding import allreduce_bytes
+    from mp_callbacks.memory import allreduce_bytes
 
     print(machine_line(1))
     print(f"model.fit, MLP 64-{'-'.join([str(args.hidden)] * args.depth)}-10, {args.steps} steps, "

@@ -98,7 +98,7 @@ def run_one(recipe: str, settings: dict | None, gather: bool, args, data) -> dic
     from lightning_ext import CommCounter, MixedPrecision
     from lightning_ext.distributed import fsdp_comm_units
     from lightning_ext.fsdp import fully_shard_model
-    from mp_callbacks.memory.sharding import fsdp_step_bytes
+    from mp_callbacks.memory import fsdp_step_bytes
 
     class MLP(pl.LightningModule):
         def __init__(self) -> None:

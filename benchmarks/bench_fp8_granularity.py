@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine_line  # noqa: E402
 
-from mp_callbacks.fp8.granularity import matmul_snr_db, outlier_operands  # noqa: E402
+from mp_callbacks.fp8 import matmul_snr_db, outlier_operands  # noqa: E402
 
 KINDS = (("tensorwise", {}), ("rowwise", {}), ("blockwise", {}), ("mxfp8", {"mx_rounding": "floor"}),
          ("mxfp8", {"mx_rounding": "rceil"}))

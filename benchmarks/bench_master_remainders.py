@@ -12,7 +12,7 @@ per-round ratios with their min-max, in wall and CPU time.
 Part 2, how often and how much training differs: the same Fabric loop (an MLP on fixed random
 regression batches, AdamW lr 1e-3) under both, from the same initial weights.  Per step it counts the
 forward weights that differ from round-to-nearest-even of their master (the ties the remainder rounds
-away from zero, :func:`mp_callbacks.remainders.ties_differ`), and it compares the loss trajectories
+away from zero, :func:`mp_callbacks.weights.remainders.ties_differ`), and it compares the loss trajectories
 and the final masters of the two runs.
 """
 
@@ -44,7 +44,7 @@ from lightning_ext import MixedPrecision  # noqa: E402
 from lightning_ext.fabric import MixedPrecision as FabricMixedPrecision  # noqa: E402
 from mp_callbacks.app.compare import RunSpec  # noqa: E402
 from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
-from mp_callbacks.remainders import ties_differ  # noqa: E402
+from mp_callbacks.weights import ties_differ  # noqa: E402
 
 COPY, REM = "ours bf16-master (FP32 copy)", "ours bf16-master, remainders"
 

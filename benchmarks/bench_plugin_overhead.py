@@ -42,7 +42,7 @@ from lightning_ext.forward_state import ForwardState  # noqa: E402
 from lightning_ext.fused_step import fusable_groups  # noqa: E402
 from lightning_ext.policy import ModulePolicyHandle  # noqa: E402
 from lightning_ext.scaler import TorchLossScaler  # noqa: E402
-from mp_callbacks.loss_scale.config import ScalerConfig  # noqa: E402
+from mp_callbacks.loss_scale import ScalerConfig  # noqa: E402
 
 
 def _timed(module: torch.nn.Module, x: torch.Tensor, backward: bool) -> Any:

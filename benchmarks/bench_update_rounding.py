@@ -55,7 +55,7 @@ from common import (  # noqa: E402
 from lightning_ext import MixedPrecision  # noqa: E402
 from mp_callbacks.app.compare import RunSpec  # noqa: E402
 from mp_callbacks.app.lightning_runner import fit_once  # noqa: E402
-from mp_callbacks.memory.estimate import estimate_memory  # noqa: E402
+from mp_callbacks.memory import estimate_memory  # noqa: E402
 
 RECIPES = ("bf16-master", "bf16-kahan", "bf16-sr")
 

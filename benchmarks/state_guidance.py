@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import alternate, by_clock, machine_line, per_step, summary, with_controls, write_json  # noqa: E402
 
-from mp_callbacks.memory.estimate import estimate_memory  # noqa: E402
+from mp_callbacks.memory import estimate_memory  # noqa: E402
 from mp_callbacks.recipes import get_recipe, recipe_label  # noqa: E402
 
 LABELS = (
@@ -58,7 +58,7 @@ LABELS = (
     "bf16-kahan", "bf16-kahan[state_dtype=bfloat16]", "bf16-kahan[state_dtype=8bit]",
     "bf16-sr", "bf16-sr[state_dtype=bfloat16]", "bf16-sr[state_dtype=8bit]",
 )
-"""Every recipe x state dtype the five recipes accept (``mp_callbacks.masters.check_state_dtype``'s rules)."""
+"""Every recipe x state dtype the five recipes accept (``mp_callbacks.weights.masters.check_state_dtype``'s rules)."""
 
 BASELINE = "bf16-master"
 REFERENCE = "32-true"

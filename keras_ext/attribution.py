@@ -36,7 +36,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from mp_callbacks.diagnostics.attribution import attribution_order
+from mp_callbacks.diagnostics import attribution_order
 
 from .layers import own_variables, walk
 from .ops import is_tf

@@ -36,7 +36,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.loss_scale.record import check_state_dict
+from mp_callbacks.loss_scale import check_state_dict
 from mp_callbacks.policy import PolicyError
 from mp_callbacks.recipes import ResumePlan, get_recipe, plan_resume
 from mp_callbacks.settings import StateDictError

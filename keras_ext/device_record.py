@@ -18,7 +18,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.diagnostics.monitor import PackedLayout
+from mp_callbacks.diagnostics import PackedLayout
 
 from .fp8 import is_fp8_variable
 from .jax_support import cond, is_jax, tracing

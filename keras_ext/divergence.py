@@ -50,9 +50,8 @@ from typing import Any
 import keras
 from keras import ops
 
-from mp_callbacks.diagnostics.divergence import DivergenceRule, DivergenceState, moving_streaks, next_divergence_state
-from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.transition import fixed_scale
+from mp_callbacks.diagnostics import DivergenceRule, DivergenceState, moving_streaks, next_divergence_state
+from mp_callbacks.loss_scale import ScalerConfig, fixed_scale
 
 from .jax_support import in_stateless_step, is_jax
 from .ops import KERAS_OPS, is_tf, read_once

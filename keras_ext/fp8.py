@@ -45,9 +45,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.fp8.formats import FP8ConfigError
-from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe
-from mp_callbacks.fp8.scaling import FP8State, next_fp8_state
+from mp_callbacks.fp8 import FP8_ROLES, FP8ConfigError, FP8Recipe, FP8State, next_fp8_state
 
 from .fp8_blocks import block_matmul, block_qdq, contracted_axes
 from .layers import policy_layers, resolved_policy
@@ -372,7 +370,7 @@ def _fine_grained_matmul(layer: Any, fp8: _LayerFP8, x32: Any, training: bool) -
 def host_metrics(model: Any) -> dict[str, float] | None:
     """The ``mp/fp8_*`` metrics of the last applied step (:func:`mp_callbacks.diagnostics.metrics.fp8_metrics`),
     read from the FP8 layers' variables (one small read per variable); None without FP8 layers."""
-    from mp_callbacks.diagnostics.metrics import fp8_metrics
+    from mp_callbacks.diagnostics import fp8_metrics
 
     layers = list(fp8_layers(model))
     if not layers:

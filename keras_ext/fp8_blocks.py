@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 from keras import ops
 
-from mp_callbacks.fp8.formats import fp8_format
-from mp_callbacks.fp8.granularity import AMAX_EPSILON, E8M0_BIAS, E8M0_NAN, FP8Granularity, block_shape
+from mp_callbacks.fp8 import AMAX_EPSILON, E8M0_BIAS, E8M0_NAN, FP8Granularity, block_shape, fp8_format
 
 from .ops import is_tf
 

@@ -20,7 +20,7 @@ from typing import Any
 import keras
 
 from mp_callbacks.advice import cpu_flags, cpu_float16_notice
-from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale import ScalerConfig
 from mp_callbacks.policy import PolicyError, PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
 

@@ -1,10 +1,10 @@
 """8-bit block-quantized Adam states in Keras (``state_dtype="8bit"``): the core's rule over ``keras.ops``.
 
 :class:`AdamW8bit` holds Adam's m and v of every variable that
-:func:`~mp_callbacks.quantized_states.quantizes` as torchao's ``AdamW8bit`` does: uint8 codes of the
+:func:`~mp_callbacks.weights.low_bit.quantizes` as torchao's ``AdamW8bit`` does: uint8 codes of the
 variable's shape, a float32 scale per block of 256 and the 256-entry float32 map (signed for m, unsigned
 for v); smaller variables keep FP32 m and v.  Each step dequantizes, runs the core's
-:func:`~mp_callbacks.quantized_states.adam_step` (torchao's formula: ``eps`` is added to
+:func:`~mp_callbacks.weights.low_bit.adam_step_8bit` (torchao's formula: ``eps`` is added to
 ``sqrt(v) / sqrt(1 - b2**t)``), requantizes, and updates the variable from the unquantized m and v.
 Weight decay is decoupled (Keras' own for Adam and AdamW alike), ``p -= (lr * wd) * p`` inside the step.
 :func:`eight_bit_inner` is what the recipe knob does to the inner optimizer.
@@ -17,14 +17,21 @@ from typing import Any
 import keras
 from keras import ops
 
-from mp_callbacks.masters import MasterPlan
-from mp_callbacks.quantized_states import BLOCK_SIZE, adam_step, dequantize, dynamic_map, quantize, quantizes
+from mp_callbacks.weights import (
+    BLOCK_SIZE,
+    MasterPlan,
+    adam_step_8bit,
+    dequantize_8bit,
+    dynamic_map,
+    quantize_8bit,
+    quantizes,
+)
 
 __all__ = ["KERAS_QUANT_OPS", "AdamW8bit", "KerasQuantOps", "eight_bit_inner"]
 
 
 class KerasQuantOps:
-    """:class:`mp_callbacks.quantized_states.QuantOps` over ``keras.ops`` (any backend, traced or eager)."""
+    """:class:`mp_callbacks.weights.low_bit.QuantOps` over ``keras.ops`` (any backend, traced or eager)."""
 
     def f32(self, x: Any) -> Any:
         return ops.cast(x, "float32")
@@ -146,8 +153,8 @@ class AdamW8bit(keras.optimizers.Optimizer):
         if len(held) == 2:
             m0, v0 = held
         else:
-            m0, v0 = dequantize(*held[:3], q), dequantize(*held[3:], q)
-        p, m, v = adam_step(variable, gradient, m0, v0, step, lr=ops.cast(learning_rate, "float32"),
+            m0, v0 = dequantize_8bit(*held[:3], q), dequantize_8bit(*held[3:], q)
+        p, m, v = adam_step_8bit(variable, gradient, m0, v0, step, lr=ops.cast(learning_rate, "float32"),
                             beta1=self.beta_1, beta2=self.beta_2, eps=self.epsilon, weight_decay=self.decay,
                             decoupled=True, ops=q)
         if len(held) == 2:
@@ -155,7 +162,7 @@ class AdamW8bit(keras.optimizers.Optimizer):
             self.assign(held[1], v)
         else:
             for (codes, scale, table), x in ((held[:3], m), (held[3:], v)):
-                c, s = quantize(x, table, q)
+                c, s = quantize_8bit(x, table, q)
                 self.assign(codes, c)
                 self.assign(scale, s)
         self.assign(variable, ops.cast(p, variable.dtype))

@@ -17,9 +17,9 @@ import keras
 import numpy as np
 
 from mp_callbacks.dtypes import canonical_dtype, dtype_bytes
-from mp_callbacks.fp8.recipe import fp8_state_bytes
-from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state
-from mp_callbacks.memory.estimate import memory_report as core_memory_report
+from mp_callbacks.fp8 import fp8_state_bytes
+from mp_callbacks.memory import MemoryEstimate, is_optimizer_state
+from mp_callbacks.memory import memory_report as core_memory_report
 
 from .fp8 import fp8_layers, fp8_recipe_of, is_fp8_variable
 from .remainders import held_storage

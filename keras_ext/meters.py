@@ -25,7 +25,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from mp_callbacks.diagnostics.meters import fraction, sample_stride
+from mp_callbacks.diagnostics import fraction, sample_stride
 from mp_callbacks.dtypes import FORMATS, canonical_dtype
 
 __all__ = [

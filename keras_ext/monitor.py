@@ -50,10 +50,16 @@ from typing import Any
 
 import keras
 
-from mp_callbacks.diagnostics.divergence import DivergenceError
-from mp_callbacks.diagnostics.meters import METER_SAMPLES
-from mp_callbacks.diagnostics.metrics import OVERFLOW_MODULE, StepStats, json_safe, memory_metrics
-from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorFacade  # version: re-exported
+from mp_callbacks.diagnostics import (  # version: re-exported
+    METER_SAMPLES,
+    MONITOR_SCHEMA_VERSION,
+    OVERFLOW_MODULE,
+    DivergenceError,
+    MonitorFacade,
+    StepStats,
+    json_safe,
+    memory_metrics,
+)
 from mp_callbacks.dtypes import canonical_dtype
 
 from .attribution import LayerAttribution

@@ -38,11 +38,8 @@ from typing import Any
 import keras
 from keras import ops
 
-from mp_callbacks.diagnostics.divergence import DivergenceRule
-from mp_callbacks.diagnostics.monitor import MonitorPort
-from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.scaler import ScalerCounters
-from mp_callbacks.loss_scale.transition import fixed_scale
+from mp_callbacks.diagnostics import DivergenceRule, MonitorPort
+from mp_callbacks.loss_scale import ScalerConfig, ScalerCounters, fixed_scale
 from mp_callbacks.recipes import Recipe, get_recipe
 
 from . import master_native
@@ -98,7 +95,7 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
       divergence: when to stop a run that cannot recover
         (:class:`~mp_callbacks.diagnostics.divergence.DivergenceRule`, a dict of its limits;
         None: the default rule, False: never).
-      seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.rounding`).
+      seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.weights`).
       name: the optimizer's name.
 
     The optimizer's ``apply``/``apply_gradients`` expect gradients of the

@@ -19,8 +19,8 @@ from typing import Any, Self
 
 import keras
 
-from mp_callbacks.diagnostics.metrics import OVERFLOW, StepStats
-from mp_callbacks.loss_scale.transition import ScalerState
+from mp_callbacks.diagnostics import OVERFLOW, StepStats
+from mp_callbacks.loss_scale import ScalerState
 
 from .scaler import scaler_config
 

@@ -1,8 +1,8 @@
 """``master_remainders`` in Keras: each FP32 master held as its bf16 variable plus an int16 remainder.
 
 The twin of Lightning's ``MasterWeights(remainders=True)``; the rule is the core's
-(:mod:`mp_callbacks.remainders`: :func:`~mp_callbacks.remainders.forward_half` /
-:func:`~mp_callbacks.remainders.upper_half`, evaluated here on int16 ``keras.ops`` tensors;
+(:mod:`mp_callbacks.weights.remainders`: :func:`~mp_callbacks.weights.remainders.forward_half` /
+:func:`~mp_callbacks.weights.remainders.upper_half`, evaluated here on int16 ``keras.ops`` tensors;
 :func:`join` / :func:`split` equal the core's NumPy reference bit for bit).
 :class:`RemainderMasters` takes the place of :class:`~keras_ext.masters.MasterWeights` inside
 :class:`keras_ext.LossScaleOptimizer` (same interface):
@@ -31,7 +31,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.remainders import forward_half, upper_half
+from mp_callbacks.weights import forward_half, upper_half
 
 from .masters import LOW_PRECISION, _CopyOf, _label, _outside_trace
 from .ops import dtype_name, is_tf

@@ -1,7 +1,7 @@
 """``bf16-kahan`` and ``bf16-sr`` in Keras: the user's optimizer, bf16 variables, no FP32 masters.
 
 The twin of :mod:`lightning_ext.rounding`.  The core's rules
-(:mod:`mp_callbacks.rounding`) decide how an update is written into a bf16
+(:mod:`mp_callbacks.weights`) decide how an update is written into a bf16
 variable; :class:`UpdateRounding` takes the place of
 :class:`~keras_ext.masters.MasterWeights` inside :class:`keras_ext.LossScaleOptimizer`
 so that the wrapped optimizer (AdamW, SGD with momentum, any Keras optimizer
@@ -16,8 +16,8 @@ FP32 with FP32 slots:
   duration of the step (``f32(w) + f32(c)`` under Kahan, ``f32(w)`` under SR),
   the inner optimizer's ordinary ``apply`` (weight decay, clipping, its
   ``update_step``, ``iterations``) updates it, and the rule writes the result
-  back (:func:`~mp_callbacks.rounding.rules.kahan_apply` /
-  :func:`~mp_callbacks.rounding.rules.stochastic_round`); the value is dropped;
+  back (:func:`~mp_callbacks.weights.rounding.kahan_apply` /
+  :func:`~mp_callbacks.weights.rounding.stochastic_round`); the value is dropped;
 * persistent state: a compensation buffer per bf16 variable under Kahan (in the
   variable's dtype), the stream's ``seed`` and update ``counter``: variables of
   the optimizer, so ``model.save`` / ``save_weights`` / ``load_model`` carry them;
@@ -31,7 +31,7 @@ FP32 with FP32 slots:
 * stochastic rounding draws the core's counter-based stream: the tensor index
   is the variable's position in the optimizer's variable list, the element
   index the canonical (torch) layout's (kernels through
-  :func:`~mp_callbacks.rounding.random_source.keras_kernel_to_canonical`), so Lightning and
+  :func:`~mp_callbacks.weights.random_source.keras_kernel_to_canonical`), so Lightning and
   Keras draw the same number for corresponding elements; the rules run on
   :class:`~keras_ext.rounding_ops.KerasRoundingOps` (:mod:`keras_ext.rounding_ops`); on TensorFlow each
   variable's rule is one XLA kernel (:mod:`keras_ext.rounding_step`: the same numbers, one pass).
@@ -51,10 +51,8 @@ from typing import Any
 import keras
 from keras import ops
 
-from mp_callbacks.masters import MasterPlan
 from mp_callbacks.recipes import Recipe
-from mp_callbacks.rounding.random_source import MASK32
-from mp_callbacks.rounding.rules import initial_compensation
+from mp_callbacks.weights import MASK32, MasterPlan, initial_compensation
 
 from . import rounding_step as fused
 from .masters import LOW_PRECISION, MasterWeights, _label

@@ -1,4 +1,4 @@
-"""The core's rounding ops (:class:`mp_callbacks.rounding.rules.RoundingOps`) over ``keras.ops``, and the element
+"""The core's rounding ops (:class:`mp_callbacks.weights.rounding.RoundingOps`) over ``keras.ops``, and the element
 layout.
 
 What :mod:`keras_ext.rounding` evaluates the core's Kahan and
@@ -16,7 +16,7 @@ from typing import Any
 
 from keras import ops
 
-from mp_callbacks.rounding.random_source import index_strides, keras_kernel_to_canonical, s32
+from mp_callbacks.weights import index_strides, keras_kernel_to_canonical, s32
 
 from .ops import dtype_name
 
@@ -27,7 +27,7 @@ KERNEL_NAMES = ("kernel",)
 
 
 class KerasRoundingOps:
-    """:class:`mp_callbacks.rounding.rules.RoundingOps` over ``keras.ops`` (any backend, traced or eager).
+    """:class:`mp_callbacks.weights.rounding.RoundingOps` over ``keras.ops`` (any backend, traced or eager).
 
     u32 values live in int32 tensors (the same bits: multiplication and addition wrap modulo ``2**32``;
     ``shr`` masks the sign extension of the arithmetic shift); bf16 arithmetic is the backend's (computed
@@ -85,8 +85,8 @@ KERAS_ROUNDING_OPS = KerasRoundingOps()
 
 def element_index(shape: Sequence[int], to_canonical: tuple[int, ...] | None = None) -> Any:
     """int32 (u32 bits) canonical flat indices of a stored array of ``shape`` (broadcast ``arange``s with
-    :func:`~mp_callbacks.rounding.random_source.index_strides`; equals
-    :func:`~mp_callbacks.rounding.random_source.layout_index`)."""
+    :func:`~mp_callbacks.weights.random_source.index_strides`; equals
+    :func:`~mp_callbacks.weights.random_source.layout_index`)."""
     shape = tuple(int(n) for n in shape)
     index = ops.zeros(shape, dtype="int32")
     for axis, (n, stride) in enumerate(zip(shape, index_strides(shape, to_canonical))):

@@ -14,9 +14,9 @@ own pass over a new tensor, so here they are compiled:
   ``y``, then ``c'``, then ``w'`` in place; no copy of ``w``), and the optimizer widens and unscales the
   bf16 gradients inside the function (no FP32 copy of them before it);
 * otherwise (eager steps, :data:`WHOLE_STEP` off) each rule of a variable is one compiled kernel:
-  :func:`compensated` (:func:`~mp_callbacks.rounding.rules.compensated_value`), :func:`kahan`
-  (:func:`~mp_callbacks.rounding.rules.kahan_apply`) and :func:`stochastic` (the canonical element index,
-  the thresholds of the stream's key, :func:`~mp_callbacks.rounding.rules.stochastic_round`); on JAX these
+  :func:`compensated` (:func:`~mp_callbacks.weights.rounding.compensated_value`), :func:`kahan`
+  (:func:`~mp_callbacks.weights.rounding.kahan_apply`) and :func:`stochastic` (the canonical element index,
+  the thresholds of the stream's key, :func:`~mp_callbacks.weights.rounding.stochastic_round`); on JAX these
   are ``jax.jit`` functions (inside Keras' jitted train step they are inlined).
 
 The same numbers bit for bit: XLA rounds every bf16 operation to nearest even from float32, as the graph
@@ -34,8 +34,7 @@ from typing import Any
 
 from keras import backend, ops
 
-from mp_callbacks.rounding.random_source import sr_key, sr_thresholds
-from mp_callbacks.rounding.rules import compensated_value, kahan_add, kahan_apply, round_with_thresholds
+from mp_callbacks.weights import compensated_value, kahan_add, kahan_apply, round_with_thresholds, sr_key, sr_thresholds
 
 from .ops import dtype_name, is_tf
 from .rounding_ops import KERAS_ROUNDING_OPS as K

@@ -33,16 +33,19 @@ import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.record import check_state_dict, make_state_dict
-from mp_callbacks.loss_scale.scaler import ScaleFloorWarning, ScalerCounters, react_to_floor_hit
-from mp_callbacks.loss_scale.transition import (
+from mp_callbacks.loss_scale import (
     STATE_FIELDS,
+    ScaleFloorWarning,
+    ScalerConfig,
+    ScalerCounters,
     ScalerState,
+    check_state_dict,
     fixed_scale,
     initial_state,
+    make_state_dict,
     moving_fields,
     next_state,
+    react_to_floor_hit,
 )
 from mp_callbacks.recipes import Recipe
 

@@ -17,7 +17,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from mp_callbacks.diagnostics.meters import swamp_storage_dtype
+from mp_callbacks.diagnostics import swamp_storage_dtype
 from mp_callbacks.dtypes import canonical_dtype
 
 from .fp8 import is_fp8_variable

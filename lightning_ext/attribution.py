@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mp_callbacks.diagnostics.attribution import LOSS_SOURCE, first_culprit
+from mp_callbacks.diagnostics import LOSS_SOURCE, first_culprit
 
 __all__ = ["OverflowTracer", "blame", "tensors_in"]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from mp_callbacks.loss_scale.record import check_state_dict
+from mp_callbacks.loss_scale import check_state_dict
 from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
 from mp_callbacks.recipes import Recipe, ResumePlan, plan_resume
 from mp_callbacks.settings import StateDictError

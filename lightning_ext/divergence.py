@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mp_callbacks.diagnostics.divergence import DivergenceRule
+from mp_callbacks.diagnostics import DivergenceRule
 
 __all__ = ["TorchDivergence"]
 

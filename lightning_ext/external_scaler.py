@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale import ScalerConfig
 from mp_callbacks.recipes import Recipe
 
 from .scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer

@@ -47,7 +47,7 @@ from lightning.fabric.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale import ScalerConfig
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
 from mp_callbacks.settings import StateDictError
@@ -106,7 +106,7 @@ class MixedPrecision(RecipeSetup, Precision):
         (:class:`~mp_callbacks.diagnostics.divergence.DivergenceRule`; None: the default rule, False: never).
       state_dtype: ``"bfloat16"`` optimizer states (``bf16-kahan``/``bf16-sr``), ``"8bit"`` (master and rounding
         recipes: the AdamW becomes torchao's ``AdamW8bit``, :mod:`lightning_ext.low_bit`); None: FP32.
-      seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.rounding`).
+      seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.weights`).
       comm_dtype: the dtype gradients are reduced across ranks in (``"float32"`` default,
         ``"bfloat16"``, ``"float16"``): a DDP communication hook (:mod:`lightning_ext.distributed`),
         FSDP2's ``reduce_dtype`` (:meth:`fsdp_policy`).
@@ -114,7 +114,7 @@ class MixedPrecision(RecipeSetup, Precision):
         default, ``"keras"``, ``"torchao"``, or a dict such as ``{"mode": "current"}``:
         :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).
       master_remainders: ``bf16-master``/``fp8-mixed``: hold each FP32 master as its bf16 weight plus a
-        16-bit remainder between steps (:mod:`mp_callbacks.remainders`: the same exact masters, 2 B/param
+        16-bit remainder between steps (:mod:`mp_callbacks.weights.remainders`: the same exact masters, 2 B/param
         less; the forward weight rounds ties away from zero); None: the recipe's default.
       restore_forward_state: on a skipped step, put back the buffers the forward wrote (BatchNorm
         running statistics...: :mod:`lightning_ext.forward_state`); False saves a copy per step.

@@ -35,9 +35,14 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from mp_callbacks.diagnostics.meters import METER_SAMPLES
-from mp_callbacks.diagnostics.metrics import OVERFLOW_MODULE, StepStats, memory_metrics
-from mp_callbacks.diagnostics.monitor import MonitorFacade, PackedLayout
+from mp_callbacks.diagnostics import (
+    METER_SAMPLES,
+    OVERFLOW_MODULE,
+    MonitorFacade,
+    PackedLayout,
+    StepStats,
+    memory_metrics,
+)
 
 from .attribution import OverflowTracer, blame
 from .fabric import MixedPrecision

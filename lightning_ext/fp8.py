@@ -43,9 +43,8 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from mp_callbacks.diagnostics.metrics import fp8_metrics
-from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe
-from mp_callbacks.fp8.scaling import FP8State, fp8_state_from_dict, fp8_state_to_dict, next_fp8_state
+from mp_callbacks.diagnostics import fp8_metrics
+from mp_callbacks.fp8 import FP8_ROLES, FP8Recipe, FP8State, fp8_state_from_dict, fp8_state_to_dict, next_fp8_state
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.settings import StateDictError
 

@@ -31,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from mp_callbacks.fp8.allgather import FP8_GATHER_ROLE, gather_reduces_amax
+from mp_callbacks.fp8 import FP8_GATHER_ROLE, gather_reduces_amax
 
 __all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathered_parts", "link_weight", "local_weight",
            "wrap_weights"]

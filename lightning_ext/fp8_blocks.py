@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mp_callbacks.fp8.granularity import AMAX_EPSILON, E8M0_BIAS, E8M0_NAN, FP8Granularity, block_shape
+from mp_callbacks.fp8 import AMAX_EPSILON, E8M0_BIAS, E8M0_NAN, FP8Granularity, block_shape
 
 __all__ = ["block_cast"]
 

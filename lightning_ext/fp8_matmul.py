@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mp_callbacks.fp8.granularity import FP8Granularity
+from mp_callbacks.fp8 import FP8Granularity
 
 from .fp8_allgather import gathered_parts
 

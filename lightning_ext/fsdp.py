@@ -37,8 +37,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state, memory_report
-from mp_callbacks.memory.sharding import ShardedDtypes, sharded_dtypes
+from mp_callbacks.memory import MemoryEstimate, ShardedDtypes, is_optimizer_state, memory_report, sharded_dtypes
 from mp_callbacks.policy import class_names
 
 from .fp8 import fp8_modules

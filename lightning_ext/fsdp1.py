@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from torch.nn import Module
 
-from mp_callbacks.memory.sharding import sharded_dtypes
+from mp_callbacks.memory import sharded_dtypes
 from mp_callbacks.recipes import Recipe, get_recipe
 
 from .policy import torch_dtype

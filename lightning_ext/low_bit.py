@@ -1,6 +1,6 @@
 """8-bit block-quantized Adam states in Lightning (``state_dtype="8bit"``): torchao's ``AdamW8bit`` as the step.
 
-torchao's ``AdamW8bit`` stores m and v by the core's rule (:mod:`mp_callbacks.quantized_states`: the map,
+torchao's ``AdamW8bit`` stores m and v by the core's rule (:mod:`mp_callbacks.weights.low_bit`: the map,
 block size and codes are tested bit for bit against it), so under the knob the user's ``torch.optim.AdamW``
 becomes one, in place (:func:`eight_bit_inner`: the same object, parameter groups and hyperparameters; each
 group's ``lr`` a tensor, as torchao wants and torch's LR schedulers fill).  Any other optimizer, ``amsgrad``,
@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from mp_callbacks.masters import MasterPlan
-from mp_callbacks.quantized_states import BLOCK_SIZE
+from mp_callbacks.weights import BLOCK_SIZE, MasterPlan
 
 __all__ = ["RECORD_KEY", "eight_bit_inner", "plain_state_checkpoints"]
 

@@ -21,7 +21,7 @@ their own master.  :class:`MasterWeights` is that rule in torch:
   keeps the bf16 gradients on the masters and writes the weights itself);
 * :meth:`state_dict` / :meth:`load_state_dict`: ``{parameter name: master}``.
 
-``remainders=True`` (``master_remainders``, :mod:`mp_callbacks.remainders`): between steps
+``remainders=True`` (``master_remainders``, :mod:`mp_callbacks.weights.remainders`): between steps
 each master is held as its bf16 weight plus an int16 remainder (the master
 parameter keeps its shape, its storage is released).  :meth:`updating` rebuilds
 the exact FP32 master of each parameter in place of its remainder (and weight)

@@ -14,11 +14,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from mp_callbacks.diagnostics.meters import swamp_storage_dtype
+from mp_callbacks.diagnostics import swamp_storage_dtype
 from mp_callbacks.dtypes import canonical_dtype
-from mp_callbacks.fp8.recipe import fp8_state_bytes
-from mp_callbacks.memory.estimate import MemoryEstimate, is_optimizer_state
-from mp_callbacks.memory.estimate import memory_report as core_memory_report
+from mp_callbacks.fp8 import fp8_state_bytes
+from mp_callbacks.memory import MemoryEstimate, is_optimizer_state
+from mp_callbacks.memory import memory_report as core_memory_report
 
 from .attribution import tensors_in
 from .fabric import MixedPrecision

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from mp_callbacks.diagnostics.meters import fraction, sample_stride
+from mp_callbacks.diagnostics import fraction, sample_stride
 from mp_callbacks.dtypes import FORMATS, canonical_dtype
 
 __all__ = [

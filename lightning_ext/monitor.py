@@ -51,7 +51,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION  # re-exported: the record's version
+from mp_callbacks.diagnostics import MONITOR_SCHEMA_VERSION  # re-exported: the record's version
 
 from .fabric import MixedPrecision
 from .fabric_monitor import FabricMonitor, Loop

@@ -1,8 +1,8 @@
-"""The core's bf16 + 16-bit remainder split of FP32 masters (:mod:`mp_callbacks.remainders`) on torch tensors.
+"""The core's bf16 + 16-bit remainder split of FP32 masters (:mod:`mp_callbacks.weights.remainders`) on torch tensors.
 
 A contiguous float32 tensor viewed as int16 holds ``(lower, upper)`` pairs (every
-device torch runs on is little-endian); the core's :func:`~mp_callbacks.remainders.forward_half`
-and :func:`~mp_callbacks.remainders.upper_half` run on those halves as int16 tensors, written
+device torch runs on is little-endian); the core's :func:`~mp_callbacks.weights.remainders.forward_half`
+and :func:`~mp_callbacks.weights.remainders.upper_half` run on those halves as int16 tensors, written
 into the destination (per tensor: one strided copy and one int16 subtraction, no FP32 temporary).
 """
 
@@ -13,7 +13,7 @@ import sys
 import torch
 from torch import Tensor
 
-from mp_callbacks.remainders import forward_half, upper_half
+from mp_callbacks.weights import forward_half, upper_half
 
 __all__ = ["join_into", "joined", "split_into"]
 

@@ -1,6 +1,6 @@
 """``bf16-kahan`` and ``bf16-sr`` in torch: the user's optimizer, bf16 weights, no FP32 masters.
 
-The core's rules (:mod:`mp_callbacks.rounding`) decide how an update is
+The core's rules (:mod:`mp_callbacks.weights`) decide how an update is
 written into a bf16 weight; :class:`UpdateRounding` wraps the user's
 optimizer (AdamW, SGD with momentum, any first-order torch optimizer) so
 that it computes that update in FP32 with FP32 states:
@@ -16,8 +16,8 @@ that it computes that update in FP32 with FP32 states:
   f32(c)`` under Kahan, ``f32(w)`` under SR) with the FP32 gradient and the
   parameter's state, with torch's fused kernel where the user left the
   implementation to torch (the rule of ``bf16-master``'s step), and the core's
-  rule writes ``t`` into the weight (:func:`~mp_callbacks.rounding.rules.kahan_apply` /
-  :func:`~mp_callbacks.rounding.rules.stochastic_round`); elementwise optimizers
+  rule writes ``t`` into the weight (:func:`~mp_callbacks.weights.rounding.kahan_apply` /
+  :func:`~mp_callbacks.weights.rounding.stochastic_round`); elementwise optimizers
   do this in cache-sized chunks through reused buffers, bit for bit the whole
   tensor's result; exact ``Adam``/``AdamW`` on torch's fused kernel step a param
   group's parameters together (:class:`~lightning_ext.rounding_batch.BatchedStep`:
@@ -55,16 +55,16 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mp_callbacks.masters import MasterPlan
 from mp_callbacks.recipes import Recipe
-from mp_callbacks.rounding.rules import (
+from mp_callbacks.settings import StateDictError
+from mp_callbacks.weights import (
+    MasterPlan,
     RoundingStream,
     compensated_value,
     initial_compensation,
     make_rounding_state,
     read_rounding_state,
 )
-from mp_callbacks.settings import StateDictError
 
 from .fused_step import fusable_groups
 from .masters import MasterWeights

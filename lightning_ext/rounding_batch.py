@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
-from mp_callbacks.rounding.random_source import s32
+from mp_callbacks.weights import s32
 
 from .kahan_native import NativeKahan, native_kahan
 from .rounding_step import CHUNK, Scratch, _direct_adam, _sr_from_index

@@ -1,4 +1,4 @@
-"""The core's rounding ops (:class:`mp_callbacks.rounding.rules.RoundingOps`) over torch tensors.
+"""The core's rounding ops (:class:`mp_callbacks.weights.rounding.RoundingOps`) over torch tensors.
 
 What :mod:`lightning_ext.rounding` evaluates the core's Kahan and
 stochastic-rounding rules with: bit for bit the NumPy reference's numbers and
@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mp_callbacks.rounding.random_source import s32
+from mp_callbacks.weights import s32
 
 __all__ = ["TORCH_ROUNDING_OPS", "TorchRoundingOps"]
 
 
 class TorchRoundingOps:
-    """:class:`mp_callbacks.rounding.rules.RoundingOps` over torch tensors; u32 values live in int32 tensors
+    """:class:`mp_callbacks.weights.rounding.RoundingOps` over torch tensors; u32 values live in int32 tensors
     (same bits; multiplication and addition wrap modulo ``2**32``, ``shr`` masks the sign extension).
     The integer operations work in place on their first argument, as the protocol allows."""
 

@@ -4,7 +4,8 @@ The rule (what :class:`~lightning_ext.rounding.UpdateRounding` computes): the us
 value ``t`` of the bf16 weight (``f32(w) + f32(c)`` under Kahan, ``f32(w)`` under SR) from the FP32 gradient
 and FP32 state, with torch's fused kernel where the user left the implementation to torch
 (:func:`~lightning_ext.fused_step.fused_implementation`, as under ``bf16-master``); the core's rule writes the
-result back (:func:`~mp_callbacks.rounding.rules.kahan_apply`, :func:`~mp_callbacks.rounding.rules.stochastic_round`).
+result back (:func:`~mp_callbacks.weights.rounding.kahan_apply`,
+:func:`~mp_callbacks.weights.rounding.stochastic_round`).
 
 How: an optimizer whose update is elementwise (:data:`ELEMENTWISE`) runs on :data:`CHUNK` elements at a time:
 ``t`` and the FP32 gradient of a chunk live in :class:`Scratch` buffers reused every step, the chunk's state is
@@ -27,9 +28,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
-from mp_callbacks.diagnostics.meters import sample_stride
-from mp_callbacks.rounding.random_source import MIX_MUL1, MIX_MUL2, s32
-from mp_callbacks.rounding.rules import BF16_NAN_BITS, kahan_apply, stochastic_round
+from mp_callbacks.diagnostics import sample_stride
+from mp_callbacks.weights import BF16_NAN_BITS, MIX_MUL1, MIX_MUL2, kahan_apply, s32, stochastic_round
 
 from .fused_step import _fused_devices, fused_implementation
 from .rounding_ops import TORCH_ROUNDING_OPS

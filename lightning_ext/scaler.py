@@ -62,11 +62,18 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mp_callbacks.diagnostics.monitor import MonitorPort
-from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.record import check_state_dict, make_state_dict, state_from_dict
-from mp_callbacks.loss_scale.scaler import ScalerCounters, react_to_floor_hit
-from mp_callbacks.loss_scale.transition import ScalerState, initial_state, next_state
+from mp_callbacks.diagnostics import MonitorPort
+from mp_callbacks.loss_scale import (
+    ScalerConfig,
+    ScalerCounters,
+    ScalerState,
+    check_state_dict,
+    initial_state,
+    make_state_dict,
+    next_state,
+    react_to_floor_hit,
+    state_from_dict,
+)
 
 from .adam_native import single_tensor_pass
 from .divergence import TorchDivergence

@@ -17,7 +17,7 @@ import enum
 from collections import defaultdict
 from typing import Any
 
-from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale import ScalerConfig
 
 __all__ = ["GradScalerSettings", "OptState"]
 

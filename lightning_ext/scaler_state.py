@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.transition import ScalerState, next_state
+from mp_callbacks.loss_scale import ScalerConfig, ScalerState, next_state
 from mp_callbacks.ops import PYTHON_OPS
 
 __all__ = ["ScalerStateMirror"]

@@ -10,12 +10,12 @@ from .diagnostics.metrics import METRICS, History, StepStats
 from .loss_scale.config import PRESETS, ScalerConfig
 from .loss_scale.scaler import DynamicLossScaler, ScaleFloorError, ScaleFloorWarning
 from .loss_scale.transition import ScalerState, checks_overflow, initial_state, next_state
-from .masters import MasterPlan
 from .memory.estimate import MemoryEstimate, bytes_per_param, estimate_memory
 from .ops import NUMPY_OPS, PYTHON_OPS, ArrayOps, NumpyOps, PythonOps
 from .policy import PolicyError, PrecisionPolicy
 from .recipes import RECIPE_NAMES, Recipe, RecipeError, canonical_recipe_name, get_recipe
 from .settings import ConfigError, StateDictError
+from .weights import MasterPlan
 
 __version__ = "0.1.0"
 

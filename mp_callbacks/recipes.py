@@ -13,9 +13,9 @@
 
 Optimizer states are FP32 in every recipe (``bf16-kahan`` and ``bf16-sr``
 offer bf16 states: ``get_recipe(name, state_dtype="bfloat16")``; the update
-rules are in :mod:`mp_callbacks.rounding`; every master and rounding recipe
+rules are in :mod:`mp_callbacks.weights`; every master and rounding recipe
 offers 8-bit block-quantized Adam moments, ``state_dtype="8bit"``,
-:mod:`mp_callbacks.quantized_states`).  Keras policy names
+:mod:`mp_callbacks.weights.low_bit`).  Keras policy names
 (``mixed_float16``, ``mixed_bfloat16``, ``float32``) are accepted as aliases;
 any other name is refused with the recipe it most likely meant (Lightning's
 own plugin refuses ``"16"`` too).
@@ -46,9 +46,9 @@ from .dtypes import canonical_dtype
 from .fp8.granularity import GRANULARITIES
 from .fp8.recipe import FP8Recipe
 from .loss_scale.config import ScalerConfig
-from .masters import STATE_DTYPES, MasterPlan, check_state_dtype
 from .policy import PrecisionPolicy
 from .settings import StateDictError
+from .weights import STATE_DTYPES, MasterPlan, check_state_dtype
 
 RECIPE_NAMES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master", "bf16-kahan", "bf16-sr",
                 "fp8-mixed")
@@ -126,8 +126,8 @@ class Recipe:
         return replace(self, scaler=ScalerConfig.coerce(scaler))
 
     def with_state_dtype(self, state_dtype: str | None) -> Recipe:
-        """A copy whose optimizer states use ``state_dtype`` (:data:`~mp_callbacks.masters.STATE_DTYPES`: ``bfloat16``
-        on ``bf16-kahan``/``bf16-sr``, ``8bit`` on master and rounding recipes); None keeps it."""
+        """A copy whose optimizer states use ``state_dtype`` (:data:`~mp_callbacks.weights.masters.STATE_DTYPES`:
+        ``bfloat16`` on ``bf16-kahan``/``bf16-sr``, ``8bit`` on master and rounding recipes); None keeps it."""
         if state_dtype is None:
             return self
         try:
@@ -137,7 +137,7 @@ class Recipe:
 
     def with_master_remainders(self, master_remainders: bool | None) -> Recipe:
         """A copy keeping FP32 masters as bf16 weight + 16-bit remainder (``bf16-master``, ``fp8-mixed``;
-        :mod:`mp_callbacks.remainders`); None keeps the recipe's."""
+        :mod:`mp_callbacks.weights.remainders`); None keeps the recipe's."""
         if master_remainders is None:
             return self
         try:
@@ -219,7 +219,7 @@ def canonical_recipe_name(name: Any) -> str:
 
 LABEL_OPTIONS = ("<granularity>", "state_dtype=<dtype>", "master_remainders")
 """What a label's bracket may hold, comma-separated: an FP8 granularity (``fp8-mixed`` only),
-``state_dtype=`` one of :data:`~mp_callbacks.masters.STATE_DTYPES` (or an alias), ``master_remainders``."""
+``state_dtype=`` one of :data:`~mp_callbacks.weights.masters.STATE_DTYPES` (or an alias), ``master_remainders``."""
 
 
 def parse_recipe_label(label: Any) -> tuple[str, dict[str, Any]]:
@@ -281,7 +281,7 @@ def recipe_label(label: Any) -> str:
 def get_recipe(name: str, *, scaler: Any = None, policy: Any = None, state_dtype: str | None = None,
                comm_dtype: str | None = None, fp8: Any = None, master_remainders: bool | None = None) -> Recipe:
     """The named recipe, optionally with another scaler config/preset, policy, optimizer-state dtype
-    (:data:`~mp_callbacks.masters.STATE_DTYPES`), communication dtype (:attr:`Recipe.comm_dtype`),
+    (:data:`~mp_callbacks.weights.masters.STATE_DTYPES`), communication dtype (:attr:`Recipe.comm_dtype`),
     (``fp8-mixed``) FP8 settings (:class:`~mp_callbacks.fp8.recipe.FP8Recipe`) or (bf16 masters)
     ``master_remainders`` (:meth:`Recipe.with_master_remainders`).  ``name`` may be a label
     (:func:`parse_recipe_label`): ``get_recipe("fp8-mixed[rowwise]")`` is

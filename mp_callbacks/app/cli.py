@@ -24,10 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from ..fp8.granularity import GRANULARITIES
-from ..loss_scale.config import PRESETS, ScalerConfig
-from ..loss_scale.scaler import DynamicLossScaler
-from ..memory.estimate import bytes_per_param
+from ..fp8 import GRANULARITIES
+from ..loss_scale import PRESETS, DynamicLossScaler, ScalerConfig
+from ..memory import bytes_per_param
 from ..recipes import RECIPE_NAMES, get_recipe
 from .machine import matmul_probe, matmul_slowdown
 from .session import quiet_frameworks

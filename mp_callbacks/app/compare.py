@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from ..diagnostics.metrics import History
-from ..loss_scale.config import ScalerConfig
+from ..diagnostics import History
+from ..loss_scale import ScalerConfig
 from ..recipes import get_recipe
 from ..recommend import RunOutcome
 from .measurement import WARMUP_FRACTION, WINDOWS, can_isolate, run_isolated, step_timing

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..diagnostics.metrics import FP8_AMAX, FP8_SATURATED_FRAC, FP8_SCALE, FP8_UNDERFLOW_FRAC, History
+from ..diagnostics import FP8_AMAX, FP8_SATURATED_FRAC, FP8_SCALE, FP8_UNDERFLOW_FRAC, History
 
 __all__ = ["FP8_SAMPLE_EVERY", "fp8_rows", "fp8_table", "plot_fp8_scales", "report_lines"]
 

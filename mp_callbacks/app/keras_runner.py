@@ -55,8 +55,8 @@ from keras_ext.memory import nbytes
 from keras_ext.optimizer import LossScaleOptimizer, master_optimizer
 from keras_ext.policy import apply_policy
 
-from ..diagnostics.metrics import History, StepStats
-from ..memory.estimate import estimate_memory, is_optimizer_state
+from ..diagnostics import History, StepStats
+from ..memory import estimate_memory, is_optimizer_state
 from ..recipes import get_recipe, recipe_label
 from .compare import (
     RunResult,

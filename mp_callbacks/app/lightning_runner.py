@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_ext.memory import held_tensors
 from lightning_ext.plugin import MixedPrecision
 
-from ..diagnostics.metrics import History, StepStats
-from ..memory.estimate import estimate_memory
+from ..diagnostics import History, StepStats
+from ..memory import estimate_memory
 from ..recipes import get_recipe, recipe_label
 from .compare import (
     RunResult,

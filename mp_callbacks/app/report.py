@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..diagnostics.metrics import plot
+from ..diagnostics import plot
 from ..recommend import MEMORY_NOISE_FLOOR_MB, SPEED_TIE_MAX, STANDARD_ERRORS, Recommendation, recommend
 from .compare import RunResult
 from .fp8_report import report_lines as fp8_report_lines

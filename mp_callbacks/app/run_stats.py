@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..diagnostics.metrics import FP8_SATURATED_FRAC, FP8_UNDERFLOW_FRAC, StepStats
-from ..memory.estimate import estimate_memory, optimizer_kind
+from ..diagnostics import FP8_SATURATED_FRAC, FP8_UNDERFLOW_FRAC, StepStats
+from ..memory import estimate_memory, optimizer_kind
 from ..recipes import get_recipe
 
 __all__ = ["TAIL_STEPS", "estimate_per_param", "finite_mean", "loss_tail", "run_diagnostics", "standard_error"]

@@ -8,10 +8,12 @@
   state and the :class:`FP8ArrayOps` extension of the array-ops protocol;
 * :mod:`.granularity`: how finely tensors are scaled (:class:`FP8Granularity`: tensorwise,
   rowwise, blockwise, MXFP8) and the NumPy reference casts :func:`quantize` / :func:`dequantize`;
+* :mod:`.allgather`: FP8 all-gather of sharded weights (the cast each rank makes, the amax reduction);
 * :mod:`.recipe`: :class:`FP8Recipe`, what ``fp8-mixed`` adds to a recipe (which matmuls, the
   three tensors' configs, state bytes).
 """
 
+from .allgather import FP8_GATHER_ROLE, gather_reduces_amax, sharded_fp8_cast
 from .config import (
     AMAX_ALGOS,
     FP8_PRESETS,
@@ -38,11 +40,18 @@ from .formats import (
     saturated_fraction,
 )
 from .granularity import (
+    AMAX_EPSILON,
+    E8M0_BIAS,
+    E8M0_NAN,
     GRANULARITIES,
     MX_ROUNDINGS,
     FP8Granularity,
+    block_shape,
     dequantize,
+    matmul_snr_db,
+    outlier_operands,
     quantize,
+    scale_bytes,
 )
 from .recipe import (
     FP8_LAYERS,
@@ -70,6 +79,16 @@ from .scaling import (
 )
 
 __all__ = [
+    "AMAX_EPSILON",
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "FP8_GATHER_ROLE",
+    "block_shape",
+    "gather_reduces_amax",
+    "matmul_snr_db",
+    "outlier_operands",
+    "scale_bytes",
+    "sharded_fp8_cast",
     "FP8Granularity",
     "GRANULARITIES",
     "MX_ROUNDINGS",

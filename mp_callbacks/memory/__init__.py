@@ -1,7 +1,7 @@
 """Memory accounting: what each recipe's training state costs, on one device and sharded.
 
 * :mod:`.estimate`: bytes per parameter (:func:`estimate_memory`, :func:`bytes_per_param`,
-  :func:`memory_report`) from a recipe's :class:`~mp_callbacks.masters.MasterPlan`;
+  :func:`memory_report`) from a recipe's :class:`~mp_callbacks.weights.masters.MasterPlan`;
 * :mod:`.low_bit`: the block-quantized states of low-bit optimizers (torchao's AdamW8bit/4bit/Fp8);
 * :mod:`.sharding`: a recipe across ranks (FSDP dtypes, all-reduce and FSDP payloads, the
   overflow consensus).

@@ -1,6 +1,6 @@
 """What training state costs: the bytes per parameter of a recipe's weights, gradients, masters and states.
 
-The plan it counts is :class:`~mp_callbacks.masters.MasterPlan` (which parameters get FP32
+The plan it counts is :class:`~mp_callbacks.weights.masters.MasterPlan` (which parameters get FP32
 masters, the optimizer state dtype, update rounding).
 
 Memory per parameter (model state only, no activations)::
@@ -22,7 +22,7 @@ adapter may release them for its duration (the Lightning plugin does):
 ``weights_released=True`` counts them as 0 at the step, 4 + 4 + 4 + 4 = 16
 B/param for AdamW, the same peak as the end of the backward pass.
 
-``master_remainders`` (:mod:`mp_callbacks.remainders`) holds each FP32
+``master_remainders`` (:mod:`mp_callbacks.weights.remainders`) holds each FP32
 master as the bf16 weight plus a 2-byte remainder: AdamW under
 ``bf16-master`` 2 + 2 + 2 + 4 + 4 = 14 B/param, the same exact masters.  The
 step rebuilds the FP32 masters for the optimizer (in place of the weight and
@@ -32,11 +32,11 @@ at the step (``fp32_master_grads=True``) are those of an FP32 copy: 16 with
 forward and backward passes add their activations.
 
 Update rounding without masters (``bf16-kahan``, ``bf16-sr``,
-:mod:`mp_callbacks.rounding`): weights and gradients stay in the storage
+:mod:`mp_callbacks.weights`): weights and gradients stay in the storage
 dtype, ``bf16-kahan`` adds a compensation buffer in the storage dtype, the
 optimizer states are FP32 (``state_dtype="bfloat16"`` halves them).  AdamW:
 ``bf16-kahan`` 2 + 2 + 2 + 8 = 14 B/param, ``bf16-sr`` 2 + 2 + 8 = 12; with
-bf16 states 10 and 8.  ``state_dtype="8bit"`` (:mod:`mp_callbacks.quantized_states`) holds
+bf16 states 10 and 8.  ``state_dtype="8bit"`` (:mod:`mp_callbacks.weights.low_bit`) holds
 each Adam moment of a large parameter as 1 B per element plus a float32 scale per 256 (and a 1 KiB map
 per tensor): about 2.03 B/param for m and v, ``bf16-sr`` 6.03, ``bf16-master`` 10.03 between steps.
 The optimizer updates one parameter at a time on an
@@ -59,7 +59,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..dtypes import dtype_bytes
-from ..masters import MasterPlan
+from ..weights import MasterPlan
 from .low_bit import EIGHT_BIT, LOW_BIT_STATES
 
 EIGHT_BIT_OPTIMIZERS = ("adam", "adamw")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..quantized_states import BLOCK_SIZE, CODES, MIN_NUMEL
+from ..weights import BLOCK_SIZE, CODES, MIN_NUMEL
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class LowBitStates:
 
 
 EIGHT_BIT = LowBitStates(2, 8, BLOCK_SIZE, CODES)
-"""The layout of ``state_dtype="8bit"`` (:mod:`mp_callbacks.quantized_states`), torchao's ``AdamW8bit``'s: per
+"""The layout of ``state_dtype="8bit"`` (:mod:`mp_callbacks.weights.low_bit`), torchao's ``AdamW8bit``'s: per
 quantized state tensor 1 B per element, a float32 scale per block and the 256-entry float32 map."""
 
 LOW_BIT_STATES: dict[str, LowBitStates] = {

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import state_guidance as sg  # noqa: E402
 
 from mp_callbacks.app.compare import RunSpec  # noqa: E402
-from mp_callbacks.memory.estimate import bytes_per_param  # noqa: E402
+from mp_callbacks.memory import bytes_per_param  # noqa: E402
 from mp_callbacks.recipes import get_recipe  # noqa: E402
 
 LABELS = ["32-true", "bf16-master[master_remainders]", "bf16-sr[state_dtype=bfloat16]"]  # bf16-master: the baseline

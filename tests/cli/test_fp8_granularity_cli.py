@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mp_callbacks.app import cli
-from mp_callbacks.fp8.granularity import GRANULARITIES
+from mp_callbacks.fp8 import GRANULARITIES
 from mp_callbacks.recipes import get_recipe
 
 

@@ -16,7 +16,7 @@ import pytest
 from mp_callbacks.app.compare import RunResult, RunSpec
 from mp_callbacks.app.html_report import loss_series, table_rows, write_html_report
 from mp_callbacks.app.report import write_report
-from mp_callbacks.diagnostics.metrics import (
+from mp_callbacks.diagnostics import (
     FP8_AMAX,
     FP8_SATURATED_FRAC,
     FP8_SCALE,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mp_callbacks import ScalerConfig
-from mp_callbacks.loss_scale.config import PRESETS
+from mp_callbacks.loss_scale import PRESETS
 from mp_callbacks.recipes import RECIPE_NAMES
 
 # One xdist worker runs this module, so its module-scoped runs happen once under --dist loadgroup.

@@ -14,8 +14,8 @@ from mp_callbacks.app.run_stats import (
     run_diagnostics,
     standard_error,
 )
-from mp_callbacks.diagnostics.metrics import FP8_SATURATED_FRAC, FP8_UNDERFLOW_FRAC, StepStats
-from mp_callbacks.memory.estimate import estimate_memory
+from mp_callbacks.diagnostics import FP8_SATURATED_FRAC, FP8_UNDERFLOW_FRAC, StepStats
+from mp_callbacks.memory import estimate_memory
 from mp_callbacks.recipes import get_recipe
 
 

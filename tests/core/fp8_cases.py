@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mp_callbacks.fp8.formats import FLOAT32_MAX
-from mp_callbacks.fp8.scaling import NUMPY_FP8_OPS, FP8State, initial_fp8_state, next_fp8_state
+from mp_callbacks.fp8 import FLOAT32_MAX, NUMPY_FP8_OPS, FP8State, initial_fp8_state, next_fp8_state
 
 f32 = np.float32
 

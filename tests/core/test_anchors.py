@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from mp_callbacks import DynamicLossScaler, ScalerConfig
-from mp_callbacks.loss_scale.config import FLOAT32_TINY
-from mp_callbacks.loss_scale.scaler import ScaleFloorError
+from mp_callbacks.loss_scale import FLOAT32_TINY, ScaleFloorError
 
 from .anchor_models import ApexModel, DeepSpeedModel, JmpModel, MegatronModel, TfKerasModel
 

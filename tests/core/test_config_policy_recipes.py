@@ -20,7 +20,7 @@ from mp_callbacks import (
     estimate_memory,
     get_recipe,
 )
-from mp_callbacks.diagnostics.metrics import METRICS, plot
+from mp_callbacks.diagnostics import METRICS, plot
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mp_callbacks.diagnostics.divergence import DivergenceError, DivergenceRule
+from mp_callbacks.diagnostics import DivergenceError, DivergenceRule
 
 
 def test_nonfinite_losses_stop_after_the_limit_and_say_why():
@@ -64,7 +64,7 @@ def test_the_pure_transition_equals_the_rule_written_by_hand(limits):
     """next_divergence_state (what Keras evaluates in its traced step) over random step sequences."""
     import numpy as np
 
-    from mp_callbacks.diagnostics.divergence import DivergenceState, next_divergence_state
+    from mp_callbacks.diagnostics import DivergenceState, next_divergence_state
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -92,7 +92,7 @@ def test_the_pure_transition_equals_the_rule_written_by_hand(limits):
 
 
 def test_error_names_the_streak_of_a_given_state():
-    from mp_callbacks.diagnostics.divergence import DivergenceState
+    from mp_callbacks.diagnostics import DivergenceState
 
     rule = DivergenceRule()
     assert "loss was not finite on 5 consecutive steps up to step 9" in str(rule.error(9, state=DivergenceState(5, 0)))

@@ -26,28 +26,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mp_callbacks import NUMPY_OPS
-from mp_callbacks.fp8.config import FP8_PRESETS, FP8ScalingConfig, preset_configs
-from mp_callbacks.fp8.formats import (
+from mp_callbacks.fp8 import (
     E4M3,
     E5M2,
     FLOAT32_MAX,
-    FP8ConfigError,
-    flushed_fraction,
-    fp8_format,
-    fp8_round,
-    quantize_dequantize,
-    saturated_fraction,
-)
-from mp_callbacks.fp8.scaling import (
     FP8_OP_NAMES,
+    FP8_PRESETS,
     NUMPY_FP8_OPS,
     FP8ArrayOps,
+    FP8ConfigError,
+    FP8ScalingConfig,
     FP8State,
+    flushed_fraction,
+    fp8_format,
     fp8_ops,
+    fp8_round,
     fp8_state_from_dict,
     fp8_state_to_dict,
     initial_fp8_state,
     next_fp8_state,
+    preset_configs,
+    quantize_dequantize,
+    saturated_fraction,
     select_fp8_state,
 )
 

@@ -9,11 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mp_callbacks.fp8.allgather import sharded_fp8_cast
-from mp_callbacks.fp8.formats import E4M3, FP8ConfigError, fp8_round
-from mp_callbacks.fp8.recipe import FP8Recipe
-from mp_callbacks.fp8.scaling import FP8State
-from mp_callbacks.memory.sharding import fsdp_step_bytes
+from mp_callbacks.fp8 import E4M3, FP8ConfigError, FP8Recipe, FP8State, fp8_round, sharded_fp8_cast
+from mp_callbacks.memory import fsdp_step_bytes
 
 CURRENT = {"preset": "torchao"}
 DELAYED = {"history_len": 4}

@@ -16,8 +16,7 @@ import warnings
 import numpy as np
 import pytest
 
-from mp_callbacks.fp8 import FP8ConfigError
-from mp_callbacks.fp8.granularity import FP8Granularity, dequantize, matmul_snr_db, outlier_operands, quantize
+from mp_callbacks.fp8 import FP8ConfigError, FP8Granularity, dequantize, matmul_snr_db, outlier_operands, quantize
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchao")
@@ -183,8 +182,7 @@ def test_at_100x_every_granularity_is_limited_by_the_mantissa():
 
 def test_scale_storage_per_granularity():
     """One float32 per tensor / row / block, one E8M0 byte per MX block of 32 (partial blocks count)."""
-    from mp_callbacks.fp8.granularity import scale_bytes
-    from mp_callbacks.fp8.recipe import fp8_transient_bytes
+    from mp_callbacks.fp8 import fp8_transient_bytes, scale_bytes
 
     assert scale_bytes((300, 200)) == 4
     assert scale_bytes((300, 200), "rowwise") == 300 * 4

@@ -6,17 +6,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mp_callbacks.fp8.config import FP8ScalingConfig
-from mp_callbacks.fp8.formats import E4M3, E5M2, FP8ConfigError, fp8_round
-from mp_callbacks.fp8.recipe import (
+from mp_callbacks.fp8 import (
+    E4M3,
+    E5M2,
+    FP8ConfigError,
     FP8Recipe,
+    FP8ScalingConfig,
     fp8_amax,
     fp8_linear_reference,
     fp8_qdq,
+    fp8_round,
     fp8_state_bytes,
     fp8_transient_bytes,
 )
-from mp_callbacks.memory.estimate import bytes_per_param
+from mp_callbacks.memory import bytes_per_param
 from mp_callbacks.recipes import RECIPE_NAMES, Recipe, RecipeError, canonical_recipe_name, get_recipe, plan_resume
 
 f32 = np.float32
@@ -103,7 +106,7 @@ def test_linear_reference_gradients_are_those_of_the_quantized_operands():
 
 
 def test_the_estimator_counts_the_fp8_state_once():
-    from mp_callbacks.memory.estimate import MemoryEstimate, estimate_memory, memory_report
+    from mp_callbacks.memory import MemoryEstimate, estimate_memory, memory_report
 
     r = get_recipe("fp8-mixed")
     fp8 = fp8_state_bytes(r.fp8, 3)
@@ -121,7 +124,7 @@ def test_report_rows_and_plot(tmp_path):
     from types import SimpleNamespace
 
     from mp_callbacks.app.fp8_report import fp8_rows, fp8_table, report_lines
-    from mp_callbacks.diagnostics.metrics import History, StepStats, fp8_metrics
+    from mp_callbacks.diagnostics import History, StepStats, fp8_metrics
 
     roles = ("inputs", "weights", "grad_outputs")
     steps = []

@@ -12,8 +12,8 @@ import itertools
 import pytest
 
 from mp_callbacks import estimate_memory, get_recipe
-from mp_callbacks.masters import MasterPlan
-from mp_callbacks.memory.estimate import MemoryEstimate, bytes_per_param, memory_report
+from mp_callbacks.memory import MemoryEstimate, bytes_per_param, memory_report
+from mp_callbacks.weights import MasterPlan
 
 SIZE = {"float32": 32 // 8, "float16": 16 // 8, "bfloat16": 16 // 8}
 SLOTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}

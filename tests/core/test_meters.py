@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from mp_callbacks.diagnostics.attribution import FallbackTracker
-from mp_callbacks.diagnostics.divergence import DivergenceError, DivergenceGuard
-from mp_callbacks.diagnostics.meters import (
+from mp_callbacks.diagnostics import (
+    DivergenceError,
+    DivergenceGuard,
+    FallbackTracker,
     grad_underflow_fraction,
     half_ulp,
     underflow_threshold,
@@ -78,7 +79,7 @@ def test_fallback_tracker():
 
 
 def test_sample_stride_rule():
-    from mp_callbacks.diagnostics.meters import METER_SAMPLES, check_samples, sample_stride, sampled
+    from mp_callbacks.diagnostics import METER_SAMPLES, check_samples, sample_stride, sampled
 
     assert sample_stride(METER_SAMPLES) == 1 and sample_stride(10**9, None) == 1
     for numel in [4097, 10_000, 2**20, 3 * 2**20 + 7, 10**8]:
@@ -94,7 +95,7 @@ def test_sample_stride_rule():
 
 
 def test_sampled_references_read_the_same_elements():
-    from mp_callbacks.diagnostics.meters import grad_underflow_fraction, sampled, update_swamped_fraction
+    from mp_callbacks.diagnostics import grad_underflow_fraction, sampled, update_swamped_fraction
 
     rng = np.random.default_rng(1)
     g = (rng.standard_normal(50_000) * np.exp2(rng.uniform(-40, 0, 50_000))).astype(np.float32)

@@ -2,12 +2,18 @@
 
 import pytest
 
-from mp_callbacks.diagnostics.attribution import LOSS_SOURCE, attribution_order, first_culprit
-from mp_callbacks.diagnostics.divergence import DivergenceError
-from mp_callbacks.diagnostics.meters import fraction
-from mp_callbacks.diagnostics.metrics import StepStats, json_safe
-from mp_callbacks.diagnostics.monitor import MONITOR_SCHEMA_VERSION, MonitorCore
-from mp_callbacks.memory.estimate import optimizer_kind
+from mp_callbacks.diagnostics import (
+    LOSS_SOURCE,
+    MONITOR_SCHEMA_VERSION,
+    DivergenceError,
+    MonitorCore,
+    StepStats,
+    attribution_order,
+    first_culprit,
+    fraction,
+    json_safe,
+)
+from mp_callbacks.memory import optimizer_kind
 
 
 def stats(step, overflow=False, module=None, scale=8.0):
@@ -100,7 +106,7 @@ def test_json_safe_and_optimizer_kind():
 
 
 def test_attribution_is_opt_in_unless_fallback_needs_it():
-    from mp_callbacks.diagnostics.monitor import MonitorFacade
+    from mp_callbacks.diagnostics import MonitorFacade
 
     def setup(**kw):
         m = MonitorFacade()

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mp_callbacks import ScalerConfig
-from mp_callbacks.diagnostics.divergence import DivergenceRule, DivergenceState, moving_streaks, next_divergence_state
-from mp_callbacks.loss_scale.transition import STATE_FIELDS, fixed_scale, initial_state, moving_fields, next_state
+from mp_callbacks.diagnostics import DivergenceRule, DivergenceState, moving_streaks, next_divergence_state
+from mp_callbacks.loss_scale import STATE_FIELDS, fixed_scale, initial_state, moving_fields, next_state
 
 CONFIGS = [ScalerConfig(enabled=False), ScalerConfig(enabled=False, skip_nonfinite=False),
            ScalerConfig.preset("torch").replace(dynamic=False), ScalerConfig.preset("torch"),

@@ -1,4 +1,4 @@
-"""The core's 8-bit block quantization of optimizer states (mp_callbacks.quantized_states) against torchao's own
+"""The core's 8-bit block quantization of optimizer states (mp_callbacks.weights.low_bit) against torchao's own
 map, quantizer and dequantizer on the same tensors, and its Adam step against torchao's AdamW8bit on the same
 gradients."""
 
@@ -8,17 +8,21 @@ import numpy as np
 import pytest
 
 from mp_callbacks import MasterPlan, RecipeError, get_recipe
-from mp_callbacks.memory.estimate import estimate_memory
-from mp_callbacks.quantized_states import (
+from mp_callbacks.memory import estimate_memory
+from mp_callbacks.weights import (
     BLOCK_SIZE,
-    adam_step,
-    dequantize,
     dynamic_map,
-    quantize,
     quantizes,
 )
-from mp_callbacks.quantized_states import (
-    NUMPY_QUANT_OPS as Q,
+from mp_callbacks.weights import NUMPY_QUANT_OPS as Q
+from mp_callbacks.weights import (
+    adam_step_8bit as adam_step,
+)
+from mp_callbacks.weights import (
+    dequantize_8bit as dequantize,
+)
+from mp_callbacks.weights import (
+    quantize_8bit as quantize,
 )
 
 torch = pytest.importorskip("torch")

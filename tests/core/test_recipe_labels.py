@@ -3,8 +3,7 @@
 
 import pytest
 
-from mp_callbacks.fp8.granularity import GRANULARITIES
-from mp_callbacks.masters import STATE_DTYPES
+from mp_callbacks.fp8 import GRANULARITIES
 from mp_callbacks.recipes import (
     RECIPE_NAMES,
     RecipeError,
@@ -13,6 +12,7 @@ from mp_callbacks.recipes import (
     recipe_label,
     split_recipe_label,
 )
+from mp_callbacks.weights import STATE_DTYPES
 
 
 @pytest.mark.parametrize("kind", GRANULARITIES)

@@ -1,14 +1,12 @@
-"""The bf16 + 16-bit remainder split (:mod:`mp_callbacks.remainders`): exact for every float32 pattern, and the
+"""The bf16 + 16-bit remainder split (:mod:`mp_callbacks.weights.remainders`): exact for every float32 pattern, and the
 forward weight is nearest-even rounding except on the ties it rounds away from zero."""
 
 import numpy as np
 import pytest
 
-from mp_callbacks.masters import MasterPlan
-from mp_callbacks.memory.estimate import bytes_per_param
+from mp_callbacks.memory import bytes_per_param
 from mp_callbacks.recipes import RecipeError, get_recipe
-from mp_callbacks.remainders import join, split, ties_differ
-from mp_callbacks.rounding.rules import bf16_bits
+from mp_callbacks.weights import MasterPlan, bf16_bits, join_master, split_master, ties_differ
 
 EDGES = [0, 0x8000, 0x18000, 0x80008000, 0x7F7E8000, 0x7F7F8000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7FFFFFFF,
          0xFFFFFFFF, 0x80000000, 1, 0x007FFFFF, 0x3F800000, 0x3F808000, 0x3F818000]
@@ -25,15 +23,15 @@ def patterns() -> np.ndarray:
 
 def test_join_of_split_is_exact_for_every_pattern():
     b = patterns()
-    w, r = split(b.view(np.float32))
+    w, r = split_master(b.view(np.float32))
     assert w.dtype == np.uint16 and r.dtype == np.int16
-    np.testing.assert_array_equal(join(w, r).view(np.uint32), b)
+    np.testing.assert_array_equal(join_master(w, r).view(np.uint32), b)
 
 
 def test_forward_weight_is_nearest_even_except_ties_rounding_down_to_even():
     b = patterns()
     x = b.view(np.float32)
-    w, _ = split(x)
+    w, _ = split_master(x)
     rne = bf16_bits(x)
     finite = ~np.isnan(x)
     differs = (w != rne) & finite

@@ -1,4 +1,4 @@
-"""Update rounding without masters (mp_callbacks.rounding): the rules against exact rational arithmetic and
+"""Update rounding without masters (mp_callbacks.weights): the rules against exact rational arithmetic and
 float64 references, the counter-based random source against the integer recipe written out by hand, and
 the bf16-kahan / bf16-sr recipes and memory figures."""
 
@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 
 from mp_callbacks import get_recipe
-from mp_callbacks.diagnostics.meters import half_ulp
-from mp_callbacks.masters import MasterPlan
-from mp_callbacks.memory.estimate import bytes_per_param, estimate_memory
+from mp_callbacks.diagnostics import half_ulp
+from mp_callbacks.memory import bytes_per_param, estimate_memory
 from mp_callbacks.recipes import RECIPE_NAMES, RecipeError, canonical_recipe_name
-from mp_callbacks.rounding.random_source import PY_INT_OPS, mix32, sr_key, sr_thresholds
-from mp_callbacks.rounding.rules import (
-    NUMPY_ROUNDING_OPS as OPS,
-)
-from mp_callbacks.rounding.rules import (
+from mp_callbacks.settings import StateDictError
+from mp_callbacks.weights import NUMPY_ROUNDING_OPS as OPS
+from mp_callbacks.weights import (
+    PY_INT_OPS,
+    MasterPlan,
     RoundingStream,
     bf16_bits,
     bf16_to_f32,
@@ -26,11 +25,13 @@ from mp_callbacks.rounding.rules import (
     kahan_add,
     kahan_apply,
     make_rounding_state,
+    mix32,
     read_rounding_state,
     round_with_thresholds,
+    sr_key,
+    sr_thresholds,
     stochastic_round,
 )
-from mp_callbacks.settings import StateDictError
 
 M = 2**32
 

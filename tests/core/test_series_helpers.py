@@ -1,7 +1,7 @@
 """The framework-neutral helpers both monitors share: expected scaler series, series extraction, storage rule."""
 
 from mp_callbacks import ScalerConfig, get_recipe
-from mp_callbacks.diagnostics.meters import swamp_storage_dtype
+from mp_callbacks.diagnostics import swamp_storage_dtype
 from tests.helpers.series import expected_series, read_csv_series, series_from_rows
 
 

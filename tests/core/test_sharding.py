@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from mp_callbacks import estimate_memory, get_recipe
-from mp_callbacks.memory.estimate import bytes_per_param
-from mp_callbacks.memory.sharding import (
+from mp_callbacks.memory import (
     ShardedDtypes,
     allreduce_bytes,
+    bytes_per_param,
     consensus_cost,
     fsdp_step_bytes,
     padded_numel,

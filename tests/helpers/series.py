@@ -12,9 +12,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mp_callbacks.diagnostics.metrics import GROWTHS_TOTAL, OVERFLOW, OVERFLOWS_TOTAL, SCALE, SKIPPED_TOTAL
-from mp_callbacks.loss_scale.config import ScalerConfig
-from mp_callbacks.loss_scale.scaler import DynamicLossScaler
+from mp_callbacks.diagnostics import GROWTHS_TOTAL, OVERFLOW, OVERFLOWS_TOTAL, SCALE, SKIPPED_TOTAL
+from mp_callbacks.loss_scale import DynamicLossScaler, ScalerConfig
 
 SCALER_SERIES = (SCALE, OVERFLOW, OVERFLOWS_TOTAL, SKIPPED_TOTAL, GROWTHS_TOTAL)
 """The metric names whose per-step sequences are fixed by the scaler alone."""

@@ -10,8 +10,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from mp_callbacks.loss_scale.record import state_to_dict
-from mp_callbacks.loss_scale.transition import initial_state
+from mp_callbacks.loss_scale import initial_state, state_to_dict
 from mp_callbacks.policy import PolicyError
 from mp_callbacks.settings import StateDictError
 

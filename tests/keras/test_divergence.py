@@ -13,7 +13,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from mp_callbacks.diagnostics.divergence import DivergenceError, DivergenceRule, DivergenceState
+from mp_callbacks.diagnostics import DivergenceError, DivergenceRule, DivergenceState
 from tests.keras.helpers.util import requires_tf_backend
 
 RECIPES = ("32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master")

@@ -16,7 +16,7 @@ from keras import ops
 
 import keras_ext
 from keras_ext.divergence import LATCH_KEY
-from mp_callbacks.diagnostics.divergence import DivergenceError
+from mp_callbacks.diagnostics import DivergenceError
 from tests.keras.helpers.util import requires_tf_backend
 
 pytestmark = requires_tf_backend

@@ -21,8 +21,12 @@ from keras import ops  # noqa: E402
 
 import keras_ext  # noqa: E402
 from keras_ext.fp8 import enable_fp8, fp8_layers, fp8_state, is_fp8_variable  # noqa: E402
-from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe, fp8_amax  # noqa: E402
-from mp_callbacks.fp8.scaling import next_fp8_state  # noqa: E402
+from mp_callbacks.fp8 import (  # noqa: E402
+    FP8_ROLES,
+    FP8Recipe,
+    fp8_amax,
+    next_fp8_state,  # noqa: E402
+)
 
 f32 = np.float32
 TF = keras.backend.backend() == "tensorflow"
@@ -176,7 +180,7 @@ def test_states_follow_the_core_transition(fp8):
 
 
 def _zero(cfg):
-    from mp_callbacks.fp8.scaling import initial_fp8_state
+    from mp_callbacks.fp8 import initial_fp8_state
 
     return initial_fp8_state(cfg)
 
@@ -222,14 +226,8 @@ def test_attention_projections_run_fp8():
 
 
 def test_monitor_logs_the_fp8_metrics_and_memory():
-    from mp_callbacks.diagnostics.metrics import (
-        FP8_AMAX,
-        FP8_SATURATED_FRAC,
-        FP8_SCALE,
-        FP8_UNDERFLOW_FRAC,
-        GRAD_NORM,
-    )
-    from mp_callbacks.fp8.formats import flushed_fraction, saturated_fraction
+    from mp_callbacks.diagnostics import FP8_AMAX, FP8_SATURATED_FRAC, FP8_SCALE, FP8_UNDERFLOW_FRAC, GRAD_NORM
+    from mp_callbacks.fp8 import flushed_fraction, saturated_fraction
 
     model = build_mlp(fp8={"history_len": 4})
     x, y = data(32)

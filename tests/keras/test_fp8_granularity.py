@@ -19,7 +19,7 @@ from keras import ops  # noqa: E402
 
 import keras_ext  # noqa: E402
 from keras_ext.fp8_blocks import block_qdq, contracted_axes  # noqa: E402
-from mp_callbacks.fp8.granularity import FP8Granularity, block_shape, dequantize, quantize  # noqa: E402
+from mp_callbacks.fp8 import FP8Granularity, block_shape, dequantize, quantize  # noqa: E402
 from tests.keras.test_fp8 import build_mlp, data, fit_steps  # noqa: E402
 
 KINDS = ("rowwise", "blockwise", "mxfp8")

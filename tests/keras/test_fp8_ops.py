@@ -23,8 +23,7 @@ keras = pytest.importorskip("keras")
 from keras import ops  # noqa: E402
 
 from keras_ext import KERAS_OPS  # noqa: E402
-from mp_callbacks.fp8.config import FP8_PRESETS, FP8ScalingConfig  # noqa: E402
-from mp_callbacks.fp8.scaling import FP8ArrayOps, next_fp8_state  # noqa: E402
+from mp_callbacks.fp8 import FP8_PRESETS, FP8ArrayOps, FP8ScalingConfig, next_fp8_state  # noqa: E402  # noqa: E402
 from tests.core.fp8_cases import op_cases, same, step_batched  # noqa: E402
 from tests.core.test_fp8 import amax_sequences  # noqa: E402
 

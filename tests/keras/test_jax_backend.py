@@ -33,7 +33,7 @@ import keras
 import numpy as np
 import pytest
 
-from mp_callbacks.diagnostics.metrics import METRICS, OVERFLOW_MODULE
+from mp_callbacks.diagnostics import METRICS, OVERFLOW_MODULE
 from tests.helpers.series import SCALER_SERIES
 from tests.keras.helpers import cross_backend, stock_parity
 from tests.keras.helpers.util import ROOT, run_pytest

@@ -29,9 +29,12 @@ from keras import ops  # noqa: E402
 
 from keras_ext import KERAS_OPS, KerasOps  # noqa: E402
 from mp_callbacks import NUMPY_OPS, DynamicLossScaler, ScalerConfig, initial_state, next_state  # noqa: E402
-from mp_callbacks.loss_scale.config import FLOAT32_MAX  # noqa: E402
-from mp_callbacks.loss_scale.record import state_to_dict  # noqa: E402
-from mp_callbacks.loss_scale.transition import STATE_FIELDS, ScalerState  # noqa: E402
+from mp_callbacks.loss_scale import (  # noqa: E402
+    FLOAT32_MAX,  # noqa: E402
+    STATE_FIELDS,
+    ScalerState,
+    state_to_dict,  # noqa: E402
+)
 
 requires_tf_backend = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
                                          reason="tf.function / XLA: TensorFlow backend")

@@ -12,8 +12,19 @@ import keras_ext
 from keras_ext.low_bit import AdamW8bit, eight_bit_inner
 from keras_ext.memory import memory_report
 from mp_callbacks import get_recipe
-from mp_callbacks.quantized_states import NUMPY_QUANT_OPS as Q
-from mp_callbacks.quantized_states import adam_step, dequantize, dynamic_map, quantize
+from mp_callbacks.weights import NUMPY_QUANT_OPS as Q
+from mp_callbacks.weights import (
+    adam_step_8bit as adam_step,
+)
+from mp_callbacks.weights import (
+    dequantize_8bit as dequantize,
+)
+from mp_callbacks.weights import (
+    dynamic_map,
+)
+from mp_callbacks.weights import (
+    quantize_8bit as quantize,
+)
 
 
 def u32(a) -> np.ndarray:

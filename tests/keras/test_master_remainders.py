@@ -12,9 +12,8 @@ from keras import ops
 import keras_ext
 from keras_ext.memory import memory_report
 from keras_ext.remainders import RemainderMaster, join, split
-from mp_callbacks import remainders as reference
 from mp_callbacks.recipes import get_recipe
-from mp_callbacks.rounding.rules import bf16_bits
+from mp_callbacks.weights import bf16_bits, join_master, split_master, ties_differ
 
 TF = keras.backend.backend() == "tensorflow"
 REMAINDERS = get_recipe("bf16-master", master_remainders=True)
@@ -56,13 +55,13 @@ def _patterns() -> np.ndarray:
 def test_keras_join_and_split_are_the_numpy_reference(mode):
     """Every lower half under several upper halves (ties, inf, NaN, -0, subnormals), random patterns."""
     b = _patterns()
-    want_w, want_r = reference.split(b.view(np.float32))
+    want_w, want_r = split_master(b.view(np.float32))
     fn = _compiled(lambda x, w, r: (*split(x), join(w, r)), mode)
     forward = ops.view(ops.convert_to_tensor(want_w.view(np.int16)), "bfloat16")
     w, r, x = fn(ops.convert_to_tensor(b.view(np.float32)), forward, ops.convert_to_tensor(want_r))
     np.testing.assert_array_equal(u16(w), want_w)
     np.testing.assert_array_equal(np.asarray(ops.convert_to_numpy(r)), want_r)
-    np.testing.assert_array_equal(u32(x), reference.join(want_w, want_r).view(np.uint32))
+    np.testing.assert_array_equal(u32(x), join_master(want_w, want_r).view(np.uint32))
     np.testing.assert_array_equal(u32(x), b)
 
 
@@ -129,7 +128,7 @@ def test_same_gradients_give_the_fp32_copy_masters_bit_for_bit(name, mode):
             if m is not None:
                 x = np.asarray(m.numpy(), np.float32)
                 np.testing.assert_array_equal(u16(v0), bf16_bits(x))
-                np.testing.assert_array_equal(u16(v1), reference.split(x)[0])
+                np.testing.assert_array_equal(u16(v1), split_master(x)[0])
     assert copy.loss_scaler.skipped == rem.loss_scaler.skipped == 3
     assert int(ops.convert_to_numpy(rem.iterations)) == int(ops.convert_to_numpy(copy.iterations)) == 7
 
@@ -161,7 +160,7 @@ def _with_ties(opt) -> None:
     b = u32(m.value).copy()
     b.flat[:5] = (b.flat[:5] & np.uint32(0xFFFE0000)) | np.uint32(0x8000)
     m.assign(b.view(np.float32))
-    assert reference.ties_differ(b.view(np.float32)).sum() >= 5
+    assert ties_differ(b.view(np.float32)).sum() >= 5
 
 
 def _state(model):
@@ -229,7 +228,7 @@ def test_fit_follows_the_fp32_copy_run_bit_for_bit(jit_compile):
     for v0, v1, m in zip(models[0].trainable_variables, models[1].trainable_variables, rem[1]):
         if v0.dtype == "bfloat16":
             np.testing.assert_array_equal(u16(v0), bf16_bits(m.view(np.float32)))
-            np.testing.assert_array_equal(u16(v1), reference.split(m.view(np.float32))[0])
+            np.testing.assert_array_equal(u16(v1), split_master(m.view(np.float32))[0])
 
 
 @pytest.mark.multiprocess
@@ -242,7 +241,7 @@ def test_held_between_steps_measured_by_the_allocator():
     import sys
     from pathlib import Path
 
-    from mp_callbacks.memory.estimate import estimate_memory
+    from mp_callbacks.memory import estimate_memory
 
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "tests.keras.helpers.master_memory", "256", "16", "remainders"],

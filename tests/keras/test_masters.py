@@ -149,7 +149,7 @@ def test_gradients_widened_in_their_own_update_match_the_fp32_list_bit_for_bit()
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="per-variable widening: TensorFlow backend")
 def test_memory_report_counts_low_precision_gradients_when_widened_in_the_update():
     from keras_ext.memory import memory_report
-    from mp_callbacks.memory.estimate import estimate_memory
+    from mp_callbacks.memory import estimate_memory
     from mp_callbacks.recipes import get_recipe
 
     model, opt = _bf16_master_run(fp32_list=False, steps=1)
@@ -173,7 +173,7 @@ def test_bf16_master_memory_measured_by_the_allocator_matches_the_estimate():
     import sys
     from pathlib import Path
 
-    from mp_callbacks.memory.estimate import estimate_memory
+    from mp_callbacks.memory import estimate_memory
     from mp_callbacks.recipes import get_recipe
 
     root = Path(__file__).resolve().parents[2]

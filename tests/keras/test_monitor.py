@@ -15,10 +15,8 @@ from keras import ops
 import keras_ext
 from keras_ext import MixedPrecisionMonitor
 from mp_callbacks import History, estimate_memory, get_recipe
+from mp_callbacks.diagnostics import LOSS_SOURCE, METRICS, OVERFLOW_MODULE, DivergenceError, plot
 from mp_callbacks.diagnostics import meters as ref
-from mp_callbacks.diagnostics.attribution import LOSS_SOURCE
-from mp_callbacks.diagnostics.divergence import DivergenceError
-from mp_callbacks.diagnostics.metrics import METRICS, OVERFLOW_MODULE, plot
 from tests.helpers.series import SCALER_SERIES, expected_series, series_from_rows
 from tests.keras.helpers.models import (
     Amplify,

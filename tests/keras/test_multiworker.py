@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from mp_callbacks.memory.sharding import allreduce_bytes
+from mp_callbacks.memory import allreduce_bytes
 from tests.keras.helpers.util import ROOT, requires_tf_backend
 
 pytestmark = [pytest.mark.multiprocess, requires_tf_backend]

@@ -17,7 +17,7 @@ from keras import ops
 
 import keras_ext
 from mp_callbacks import ConfigError, ScalerConfig
-from mp_callbacks.loss_scale.transition import checks_overflow
+from mp_callbacks.loss_scale import checks_overflow
 from tests.keras.helpers import stock_parity
 from tests.keras.helpers.util import requires_tf_backend, run_script
 

@@ -16,7 +16,7 @@ import keras_ext
 from keras_ext.grad_check import found_inf, unscale
 from keras_ext.scaler import KerasLossScaler, scaler_config
 from mp_callbacks import DynamicLossScaler, ScaleFloorError, ScaleFloorWarning, ScalerConfig, get_recipe
-from mp_callbacks.loss_scale.transition import STATE_FIELDS
+from mp_callbacks.loss_scale import STATE_FIELDS
 from mp_callbacks.settings import StateDictError
 
 

@@ -15,7 +15,7 @@ from keras import ops
 
 import keras_ext
 from keras_ext.scaler import VARIABLE_NAMES
-from mp_callbacks.diagnostics.divergence import DivergenceError, DivergenceRule
+from mp_callbacks.diagnostics import DivergenceError, DivergenceRule
 from tests.keras.helpers.util import requires_tf_backend
 
 pytestmark = requires_tf_backend

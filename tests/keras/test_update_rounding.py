@@ -14,10 +14,19 @@ from keras_ext.rounding import WorkingVariable
 from keras_ext.rounding_ops import KERAS_ROUNDING_OPS as K
 from keras_ext.rounding_ops import canonical_perm, element_index
 from mp_callbacks import get_recipe
-from mp_callbacks.memory.estimate import estimate_memory
-from mp_callbacks.rounding.random_source import keras_kernel_to_canonical, layout_index, sr_key, sr_thresholds
-from mp_callbacks.rounding.rules import NUMPY_ROUNDING_OPS as N
-from mp_callbacks.rounding.rules import bf16_bits, bf16_to_f32, initial_compensation, kahan_apply, stochastic_round
+from mp_callbacks.memory import estimate_memory
+from mp_callbacks.weights import NUMPY_ROUNDING_OPS as N
+from mp_callbacks.weights import (
+    bf16_bits,
+    bf16_to_f32,
+    initial_compensation,
+    kahan_apply,
+    keras_kernel_to_canonical,
+    layout_index,
+    sr_key,
+    sr_thresholds,
+    stochastic_round,
+)
 
 RECIPES = ["bf16-kahan", "bf16-sr"]
 TF = keras.backend.backend() == "tensorflow"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_ext import MixedPrecision
-from mp_callbacks.diagnostics.divergence import DivergenceError
+from mp_callbacks.diagnostics import DivergenceError
 from mp_callbacks.recipes import RECIPE_NAMES
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 

@@ -17,7 +17,7 @@ import lightning_ext
 from lightning_ext import FabricMonitor, MasterWeights, UpdateRounding
 from lightning_ext.fabric import MixedPrecision
 from lightning_ext.support import check_strategy
-from mp_callbacks.diagnostics.divergence import DivergenceError
+from mp_callbacks.diagnostics import DivergenceError
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 RECIPES = ["32-true", "16-mixed", "bf16-mixed", "16-master", "bf16-master", "bf16-kahan", "bf16-sr", "fp8-mixed"]

@@ -26,8 +26,16 @@ from lightning_ext import MixedPrecision
 from lightning_ext.fp8 import TorchFP8, fp8_modules
 from lightning_ext.fp8_attention import mha_forward
 from lightning_ext.fp8_matmul import fp8_linear
-from mp_callbacks.fp8.recipe import FP8_ROLES, FP8Recipe, fp8_amax, fp8_linear_reference, fp8_qdq
-from mp_callbacks.fp8.scaling import FP8State, next_fp8_state, select_fp8_state
+from mp_callbacks.fp8 import (
+    FP8_ROLES,
+    FP8Recipe,
+    FP8State,
+    fp8_amax,
+    fp8_linear_reference,
+    fp8_qdq,
+    next_fp8_state,
+    select_fp8_state,
+)
 from mp_callbacks.recipes import get_recipe
 from tests.lightning.helpers.models import loader, trainer_kwargs
 
@@ -307,9 +315,8 @@ def test_attention_projections_train_in_fp8():
 
 def test_monitor_logs_the_fp8_metrics_and_memory():
     from lightning_ext import MixedPrecisionMonitor
-    from mp_callbacks.diagnostics.metrics import FP8_AMAX, FP8_SATURATED_FRAC, FP8_SCALE, FP8_UNDERFLOW_FRAC
-    from mp_callbacks.fp8.formats import flushed_fraction, saturated_fraction
-    from mp_callbacks.fp8.recipe import fp8_state_bytes
+    from mp_callbacks.diagnostics import FP8_AMAX, FP8_SATURATED_FRAC, FP8_SCALE, FP8_UNDERFLOW_FRAC
+    from mp_callbacks.fp8 import flushed_fraction, fp8_state_bytes, saturated_fraction
 
     plugin = MixedPrecision("fp8-mixed", fp8={"history_len": 4})
     monitor = MixedPrecisionMonitor(log_every_n_steps=2)

@@ -16,9 +16,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_ext import MixedPrecision
-from mp_callbacks.fp8.allgather import sharded_fp8_cast
-from mp_callbacks.fp8.recipe import FP8Recipe
-from mp_callbacks.fp8.scaling import FP8State
+from mp_callbacks.fp8 import FP8Recipe, FP8State, sharded_fp8_cast
 from tests.lightning.helpers.torchrun import quiet_rank
 
 pytestmark = pytest.mark.multiprocess
@@ -146,7 +144,7 @@ def worker(out: str) -> None:
     from lightning_ext import CommCounter
     from lightning_ext.distributed import count_fsdp_collectives, fsdp_comm_units
     from lightning_ext.fsdp import fully_shard_model, local
-    from mp_callbacks.memory.sharding import fsdp_step_bytes
+    from mp_callbacks.memory import fsdp_step_bytes
     from tests.lightning.helpers.models import regression_data, trainer_kwargs
 
     rank = quiet_rank()

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_ext import MixedPrecision
-from mp_callbacks.fp8.recipe import FP8_ROLES
-from mp_callbacks.fp8.scaling import initial_fp8_state, next_fp8_state
+from mp_callbacks.fp8 import FP8_ROLES, initial_fp8_state, next_fp8_state
 from tests.lightning.helpers.models import ddp_fork, loader, trainer_kwargs
 
 pytestmark = pytest.mark.multiprocess

@@ -20,7 +20,7 @@ from torch import nn
 from lightning_ext import MixedPrecision
 from lightning_ext.fp8 import TorchFP8
 from lightning_ext.fp8_blocks import block_cast
-from mp_callbacks.fp8.granularity import FP8Granularity, dequantize, quantize
+from mp_callbacks.fp8 import FP8Granularity, dequantize, quantize
 from mp_callbacks.recipes import get_recipe
 from tests.core.test_fp8_granularity import nonfinite, tensors
 from tests.lightning.test_fp8 import Net, fit

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from lightning_ext.ops import TorchOps
-from mp_callbacks.fp8.config import FP8_PRESETS, FP8ScalingConfig
-from mp_callbacks.fp8.scaling import FP8ArrayOps, initial_fp8_state, next_fp8_state
+from mp_callbacks.fp8 import FP8_PRESETS, FP8ArrayOps, FP8ScalingConfig, initial_fp8_state, next_fp8_state
 from tests.core.fp8_cases import op_cases, same, step_batched
 from tests.core.test_fp8 import amax_sequences
 

@@ -85,7 +85,7 @@ def worker(out: str) -> None:
     from lightning_ext import CommCounter, MixedPrecision
     from lightning_ext.distributed import fsdp_comm_units
     from lightning_ext.fsdp import fully_shard_model, local
-    from mp_callbacks.memory.sharding import fsdp_step_bytes
+    from mp_callbacks.memory import fsdp_step_bytes
     from tests.lightning.helpers.models import regression_data, trainer_kwargs
 
     rank = quiet_rank()

@@ -13,12 +13,10 @@ import torch
 
 from lightning_ext import MixedPrecision
 from lightning_ext.memory import held_tensors, memory_report
-from mp_callbacks.memory.estimate import estimate_memory
-from mp_callbacks.memory.low_bit import LOW_BIT_STATES
+from mp_callbacks.memory import LOW_BIT_STATES, estimate_memory
 from mp_callbacks.recipes import get_recipe
-from mp_callbacks.rounding.random_source import sr_key
-from mp_callbacks.rounding.rules import NUMPY_ROUNDING_OPS as N
-from mp_callbacks.rounding.rules import kahan_apply, stochastic_round
+from mp_callbacks.weights import NUMPY_ROUNDING_OPS as N
+from mp_callbacks.weights import kahan_apply, sr_key, stochastic_round
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 torchao_optim = pytest.importorskip("torchao.optim")

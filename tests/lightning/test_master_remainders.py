@@ -14,10 +14,9 @@ from torch import nn
 from lightning_ext import FabricMonitor
 from lightning_ext.fabric import MixedPrecision
 from lightning_ext.memory import memory_report
-from mp_callbacks.memory.estimate import bytes_per_param
+from mp_callbacks.memory import bytes_per_param
 from mp_callbacks.recipes import get_recipe
-from mp_callbacks.remainders import split
-from mp_callbacks.rounding.rules import bf16_bits
+from mp_callbacks.weights import bf16_bits, split_master
 from tests.lightning.helpers.models import loader
 
 OPTIMIZERS = {
@@ -77,7 +76,7 @@ def test_same_gradients_give_the_fp32_copy_masters_bit_for_bit(name):
         for e0, e1 in zip(copy.masters.entries(), rem.masters.entries()):  # FP32 copy: nearest even
             x = masters0[e0.name].numpy()                                      # remainders: the core's split
             np.testing.assert_array_equal(e0.low.detach().view(torch.int16).numpy().view(np.uint16), bf16_bits(x))
-            np.testing.assert_array_equal(e1.low.detach().view(torch.int16).numpy().view(np.uint16), split(x)[0])
+            np.testing.assert_array_equal(e1.low.detach().view(torch.int16).numpy().view(np.uint16), split_master(x)[0])
     assert copy.loss_scaler.skipped == rem.loss_scaler.skipped == 3
 
 

@@ -14,10 +14,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 from lightning_ext.meters import grad_underflow_fraction, underflow_limit, update_swamped_fraction
 from mp_callbacks import History
+from mp_callbacks.diagnostics import LOSS_SOURCE, METRICS, OVERFLOW_MODULE, DivergenceError, plot
 from mp_callbacks.diagnostics import meters as ref
-from mp_callbacks.diagnostics.attribution import LOSS_SOURCE
-from mp_callbacks.diagnostics.divergence import DivergenceError
-from mp_callbacks.diagnostics.metrics import METRICS, OVERFLOW_MODULE, plot
 from mp_callbacks.policy import PrecisionPolicy
 from tests.helpers.series import SCALER_SERIES, expected_series, read_csv_series
 from tests.lightning.helpers.models import TinyRegressor, ddp_fork, loader, trainer_kwargs

@@ -12,8 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_ext import MixedPrecision, TorchOps, check_strategy
 from mp_callbacks import RecipeError, ScaleFloorError, ScalerConfig, initial_state, next_state
-from mp_callbacks.loss_scale.config import FLOAT32_TINY
-from mp_callbacks.loss_scale.record import state_to_dict
+from mp_callbacks.loss_scale import FLOAT32_TINY, state_to_dict
 from tests.lightning.helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 
 

@@ -14,9 +14,8 @@ from lightning_ext import rounding_batch
 from lightning_ext.fused_step import fused_implementation
 from lightning_ext.rounding import UpdateRounding
 from mp_callbacks import get_recipe
-from mp_callbacks.rounding.random_source import sr_key
-from mp_callbacks.rounding.rules import NUMPY_ROUNDING_OPS as N
-from mp_callbacks.rounding.rules import kahan_apply, stochastic_round
+from mp_callbacks.weights import NUMPY_ROUNDING_OPS as N
+from mp_callbacks.weights import kahan_apply, sr_key, stochastic_round
 
 SHAPES = [(40, 20), (5,), (3, 7), (1,), (64,), (2, 300)]  # 800 and 600 elements span several 256-element segments
 SEGMENT = 256

@@ -7,7 +7,7 @@ import torch
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor, check_native, master_native
 from mp_callbacks.app.lightning_runner import state_bytes
-from mp_callbacks.memory.estimate import bytes_per_param
+from mp_callbacks.memory import bytes_per_param
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_ext import MasterWeights, MixedPrecision, OptState, TorchLossScaler
-from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale import ScalerConfig
 from mp_callbacks.settings import StateDictError
 
 INF_STEPS = {2, 3, 9}
@@ -261,7 +261,7 @@ def test_scaling_off_on_the_cpu_decides_on_the_host_with_no_read(config, monkeyp
 def test_host_transition_floor_hit_warns_at_the_callers_line():
     # Scaling on, decisions on the host: a floor hit still reacts per on_min_scale, the warning pointing at
     # the caller of update() as the device transition's did.
-    from mp_callbacks.loss_scale.scaler import ScaleFloorWarning
+    from mp_callbacks.loss_scale import ScaleFloorWarning
 
     scaler = TorchLossScaler(ScalerConfig(init_scale=2.0, min_scale=1.0, on_min_scale="warn"))
     model = _model()

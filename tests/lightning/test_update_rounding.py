@@ -22,11 +22,18 @@ from lightning_ext.rounding import UpdateRounding
 from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
 from mp_callbacks import RecipeError, get_recipe
 from mp_callbacks.app.lightning_runner import state_bytes
-from mp_callbacks.diagnostics.meters import update_swamped_fraction
-from mp_callbacks.memory.estimate import estimate_memory
-from mp_callbacks.rounding.random_source import sr_key, sr_thresholds
-from mp_callbacks.rounding.rules import NUMPY_ROUNDING_OPS as N
-from mp_callbacks.rounding.rules import bf16_bits, bf16_to_f32, initial_compensation, kahan_apply, stochastic_round
+from mp_callbacks.diagnostics import update_swamped_fraction
+from mp_callbacks.memory import estimate_memory
+from mp_callbacks.weights import NUMPY_ROUNDING_OPS as N
+from mp_callbacks.weights import (
+    bf16_bits,
+    bf16_to_f32,
+    initial_compensation,
+    kahan_apply,
+    sr_key,
+    sr_thresholds,
+    stochastic_round,
+)
 from tests.lightning.helpers.models import TinyRegressor, ddp_fork, loader, params_of, trainer_kwargs
 
 RECIPES = ["bf16-kahan", "bf16-sr"]

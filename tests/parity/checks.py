@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from mp_callbacks.loss_scale.transition import initial_state, next_state
+from mp_callbacks.loss_scale import initial_state, next_state
 
 from . import harness
 from .runs import SGD, Case, Trajectory

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale import ScalerConfig
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import RECIPE_NAMES, Recipe, get_recipe
 

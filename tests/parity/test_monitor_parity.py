@@ -20,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 pl = pytest.importorskip("lightning.pytorch")
 keras = pytest.importorskip("keras")
 
-from mp_callbacks.diagnostics.attribution import LOSS_SOURCE  # noqa: E402
+from mp_callbacks.diagnostics import LOSS_SOURCE  # noqa: E402
 from tests.helpers.series import SCALER_SERIES, expected_series, series_from_rows  # noqa: E402
 
 INF_STEPS = {2, 3, 7, 8, 12}

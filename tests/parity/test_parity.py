@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mp_callbacks.loss_scale.config import ScalerConfig
+from mp_callbacks.loss_scale import ScalerConfig
 from mp_callbacks.recipes import RECIPE_NAMES
 
 from . import checks, harness, runs

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from mp_callbacks.recipes import get_recipe
-from mp_callbacks.rounding.random_source import sr_key, sr_thresholds
-from mp_callbacks.rounding.rules import bf16_bits, bf16_to_f32
+from mp_callbacks.weights import bf16_bits, bf16_to_f32, sr_key, sr_thresholds
 
 from . import checks, runs
 from .runs import HIDDEN, Case

@@ -7,7 +7,7 @@ import numpy as np
 from keras import ops
 
 import keras_ext
-from mp_callbacks.diagnostics.divergence import DivergenceError
+from mp_callbacks.diagnostics import DivergenceError
 from tests.keras.helpers.models import RecordLogs, fit, tiny_regressor
 
 INF_STEPS = (2, 3, 7)  # 0-based batches with an inf sample weight

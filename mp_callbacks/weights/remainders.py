@@ -8,7 +8,7 @@ weight* ``w`` the model computes with, and the *remainder* ``r`` (int16)::
     w = (b >> 16) + (1 if r < 0 else 0)        mod 2**16   (bf16 bits)
     b = ((w - (1 if r < 0 else 0)) mod 2**16) << 16 | (r mod 2**16)      (join)
 
-``join(split(x)) == x`` bit for bit for every float32 pattern (inf, NaN, -0
+``join_master(split_master(x)) == x`` bit for bit for every float32 pattern (inf, NaN, -0
 and subnormals included), so the masters and their updates are exactly those of
 an FP32 copy: 2 + 2 bytes instead of 2 + 4.
 
@@ -30,7 +30,7 @@ This is the split of Megatron-Core's ``store_param_remainders``
 (Transformer Engine's ``FusedAdam``): upper half corrected by the remainder's
 sign.  :func:`forward_half` / :func:`upper_half` are the rule over int16
 arrays (NumPy, torch and Keras tensors: ``+``, ``-`` and an arithmetic ``>>``);
-:func:`split` / :func:`join` are the NumPy reference on float32 values.
+:func:`split_master` / :func:`join_master` are the NumPy reference on float32 values.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["forward_half", "join", "ties_differ", "split", "upper_half"]
+__all__ = ["forward_half", "join_master", "ties_differ", "split_master", "upper_half"]
 
 
 def forward_half(upper: Any, lower: Any) -> Any:
@@ -55,7 +55,7 @@ def upper_half(forward: Any, lower: Any) -> Any:
     return forward + (lower >> 15)
 
 
-def split(x: Any) -> tuple[np.ndarray, np.ndarray]:
+def split_master(x: Any) -> tuple[np.ndarray, np.ndarray]:
     """float32 ``x`` -> ``(forward weight bits as uint16, remainder as int16)`` (the reference)."""
     bits = np.ascontiguousarray(np.asarray(x, dtype=np.float32)).view(np.uint32)
     lower = (bits & np.uint32(0xFFFF)).astype(np.uint16).view(np.int16)
@@ -63,7 +63,7 @@ def split(x: Any) -> tuple[np.ndarray, np.ndarray]:
     return forward_half(upper, lower).view(np.uint16), lower
 
 
-def join(forward_bits: Any, remainder: Any) -> np.ndarray:
+def join_master(forward_bits: Any, remainder: Any) -> np.ndarray:
     """``(forward weight bits uint16, remainder int16)`` -> the exact float32 master (the reference)."""
     forward = np.asarray(forward_bits, dtype=np.uint16).view(np.int16)
     lower = np.asarray(remainder, dtype=np.int16)

@@ -18,8 +18,8 @@ float32 as torchao builds it: the cut points ``0.1 + j * step`` (``step = (1 - 0
 are rounded once (a fused multiply-add: torch's float32 ``linspace``), the midpoints are
 ``(a + b) / 2`` and the decade factor ``float32(10**(d-6))`` multiplies them in float32.
 
-The Adam step over quantized states (:func:`adam_step`) is torchao's: dequantize, ``m = lerp(m, g, 1-b1)``,
-``v = lerp(v, g*g, 1-b2)``, store both requantized, and update the weight from the *unquantized*
+The Adam step over quantized states (:func:`adam_step_8bit`) is torchao's: dequantize, ``m = lerp_8bit(m, g, 1-b1)``,
+``v = lerp_8bit(v, g*g, 1-b2)``, store both requantized, and update the weight from the *unquantized*
 FP32 m and v of this step.  Every function is written over :class:`QuantOps`; :data:`NUMPY_QUANT_OPS` is
 the reference.
 """
@@ -146,7 +146,7 @@ class QuantOps(Protocol):
         """uint8 codes as int32 indices."""
 
 
-def quantize(x: Any, table: Any, ops: Any, block_size: int = BLOCK_SIZE) -> tuple[Any, Any]:
+def quantize_8bit(x: Any, table: Any, ops: Any, block_size: int = BLOCK_SIZE) -> tuple[Any, Any]:
     """FP32 state ``x`` -> ``(codes, scales)``: uint8 codes of ``x``'s shape, one float32 scale per block."""
     xb = ops.blocks(ops.f32(x), block_size)
     scale = ops.maximum(ops.row_absmax(xb), ops.f32(SCALE_FLOOR))
@@ -162,7 +162,7 @@ def quantize(x: Any, table: Any, ops: Any, block_size: int = BLOCK_SIZE) -> tupl
     return ops.to_codes(codes), scale
 
 
-def dequantize(codes: Any, scale: Any, table: Any, ops: Any) -> Any:
+def dequantize_8bit(codes: Any, scale: Any, table: Any, ops: Any) -> Any:
     """``map[code] * scale`` per element (float32, ``codes``' shape)."""
     values = ops.take(table, ops.from_codes(codes))
     block_size = _numel(codes) // _numel(scale)
@@ -176,7 +176,7 @@ def _numel(a: Any) -> int:
     return n
 
 
-def lerp(a: Any, b: Any, weight: float, ops: Any) -> Any:
+def lerp_8bit(a: Any, b: Any, weight: float, ops: Any) -> Any:
     """``a + w * (b - a)`` for ``w < 0.5``, else ``b - (b - a) * (1 - w)`` (torch's ``lerp``, float32)."""
     w = np.float32(weight)
     if abs(float(w)) < 0.5:
@@ -184,10 +184,10 @@ def lerp(a: Any, b: Any, weight: float, ops: Any) -> Any:
     return ops.sub(b, ops.mul(ops.sub(b, a), ops.f32(float(np.float32(1.0) - w))))
 
 
-def adam_step(param: Any, grad: Any, m: Any, v: Any, step: Any, *, lr: float, beta1: float, beta2: float,
+def adam_step_8bit(param: Any, grad: Any, m: Any, v: Any, step: Any, *, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, decoupled: bool, ops: Any) -> tuple[Any, Any, Any]:
     """One Adam(W) step in float32 on dequantized states: ``(param', m', v')``, ``m'`` and ``v'`` unquantized
-    (the caller stores them with :func:`quantize`; the weight update uses them as they are).
+    (the caller stores them with :func:`quantize_8bit`; the weight update uses them as they are).
 
     ``step`` is this step's count (1 on the first), a float32 scalar; ``decoupled``: AdamW's decay
     ``p -= lr * wd * p`` (else Adam's ``g += wd * p``)."""
@@ -198,8 +198,8 @@ def adam_step(param: Any, grad: Any, m: Any, v: Any, step: Any, *, lr: float, be
         g = ops.add(g, ops.mul(ops.f32(weight_decay), p))
     bc1 = ops.sub(ops.f32(1.0), ops.pow(beta1, step))
     bc2 = ops.sub(ops.f32(1.0), ops.pow(beta2, step))
-    m = lerp(ops.f32(m), g, 1.0 - beta1, ops)
-    v = lerp(ops.f32(v), ops.mul(g, g), 1.0 - beta2, ops)
+    m = lerp_8bit(ops.f32(m), g, 1.0 - beta1, ops)
+    v = lerp_8bit(ops.f32(v), ops.mul(g, g), 1.0 - beta2, ops)
     denom = ops.add(ops.div(ops.sqrt(v), ops.sqrt(bc2)), ops.f32(eps))
     p = ops.sub(p, ops.div(ops.mul(ops.f32(lr), ops.div(m, bc1)), denom))
     return p, m, v
@@ -272,5 +272,5 @@ NUMPY_QUANT_OPS = NumpyQuantOps()
 
 __all__ = [
     "BLOCK_SIZE", "CODES", "MIN_NUMEL", "NUMPY_QUANT_OPS", "NumpyQuantOps", "QuantOps", "SCALE_FLOOR",
-    "STATE_8BIT", "adam_step", "dequantize", "dynamic_map", "lerp", "quantize", "quantizes",
+    "STATE_8BIT", "adam_step_8bit", "dequantize_8bit", "dynamic_map", "lerp_8bit", "quantize_8bit", "quantizes",
 ]

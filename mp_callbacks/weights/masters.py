@@ -4,7 +4,7 @@ The rule of the ``*-master`` recipes: a parameter stored in fp16/bf16 gets an FP
 inside the optimizer; the optimizer's update and its states live in FP32 on the master; after
 every *applied* step the master is rounded back into the low-precision parameter.  Parameters
 the policy keeps in FP32 need no copy: they are their own master.  Without masters
-(``bf16-kahan``, ``bf16-sr``) an update rounding rule (:mod:`mp_callbacks.rounding`) writes the
+(``bf16-kahan``, ``bf16-sr``) an update rounding rule (:mod:`mp_callbacks.weights`) writes the
 update into the low-precision weight.  What each costs in bytes is :mod:`mp_callbacks.memory`.
 """
 
@@ -14,13 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .dtypes import canonical_dtype, dtype_bytes
-from .quantized_states import STATE_8BIT
-from .rounding.rules import check_mode
+from ..dtypes import canonical_dtype, dtype_bytes
+from .low_bit import STATE_8BIT
+from .rounding import check_mode
 
 STATE_DTYPES = ("float32", "bfloat16", STATE_8BIT)
 """Valid ``MasterPlan.state_dtype`` values: FP32, bf16 (stochastically rounded writes; ``kahan``/``stochastic``
-recipes only) and 8-bit block-quantized Adam moments (:mod:`mp_callbacks.quantized_states`; master and
+recipes only) and 8-bit block-quantized Adam moments (:mod:`mp_callbacks.weights.low_bit`; master and
 rounding recipes)."""
 
 
@@ -50,16 +50,16 @@ class MasterPlan:
       state_dtype: how optimizer states are held (:data:`STATE_DTYPES`): ``float32``;
         ``bfloat16`` for low-precision parameters (FP32-kept ones keep FP32 states), only with
         ``update_rounding`` ``kahan`` or ``stochastic``; ``8bit``: Adam's m and v block-quantized
-        (:mod:`mp_callbacks.quantized_states`) for every parameter large enough
-        (:func:`~mp_callbacks.quantized_states.quantizes`), others FP32, with master weights or
+        (:mod:`mp_callbacks.weights.low_bit`) for every parameter large enough
+        (:func:`~mp_callbacks.weights.low_bit.quantizes`), others FP32, with master weights or
         update rounding.
       update_rounding: how an update is written into a low-precision weight
-        without a master (:data:`mp_callbacks.rounding.rules.ROUNDING_MODES`):
+        without a master (:data:`mp_callbacks.weights.rounding.ROUNDING_MODES`):
         ``nearest`` (the dtype's rounding; with masters: the master),
         ``kahan`` (a compensation buffer in ``param_dtype``) or
         ``stochastic`` (bf16 only).
       master_remainders: keep each FP32 master as its bf16 weight plus a 16-bit
-        remainder (:mod:`mp_callbacks.remainders`: the same exact FP32 master, 2 B
+        remainder (:mod:`mp_callbacks.weights.remainders`: the same exact FP32 master, 2 B
         less per parameter; the forward weight rounds ties away from zero);
         bf16 masters only.
     """

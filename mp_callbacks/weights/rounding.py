@@ -32,7 +32,7 @@ Stochastic rounding (``bf16-sr``), FP32 -> bf16
     inf stays inf).
 
 The random source and the element layout (so that both adapters draw the same
-number for corresponding elements) are :mod:`mp_callbacks.rounding.random_source`
+number for corresponding elements) are :mod:`mp_callbacks.weights.random_source`
 (re-exported here).
 
 Every rule is written once over :class:`RoundingOps` (elementwise arrays)

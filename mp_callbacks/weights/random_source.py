@@ -1,7 +1,7 @@
 """The random source of stochastic rounding and the canonical element layout.
 
 Written once for every backend (NumPy reference, torch, ``keras.ops``), so that both
-adapters draw the same bits for corresponding elements; :mod:`mp_callbacks.rounding`
+adapters draw the same bits for corresponding elements; :mod:`mp_callbacks.weights`
 (the rules that consume the draws) re-exports everything here.
 
 The random source (framework-free, bit-identical in NumPy, torch, ``keras.ops``)
@@ -71,7 +71,7 @@ def mix32(x: Any, ops: Any) -> Any:
 
 
 class PyIntOps:
-    """The integer part of :class:`~mp_callbacks.rounding.rules.RoundingOps` on Python integers (host-side keys)."""
+    """The integer part of :class:`~mp_callbacks.weights.rounding.RoundingOps` on Python integers (host-side keys)."""
 
     def u32(self, value: Any) -> int:
         return int(value) & MASK32
