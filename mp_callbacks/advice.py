@@ -51,11 +51,8 @@ FLOAT16_CPU_SLOWDOWNS: dict[str, float] = {"torch": 47, "keras/tensorflow": 1.1,
                                            "keras/torch": 1.3}
 """Float16 matmul time / float32's on a CPU without :data:`FLOAT16_CPU_FEATURES`, per backend: ``"torch"`` (torch's
 own matmul: the Lightning adapter) and ``"keras/<backend>"`` (``keras.ops.matmul``, what ``Dense`` calls: the
-Keras adapter).  Measured by ``benchmarks/bench_cpu_float16.py`` on an AMD EPYC with AVX2 and F16C, no AVX-512 or
-AMX (2 shared cores, load average 2.5-9), one thread, the least of three rounds (controls 0.8-1.1): torch 47x at
-512x512 (six later runs: 38-95x; bfloat16 as slow, 29-104x); ``keras.ops.matmul`` in float16, the largest of the
-runs: 1.1x on TensorFlow (256x256), 1.3x on JAX and on torch (512x512; Keras' torch backend computes a float16
-matmul on CPU in float32, its bfloat16 one takes torch's path: 77-110x).  See benchmarks/README.md."""
+Keras adapter).  A backend at or above :data:`FLOAT16_CPU_SLOW` gets the notice; the figures and how they were
+taken are in ``benchmarks/README.md``."""
 
 FLOAT16_CPU_SLOW = 2.0
 """The notice's threshold: a backend whose measured slowdown is below it has nothing to warn about."""
@@ -87,5 +84,5 @@ def cpu_float16_notice(recipe: str, compute: str, device_type: str, flags: Colle
               "AVX512-BF16 or AMX-BF16), so bf16-mixed may be as slow: use 32-true on it")
     return (f"{recipe} computes in float16 on a CPU without native float16 matmul kernels (no AMX-FP16 or "
             f"AVX512-FP16 in /proc/cpuinfo): {backend} falls back to a slow path, ~{slowdown:g}x float32's matmul "
-            "time (measured on an AMD EPYC with AVX2, benchmarks/bench_cpu_float16.py). "
+            "time. "
             f"{advice}, or train float16 on a GPU.")

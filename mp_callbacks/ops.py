@@ -160,8 +160,7 @@ class PythonOps:
     which is the correctly rounded float32 result for ``*``, ``+``, min and max (float64 holds
     every float32 product and sum exactly enough: 53 >= 2 * 24 + 2 bits, so the double rounding
     is harmless), so every transition equals :data:`NUMPY_OPS`' bit for bit (tested over every
-    preset).  For host-side loops (a decision already read on the host): a NumPy ufunc call costs
-    ~1 us and more with cold caches, a Python operation a tenth of that.
+    preset).  For host-side evaluation of the rules (a decision already read on the host).
     """
 
     def f32(self, value: Any) -> float:

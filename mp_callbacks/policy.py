@@ -14,8 +14,7 @@ For an op kind: in ``low_precision_ops`` -> the compute dtype; in
 ``fp32_ops`` -> float32; in ``float16_fp32_ops`` (elementwise ops whose
 intermediates leave float16's range: GPT-2's tanh GELU cubes its input, inf in
 float16 from ``|x| > 40``) -> float32 when the compute dtype is float16, else
-passthrough (bfloat16 has float32's range; measured: benchmarks/README.md,
-"The tanh GELU under bf16"); in ``passthrough_ops`` (elementwise activations,
+passthrough (bfloat16 has float32's range); in ``passthrough_ops`` (elementwise activations,
 dropout, reshapes) -> the compute dtype (they follow their input); otherwise
 unknown -> float32.  Unknown or custom ops run in FP32 unless declared.
 
