@@ -1,13 +1,23 @@
 """What to try when training overflows or diverges: the one checklist every error message quotes; and the
 float16-on-CPU notice (:func:`cpu_float16_notice`) the adapters report at setup.
 
-Each item answers some causes: ``"loss"`` (a non-finite loss: a forward problem),
-``"overflow"`` (gradients overflow at a finite loss with the scale already below 1) and
-``"floor"`` (gradients keep overflowing with the loss scale at its floor).  The float16 ->
-bfloat16 item is left out when the run already computes in another dtype.
+The advice depends on what was seen, its *cause*:
+
+* ``"loss"``: a non-finite loss, a forward problem (an activation left the compute dtype's range, bad
+  data); the module that produced the first non-finite output comes first, then the dtype, the data,
+  the learning rate;
+* ``"overflow"``: gradients overflow at a finite loss with the loss scale already below 1: the
+  gradients themselves leave float16's range, so the learning rate and clipping come first;
+* ``"floor"``: gradients keep overflowing with the loss scale at its floor.
+
+When the culprit module is known (overflow attribution named it) the advice names it and says how to
+move it to FP32; when it is not, the advice says how to turn attribution on.  The float16 -> bfloat16
+item is left out when the run already computes in another dtype.
 
 >>> checklist("overflow", compute="bfloat16").split(", ")[:2]
 ['lower the learning rate (or warm it up)', 'clip gradients']
+>>> checklist("loss", compute="float16", module="ffn.down").startswith("keep 'ffn.down' in FP32")
+True
 """
 
 from __future__ import annotations
@@ -16,29 +26,43 @@ from collections.abc import Collection
 
 CAUSES = ("loss", "overflow", "floor")
 
-CHECKLIST: tuple[tuple[str, frozenset[str]], ...] = (
-    ("check the inputs and labels for inf/NaN", frozenset({"loss"})),
-    ("lower the learning rate (or warm it up)", frozenset(CAUSES)),
-    ("clip gradients", frozenset({"overflow"})),
-    ("keep more ops in FP32 (norms, softmax, losses, custom ops: PrecisionPolicy.with_fp32_modules)",
-     frozenset(CAUSES)),
-    ("switch float16 to bfloat16 (wider range)", frozenset(CAUSES)),
-    ("check the data for extreme values", frozenset({"floor"})),
-    ("turn on overflow attribution (MixedPrecisionMonitor(attribute_overflows=True)) to name the first "
-     "non-finite module", frozenset({"loss", "floor"})),
-)
-"""``(advice, causes it answers)``, in the order messages list them."""
+ITEMS: dict[str, str] = {
+    "module": "keep {module!r} in FP32 (policy=PrecisionPolicy.with_fp32_modules({module!r}); while training "
+              "in Lightning: plugin.keep_in_fp32({module!r}))",
+    "bf16": "switch float16 to bfloat16 (wider range)",
+    "inputs": "check the inputs and labels for inf/NaN",
+    "lr": "lower the learning rate (or warm it up)",
+    "clip": "clip gradients",
+    "fp32_ops": "keep more ops in FP32 (norms, softmax, losses, custom ops: PrecisionPolicy.with_fp32_modules)",
+    "data": "check the data for extreme values",
+    "attribution": "turn on overflow attribution (MixedPrecisionMonitor(attribute_overflows=True)) to name the "
+                   "first non-finite module",
+}
+"""The advice items by key (``{module}``: the culprit's dotted path)."""
 
-FLOAT16_ITEM = CHECKLIST[4][0]
+ORDER: dict[str, tuple[str, ...]] = {
+    "loss": ("module", "bf16", "inputs", "lr", "fp32_ops", "attribution"),
+    "overflow": ("lr", "clip", "module", "bf16", "fp32_ops", "attribution"),
+    "floor": ("module", "data", "lr", "bf16", "fp32_ops", "attribution"),
+}
+"""The items each cause lists, most likely fix first (``module`` only with a known culprit, ``attribution``
+only without one)."""
 
 
-def checklist(cause: str, compute: str | None = None) -> str:
-    """The advice for ``cause``, joined with commas (``compute``: the run's compute dtype, if known)."""
+def checklist(cause: str, compute: str | None = None, module: str | None = None) -> str:
+    """The advice for ``cause`` (one of :data:`CAUSES`), joined with commas, most likely fix first.
+
+    Args:
+      cause: what was seen: ``"loss"``, ``"overflow"`` or ``"floor"``.
+      compute: the run's compute dtype, if known (no float16 -> bfloat16 item for another dtype).
+      module: the module (or layer) that produced the first non-finite value, if known.
+    """
     if cause not in CAUSES:
         raise ValueError(f"cause={cause!r} must be one of {', '.join(CAUSES)}")
-    skip_fp16 = compute is not None and compute not in ("float16", "fp16", "half")
-    return ", ".join(text for text, causes in CHECKLIST
-                     if cause in causes and not (skip_fp16 and text == FLOAT16_ITEM))
+    skip = {"attribution"} if module else {"module"}
+    if compute is not None and compute not in ("float16", "fp16", "half"):
+        skip.add("bf16")
+    return ", ".join(ITEMS[key].format(module=module) for key in ORDER[cause] if key not in skip)
 
 
 FLOAT16_CPU_FEATURES = ("amx_fp16", "avx512_fp16")

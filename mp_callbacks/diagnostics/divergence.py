@@ -114,11 +114,11 @@ class DivergenceRule:
             return DivergenceError(
                 f"training diverged: the loss was not finite on {loss_streak} consecutive steps up to "
                 f"step {step}{where}; none of them was applied. A non-finite loss comes from the forward "
-                f"pass, and no loss scale fixes it. Try: {checklist('loss', self.compute)}.")
+                f"pass, and no loss scale fixes it. Try: {checklist('loss', self.compute, module)}.")
         return DivergenceError(
             f"training diverged: the gradients overflowed on {overflow_streak} consecutive steps with "
             f"a finite loss and the loss scale already below {self.scale_below:g} (scale={scale:g}) up to "
-            f"step {step}{where}; none of them was applied. Try: {checklist('overflow', self.compute)}.")
+            f"step {step}{where}; none of them was applied. Try: {checklist('overflow', self.compute, module)}.")
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: the limits and the current streaks."""
@@ -153,7 +153,7 @@ class DivergenceGuard:
             raise DivergenceError(
                 f"training diverged: {self.streak} consecutive overflows with the loss scale at its "
                 f"floor (scale={scale:g}, min_scale={min_scale:g}) up to step {step}{where}. "
-                f"Try: {checklist('floor', self.compute)}."
+                f"Try: {checklist('floor', self.compute, module)}."
             )
 
     def state_dict(self) -> dict[str, int]:

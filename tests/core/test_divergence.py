@@ -98,3 +98,30 @@ def test_error_names_the_streak_of_a_given_state():
     assert "loss was not finite on 5 consecutive steps up to step 9" in str(rule.error(9, state=DivergenceState(5, 0)))
     text = str(rule.error(12, 0.25, state=DivergenceState(0, 10)))
     assert "overflowed on 10 consecutive steps" in text and "scale=0.25" in text and "step 12" in text
+
+
+def test_the_advice_is_ordered_by_what_was_seen_and_names_a_known_culprit():
+    from mp_callbacks.advice import checklist
+
+    forward = checklist("loss", compute="float16", module="ffn.down").split(", ")
+    assert forward[0].startswith("keep 'ffn.down' in FP32") and "with_fp32_modules('ffn.down')" in forward[0]
+    assert forward[1].startswith("switch float16 to bfloat16")
+    assert not any("overflow attribution" in item for item in forward)  # the culprit is known already
+    unknown = checklist("loss", compute="float16").split(", ")
+    assert not any(item.startswith("keep '") for item in unknown) and "overflow attribution" in unknown[-1]
+    gradients = checklist("overflow", compute="float16", module="ffn.down").split(", ")
+    assert gradients[:2] == ["lower the learning rate (or warm it up)", "clip gradients"]
+    assert not any("bfloat16" in item for item in checklist("loss", compute="bfloat16").split(", "))
+    with pytest.raises(ValueError, match="cause"):
+        checklist("underflow")
+
+
+def test_a_stop_with_a_known_module_names_it_first_in_the_advice():
+    rule = DivergenceRule(nonfinite_losses=2, compute="float16")
+    rule.observe(1, overflow=True, loss_finite=False, module="ffn.down")
+    with pytest.raises(DivergenceError) as info:
+        rule.observe(2, overflow=True, loss_finite=False, module="ffn.down")
+    message = str(info.value)
+    assert "first non-finite module 'ffn.down'" in message
+    assert message.split("Try: ", 1)[1].startswith("keep 'ffn.down' in FP32")
+    assert "turn on overflow attribution" not in message
