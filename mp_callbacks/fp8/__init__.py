@@ -20,6 +20,8 @@ reference, written over the :class:`NVFP4Ops` protocol for the adapters):
 * :mod:`.hadamard`: the random Hadamard transform of the weight-gradient operands;
 * :mod:`.nvfp4`: the cast (:func:`nvfp4_quantize`; 1 x 16 and 16 x 16 blocks, Transformer Engine's and
   torchao's scale arithmetic), its dequantization and the saturated / flushed fractions;
+* :mod:`.nvfp4_recipe`: :class:`NVFP4Recipe` (the recipe's settings), the roles of a Linear's six
+  operands and the NumPy reference of its three matmuls (:func:`nvfp4_linear_reference`).
 """
 
 from .allgather import FP8_GATHER_ROLE, gather_reduces_amax, sharded_fp8_cast
@@ -98,6 +100,16 @@ from .nvfp4 import (
     nvfp4_flushed_fraction,
     nvfp4_quantize,
     nvfp4_saturated_fraction,
+)
+from .nvfp4_recipe import (
+    NVFP4_OPERANDS,
+    SR_OPERANDS,
+    NVFP4ConfigError,
+    NVFP4Recipe,
+    nvfp4_linear_reference,
+    nvfp4_matmul_snr_db,
+    nvfp4_operand,
+    nvfp4_sr_key,
 )
 from .recipe import (
     FP8_LAYERS,
@@ -188,11 +200,15 @@ __all__ = [
     "FP4_CODE_VALUES",
     "NUMPY_NVFP4_OPS",
     "NVFP4_BLOCK",
+    "NVFP4_OPERANDS",
     "NVFP4_RULES",
     "NVFP4Cast",
+    "NVFP4ConfigError",
     "NVFP4Ops",
+    "NVFP4Recipe",
     "NumpyNVFP4Ops",
     "RHT_SIZE",
+    "SR_OPERANDS",
     "TENSOR_SCALE_DIVISOR",
     "TE_SIGNS",
     "THRESHOLD_UNIT",
@@ -207,8 +223,12 @@ __all__ = [
     "nvfp4_cast",
     "nvfp4_dequantize",
     "nvfp4_flushed_fraction",
+    "nvfp4_linear_reference",
+    "nvfp4_matmul_snr_db",
+    "nvfp4_operand",
     "nvfp4_quantize",
     "nvfp4_saturated_fraction",
+    "nvfp4_sr_key",
     "pack_fp4",
     "random_hadamard_transform",
     "rht_signs",
