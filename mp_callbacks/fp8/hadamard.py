@@ -20,12 +20,11 @@ The sign vector
 
 The arithmetic
     :func:`random_hadamard_transform` evaluates ``x R`` in float32 as the fast Walsh-Hadamard
-    butterfly: multiply by the signs, then for ``h = 1, 2, 4, ..., d/2`` replace each pair
+    butterfly: multiply each element by its sign times ``f32(1 / sqrt(d))`` (the products a matmul
+    with ``R`` forms; 1/4 for ``d = 16``), then for ``h = 1, 2, 4, ..., d/2`` replace each pair
     ``(u, v)`` of elements ``h`` apart (the first with bit ``h`` of its in-block index clear) by
-    ``(u + v, u - v)``, and finally multiply by ``1 / sqrt(d)`` (a power of two for
-    ``d = 4**k``, exact otherwise rounded once).  The order of the float32 additions is fixed, so
-    every backend computes the same bits; it equals a matmul with ``R`` wherever the sums are
-    exact in float32.
+    ``(u + v, u - v)``.  The order of the float32 additions is fixed, so every backend computes the
+    same bits; it equals a matmul with ``R`` wherever the sums are exact in float32.
 """
 
 from __future__ import annotations
@@ -97,7 +96,9 @@ def _butterfly(x: Any, size: int, ops: Any) -> Any:
 
 
 def _sign_row(signs: tuple[int, ...], cols: int, ops: Any) -> Any:
-    return ops.f32(np.tile(np.asarray(signs, dtype=np.float32), cols // len(signs)).reshape(1, cols))
+    """The signs times ``f32(1 / sqrt(d))``, repeated along a row of ``cols`` elements."""
+    row = np.asarray(signs, dtype=np.float32) * np.float32(1.0 / math.sqrt(len(signs)))
+    return ops.f32(np.tile(row, cols // len(signs)).reshape(1, cols))
 
 
 def random_hadamard_transform(x: Any, signs: tuple[int, ...] = TE_SIGNS, ops: Any = NUMPY_NVFP4_OPS) -> Any:
@@ -108,17 +109,16 @@ def random_hadamard_transform(x: Any, signs: tuple[int, ...] = TE_SIGNS, ops: An
     rows, cols = x.shape
     if cols % size:
         raise ValueError(f"the RHT needs the last dimension ({cols}) to be a multiple of {size}; pad with zeros")
-    y = _butterfly(ops.mul(x, _sign_row(signs, cols, ops)), size, ops)
-    return ops.mul(y, ops.f32(1.0 / math.sqrt(size)))
+    return _butterfly(ops.mul(x, _sign_row(signs, cols, ops)), size, ops)
 
 
 def inverse_random_hadamard_transform(y: Any, signs: tuple[int, ...] = TE_SIGNS, ops: Any = NUMPY_NVFP4_OPS) -> Any:
-    """``y R^T`` (undoes :func:`random_hadamard_transform` up to float32 rounding): the butterfly, the
-    ``1 / sqrt(d)`` factor, then the signs."""
+    """``y R^T`` (undoes :func:`random_hadamard_transform` up to float32 rounding): ``y`` times
+    ``f32(1 / sqrt(d))``, the butterfly, then the signs."""
     size = _check_size(len(signs))
     signs = _check_signs(signs, size)
     rows, cols = y.shape
     if cols % size:
         raise ValueError(f"the RHT needs the last dimension ({cols}) to be a multiple of {size}; pad with zeros")
-    x = ops.mul(_butterfly(y, size, ops), ops.f32(1.0 / math.sqrt(size)))
-    return ops.mul(x, _sign_row(signs, cols, ops))
+    x = _butterfly(ops.mul(y, ops.f32(1.0 / math.sqrt(size))), size, ops)
+    return ops.mul(x, ops.f32(np.tile(np.asarray(signs, dtype=np.float32), cols // size).reshape(1, cols)))
