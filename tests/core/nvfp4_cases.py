@@ -1,6 +1,6 @@
 """The operands the NVFP4 cast tests compare against torchao and Transformer Engine's reference.
 
-Each case is a float32 ``(32, 64)`` operand (whole 16 x 16 tiles, so the rowwise, 2D and transposed
+Each case is a float32 ``(32, 32)`` operand (whole 16 x 16 tiles, so the rowwise, 2D and transposed
 casts all apply), built from a fixed seed.  :func:`cases` gives the finite ones, :func:`nonfinite_cases`
 the ones holding inf or NaN (compared through their flags, not their bits).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SHAPE = (32, 64)
+SHAPE = (32, 32)
 TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], np.float32)
 """The magnitudes exactly halfway between neighbouring E2M1 values (and the max)."""
 
@@ -27,8 +27,10 @@ def cases() -> dict[str, np.ndarray]:
     out["outlier_channels"] = x
     out["zeros"] = np.zeros(SHAPE, np.float32)
     x = rng.standard_normal(SHAPE).astype(np.float32)
-    x[3, 16:32] = 0  # one zero 1 x 16 block
-    x[16:32, 48:64] = 0  # one zero 16 x 16 tile
+    x[3, 0:16] = 0  # one zero 1 x 16 block ...
+    x[3, 0:8] = -0.0  # ... half of it negative zeros
+    x[9, 5] = -0.0
+    x[16:32, 16:32] = 0  # one zero 16 x 16 tile
     out["zero_blocks"] = x
     x = rng.standard_normal(SHAPE).astype(np.float32)
     x[0, 0] = 2000.0
@@ -45,6 +47,7 @@ def cases() -> dict[str, np.ndarray]:
     exact[0, 0] = 2688.0  # tensor amax 448 * 6: every other block is scaled by exactly 1
     out["exact_ties"] = exact
     out["near_ties"] = np.where(rng.random(SHAPE) < 0.5, np.nextafter(ties, 0), np.nextafter(ties, 10 * ties))
+    out["scale_ties"] = _scale_ties(rng)
     big = rng.standard_normal(SHAPE) * 1e38
     out["near_float32_max"] = np.clip(big, -3.4e38, 3.4e38).astype(np.float32)
     return out
@@ -59,6 +62,28 @@ def nonfinite_cases() -> dict[str, np.ndarray]:
         x[2, 20] = value
         out[name] = x
     return out
+
+
+def _scale_ties(rng: np.random.Generator) -> np.ndarray:
+    """Block scales at E4M3 ties: under a tensor amax of 1000 (global encode scale ``2688 / 1000``, not a power
+    of two) each block's max is within a few float32 ulps of ``6 / g_enc`` times a value halfway between two
+    E4M3 values (normal or subnormal), so the rounding of each rule's float32 operations decides the scale."""
+    m, k = SHAPE
+    g_enc = np.float32(2688.0) / np.float32(1000.0)
+    x = rng.uniform(-1, 1, SHAPE).astype(np.float32)
+    for r in range(m):
+        for b in range(k // 16):
+            e = int(rng.integers(-9, 8))
+            odd = 2 * int(rng.integers(0, 8)) + 1
+            mid = odd * 2.0**-10 if e < -6 else 2.0**e * (1 + odd / 16)
+            bmax = np.float32(mid * 6 / float(g_enc))
+            for _ in range(abs(step := int(rng.integers(-3, 4)))):
+                bmax = np.nextafter(bmax, np.float32(np.inf if step > 0 else 0))
+            block = x[r, 16 * b: 16 * b + 16] * bmax
+            block[int(rng.integers(0, 16))] = bmax * (1 if rng.random() < 0.5 else -1)
+            x[r, 16 * b: 16 * b + 16] = block
+    x[0, 0] = 1000.0
+    return x
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
