@@ -4,17 +4,14 @@ A Linear ``y = x @ W^T`` (``x``: ``(tokens, in)``, ``W``: ``(out, in)``) runs th
 on two NVFP4 operands cast along their own contraction axis (Transformer Engine's
 ``NVFP4BlockScaling`` recipe; torchao's prototype NVFP4 training assigns the same roles):
 
-=========  ==========================  =================  ==========  ====================
-matmul     operand (2-D, contraction   block              RHT         stochastic rounding
-           axis last)
-=========  ==========================  =================  ==========  ====================
-forward    ``x`` (tokens, in)          1 x 16             no          no
-forward    ``W`` (out, in)             16 x 16 (2D)       no          no
-dgrad      ``dy`` (tokens, out)        1 x 16             no          yes
-dgrad      ``W^T`` (in, out)           16 x 16 (2D)       no          no
-wgrad      ``dy^T`` (out, tokens)      1 x 16             yes         yes
-wgrad      ``x^T`` (in, tokens)        1 x 16             yes         no
-=========  ==========================  =================  ==========  ====================
+| matmul | operand (2-D, contraction axis last) | block | RHT | stochastic rounding |
+|---|---|---|---|---|
+| forward | ``x`` (tokens, in) | 1 x 16 | no | no |
+| forward | ``W`` (out, in) | 16 x 16 (2D) | no | no |
+| dgrad | ``dy`` (tokens, out) | 1 x 16 | no | yes |
+| dgrad | ``W^T`` (in, out) | 16 x 16 (2D) | no | no |
+| wgrad | ``dy^T`` (out, tokens) | 1 x 16 | yes | yes |
+| wgrad | ``x^T`` (in, tokens) | 1 x 16 | yes | no |
 
 ``y = q(x) q(W)^T``, ``dx = q(dy) q(W^T)^T``, ``dW = q(R(dy^T)) q(R(x^T))^T`` with ``R`` the random
 Hadamard transform along the tokens (:mod:`.hadamard`), which cancels in the product.  With 2D
@@ -22,9 +19,10 @@ weight blocks the cast of ``W^T`` is the transpose of the cast of ``W`` (one til
 per 16 x 16 tile), so the forward and dgrad matmuls see the same weight.  Each operand has its own
 tensor scale (from its own amax: after the transform for the wgrad operands).  The stochastic
 rounding of the two gradient operands of matmul ``n`` at training step ``t`` draws
-``sr_thresholds(nvfp4_sr_key(seed, n, t, operand), i)`` (:func:`nvfp4_sr_key`).  Dequantized
-operands multiply in float32 (E2M1 x E4M3 products are exact; the sum accumulates in float32 as the
-FP4 tensor cores do); the bias gradient is the unquantized ``dy`` summed.
+``sr_thresholds(nvfp4_sr_key(seed, n, t, operand), i)`` (:func:`nvfp4_sr_key`).  The reference
+multiplies the dequantized operands in float64 and rounds the result once to float32 (FP4 tensor
+cores accumulate in float32: they differ by float32 accumulation error); the bias gradient is the
+unquantized ``dy`` summed.
 """
 
 from __future__ import annotations
