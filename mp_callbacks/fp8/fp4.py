@@ -56,8 +56,11 @@ class NVFP4Ops(ArrayOps, Protocol):
     ``f32``; ``minimum`` and ``maximum`` propagate NaN (as NumPy and torch do).  A 2-D array is
     ``(rows, cols)`` with the matmul's contraction axis last; the rules index arrays with basic
     integer slices (``v[:, :, 0]``), which every backend's arrays support.  Nothing converts to
-    a host value.  The stochastic-rounding thresholds come from the integer ops of
-    :class:`~mp_callbacks.weights.RoundingOps` (:func:`~mp_callbacks.weights.sr_thresholds`).
+    a host value; the rules read ``a.shape`` (static shapes).  Of the scalar protocol the rules use
+    ``f32``, ``where``, ``mul``, ``add``, ``minimum``, ``maximum``, ``isfinite``, ``logical_and``,
+    ``greater_equal`` and ``less_equal``, elementwise on arrays (a scalar operand broadcasts).  The
+    stochastic-rounding thresholds come from the integer ops of :class:`~mp_callbacks.weights.RoundingOps`
+    (:func:`~mp_callbacks.weights.sr_thresholds`).
     """
 
     def abs(self, a: Array) -> Array:

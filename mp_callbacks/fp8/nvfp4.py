@@ -29,8 +29,8 @@ none, its rule then runs with ``g_enc = g_dec = 1``): ``s_tensor = 1``; torchao'
 Then ``q = fp4_round(x * enc)`` (clip to ±6, round to nearest even, or stochastically with
 thresholds).  The two rules differ: torchao never lets a block scale fall below E4M3's smallest
 normal ``2**-6`` while Transformer Engine keeps subnormal and zero block scales, and their float32
-operations round differently.  A block is *finite* when its ``bmax``, ``s_block`` and ``enc`` are
-all finite; a tensor holding inf or NaN, and under ``"torchao"`` an all-zero tensor (``0 / 0``) or
+operations round differently.  A block is *finite* when its ``bmax``, ``s_block``, ``enc`` and
+``s_tensor`` are all finite; a tensor holding inf or NaN, and under ``"torchao"`` an all-zero tensor (``0 / 0``) or
 one so small that ``1 / s_tensor`` overflows, has non-finite blocks: the adapters skip such a step.
 Zero blocks and a zero tensor cast to zeros under ``"transformer-engine"``.
 
@@ -100,7 +100,7 @@ def check_tile(tile: Any) -> tuple[int, int]:
 
 
 def nvfp4_block_scales(amax: Any, bmax: Any, rule: str = "transformer-engine", two_level: bool = True,
-                 ops: Any = NUMPY_NVFP4_OPS) -> tuple[Any, Any, Any]:
+                       ops: Any = NUMPY_NVFP4_OPS) -> tuple[Any, Any, Any]:
     """``(s_block, enc, s_tensor)`` for block amaxes ``bmax`` under ``rule`` (the module docstring)."""
     f = ops.f32
     s_tensor = ops.divide(ops.f32(amax), f(TENSOR_SCALE_DIVISOR)) if two_level else f(1.0)
