@@ -11,6 +11,17 @@
 * :mod:`.allgather`: FP8 all-gather of sharded weights (the cast each rank makes, the amax reduction);
 * :mod:`.recipe`: :class:`FP8Recipe`, what ``fp8-mixed`` adds to a recipe (which matmuls, the
   three tensors' configs, state bytes).
+
+NVFP4 (4-bit E2M1 values, E4M3 scales per block of 16, an FP32 scale per tensor; the core's NumPy
+reference, written over the :class:`NVFP4Ops` protocol for the adapters):
+
+* :mod:`.fp4`: the E2M1 format, its rounding (nearest even, stochastic), codes and packing, and the
+  :class:`NVFP4Ops` protocol;
+* :mod:`.hadamard`: the random Hadamard transform of the weight-gradient operands;
+* :mod:`.nvfp4`: the cast (:func:`nvfp4_quantize`; 1 x 16 and 16 x 16 blocks, Transformer Engine's and
+  torchao's scale arithmetic), its dequantization and the saturated / flushed fractions;
+* :mod:`.nvfp4_recipe`: :class:`NVFP4Recipe` (the recipe's settings), the roles of a Linear's six
+  operands and the NumPy reference of its three matmuls (:func:`nvfp4_linear_reference`).
 """
 
 from .allgather import FP8_GATHER_ROLE, gather_reduces_amax, sharded_fp8_cast
@@ -39,6 +50,22 @@ from .formats import (
     quantize_dequantize,
     saturated_fraction,
 )
+from .fp4 import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    FP4_CODE_VALUES,
+    NUMPY_NVFP4_OPS,
+    THRESHOLD_UNIT,
+    NumpyNVFP4Ops,
+    NVFP4Ops,
+    e4m3_bits,
+    e4m3_from_bits,
+    fp4_codes,
+    fp4_round,
+    fp4_values,
+    pack_fp4,
+    unpack_fp4,
+)
 from .granularity import (
     AMAX_EPSILON,
     E8M0_BIAS,
@@ -52,6 +79,37 @@ from .granularity import (
     outlier_operands,
     quantize,
     scale_bytes,
+)
+from .hadamard import (
+    RHT_SIZE,
+    TE_SIGNS,
+    hadamard_matrix,
+    inverse_random_hadamard_transform,
+    random_hadamard_transform,
+    rht_signs,
+)
+from .nvfp4 import (
+    E4M3_MIN_NORMAL,
+    NVFP4_BLOCK,
+    NVFP4_RULES,
+    TENSOR_SCALE_DIVISOR,
+    NVFP4Cast,
+    nvfp4_block_scales,
+    nvfp4_cast,
+    nvfp4_dequantize,
+    nvfp4_flushed_fraction,
+    nvfp4_quantize,
+    nvfp4_saturated_fraction,
+)
+from .nvfp4_recipe import (
+    NVFP4_OPERANDS,
+    SR_OPERANDS,
+    NVFP4ConfigError,
+    NVFP4Recipe,
+    nvfp4_linear_reference,
+    nvfp4_matmul_snr_db,
+    nvfp4_operand,
+    nvfp4_sr_key,
 )
 from .recipe import (
     FP8_LAYERS,
@@ -135,4 +193,44 @@ __all__ = [
     "quantize_dequantize",
     "saturated_fraction",
     "select_fp8_state",
+    # NVFP4
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MIN_NORMAL",
+    "FP4_CODE_VALUES",
+    "NUMPY_NVFP4_OPS",
+    "NVFP4_BLOCK",
+    "NVFP4_OPERANDS",
+    "NVFP4_RULES",
+    "NVFP4Cast",
+    "NVFP4ConfigError",
+    "NVFP4Ops",
+    "NVFP4Recipe",
+    "NumpyNVFP4Ops",
+    "RHT_SIZE",
+    "SR_OPERANDS",
+    "TENSOR_SCALE_DIVISOR",
+    "TE_SIGNS",
+    "THRESHOLD_UNIT",
+    "e4m3_bits",
+    "e4m3_from_bits",
+    "fp4_codes",
+    "fp4_round",
+    "fp4_values",
+    "hadamard_matrix",
+    "inverse_random_hadamard_transform",
+    "nvfp4_block_scales",
+    "nvfp4_cast",
+    "nvfp4_dequantize",
+    "nvfp4_flushed_fraction",
+    "nvfp4_linear_reference",
+    "nvfp4_matmul_snr_db",
+    "nvfp4_operand",
+    "nvfp4_quantize",
+    "nvfp4_saturated_fraction",
+    "nvfp4_sr_key",
+    "pack_fp4",
+    "random_hadamard_transform",
+    "rht_signs",
+    "unpack_fp4",
 ]
