@@ -41,8 +41,8 @@ def _check_report(out: Path, recipes: list[str], framework: str) -> dict:
     assert rows == [(r, False) for r in recipes] + [("32-true", True)]
     rec = data["recommendation"][framework]
     ran = {r["recipe"] for r in data["results"] if r["error"] is None}
-    named = rec["recipe"] or "inconclusive"  # None: the timing noise was above the speed-up (a busy machine)
-    assert rec["recipe"] in ran | {None} and rec["reason"].startswith(named + ":")
+    named = "inconclusive" if rec["inconclusive"] else rec["recipe"]  # a busy machine: noise above the speed-up
+    assert rec["recipe"] in ran and rec["reason"].startswith(named + ":")
     readme = (out / "README.md").read_text()
     assert "## Recommendation" in readme and f"Recommended (speed): {named}:" in readme
     assert f"tolerance on {rec['metric_name']}: " in readme
@@ -151,8 +151,8 @@ def test_python_api_lightning(tmp_path):
     assert errors["bf16-master"] == "RuntimeError: this model refuses bfloat16 weights"
     assert errors["16-master"].startswith("the run's process died")
     assert errors["16-mixed"] is None and errors["32-true"] is None
-    fragile = data["fragile"]  # None: 16-mixed's speed-up was within the timing noise (a busy machine)
-    assert fragile["recipe"] in ("32-true", "16-mixed") or fragile["reason"].startswith("inconclusive: timing noise")
+    fragile = data["fragile"]  # on a busy machine the timing may be inconclusive: memory and the metric pick
+    assert fragile["recipe"] in ("32-true", "16-mixed")
     assert "bf16-master: failed: RuntimeError: this model refuses bfloat16 weights" in data["fragile"]["others"]
     readme = (tmp_path / "README.md").read_text()
     assert "bf16-master   failed: RuntimeError: this model refuses bfloat16 weights" in readme
