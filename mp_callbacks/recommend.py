@@ -116,7 +116,8 @@ class Recommendation:
     evidence for the others.
 
     ``inconclusive``: goal ``speed`` only, why the timing could not name a recipe (rule 4); the recipe
-    was then picked on memory and the metric only, and the reason starts with this text."""
+    was then picked on memory and the metric only, and the reason starts with this text.  ``eligible``:
+    the recipes rule 2 let the goal choose among (``32-true`` always, when it finished)."""
 
     recipe: str | None
     goal: str
@@ -128,6 +129,7 @@ class Recommendation:
     others: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     inconclusive: str | None = None
+    eligible: tuple[str, ...] = ()
 
     @property
     def basis(self) -> str:
@@ -243,7 +245,8 @@ def _speed_words(o: RunOutcome, base: RunOutcome, notes: Mapping[str, str]) -> s
 
 def _metric_words(o: RunOutcome, base: RunOutcome, name: str, higher: bool, tol: float) -> str:
     if not _finite(o.metric):
-        return f"{name} not finite ({o.metric}): diverged"
+        what = "not measured" if o.metric is None else "infinite" if math.isinf(o.metric) else "not a number"
+        return f"{name} {what}: diverged" if o.metric is not None else f"{name} {what}"
     worse = _worse_by(o, base, higher)
     delta = f"{o.metric - base.metric:+.3g}"
     if worse > tol:
@@ -344,4 +347,5 @@ def recommend(outcomes: Sequence[RunOutcome], goal: str = "speed", metric_name: 
         reason = (f"{unsure}; picked on memory and {metric_name} only (neither depends on the timing; run again on "
                   f"an idle machine for a speed pick): {reason}")
     others = tuple(_evidence(o, base, metric_name, higher, tol, notes) for o in runs if o is not chosen)
-    return Recommendation(chosen.recipe, goal, metric_name, tol, rule, noise, reason, others, warnings, unsure)
+    return Recommendation(chosen.recipe, goal, metric_name, tol, rule, noise, reason, others, warnings, unsure,
+                          tuple(o.recipe for o in eligible))

@@ -44,6 +44,7 @@ def test_a_metric_worse_beyond_the_tolerance_is_not_eligible_but_better_is():
     rec = recommend(_runs(worse, better))
     assert rec.recipe == "bf16-kahan"
     assert any(line.startswith("bf16-sr:") and "worse than 32-true beyond the tolerance" in line for line in rec.others)
+    assert rec.eligible == ("32-true", "bf16-kahan")
     assert "better than 32-true beyond the tolerance" in rec.reason
 
 
