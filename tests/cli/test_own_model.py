@@ -220,3 +220,37 @@ def test_keras_hub_every_recipe(tmp_path):
     data = _check_report(tmp_path, list(RECIPE_NAMES), "keras")
     for r in data["results"]:
         assert r["error"] is None or r["error"].split(":")[0].isidentifier(), r["error"]
+
+
+KERAS_ARRAYS = """
+import dataclasses, json
+from mp_callbacks.app import keras_model
+from mp_callbacks.app.compare import ModelSpec, RunResult
+from mp_callbacks.app.own_model import Described
+from tests.cli.own_models import build_keras_mlp, make_keras_arrays
+
+spec = ModelSpec("keras", model="tests.cli.own_models:build_keras_mlp", data="tests.cli.own_models:make_keras_arrays",
+                 steps=4)
+prepared = keras_model.prepare(build_keras_mlp, make_keras_arrays, spec)
+run = RunResult.failure("keras", "32-true", "not run")
+run.error, run.optimizer, run.metric_name = None, "Adam lr 0.01", "val_loss"
+chosen = keras_model.prepare(build_keras_mlp, make_keras_arrays, dataclasses.replace(spec, batch_size=16))
+print(json.dumps({"batch_size": prepared.batch_size, "fit": keras_model.FIT_BATCH_SIZE,
+                  "train": [len(b[0]) for b in prepared.train], "val": [len(b[0]) for b in prepared.val],
+                  "header": Described.of(spec, prepared, [run]).setup_line(),
+                  "chosen": [chosen.batch_size, chosen.extra["batch_size_from"]]}))
+"""
+
+
+def test_keras_array_data_without_a_batch_size_is_cut_as_fit_cuts_it():
+    """(x, y) arrays and no batch size anywhere: batches of 32 (``keras.Model.fit``'s default), said in the report's
+    header; ``--batch-size`` (batch_size=) still sets it.  In a fresh interpreter (TensorFlow stays out of the test
+    process, whose other tests fork)."""
+    pytest.importorskip("keras")
+    data = _python(KERAS_ARRAYS)
+    assert data["batch_size"] == data["fit"] == 32 and data["train"] == [32] * 4 and data["val"] == [32]
+    assert ("Data: tests.cli.own_models:make_keras_arrays, 96 training samples in batches of 32 (Keras fit's "
+            "default; --batch-size sets it): 4 batches (cycled), 1 validation batch. Training: 4 steps of batch 32, "
+            "Adam lr 0.01; compared on val_loss.") in data["header"]
+    assert "None" not in data["header"]
+    assert data["chosen"] == [16, "--batch-size"]
