@@ -307,3 +307,18 @@ def test_the_recommendation_is_at_the_top_in_chromium(own_report):
     top, pick_bottom, height, first = map(int, found.groups())
     assert first == 1, "the page's first heading is not the recommendation's"
     assert 0 <= top and pick_bottom <= height, f"the pick ends at {pick_bottom} px in a {height} px window"
+
+
+def test_fp8_rows_without_a_logged_figure_show_a_dash():
+    """A tensor whose amax and fractions were never logged (only its scale): ``-`` in the terminal, an em dash on
+    the page, never nan."""
+    from mp_callbacks.app.fp8_report import fp8_table
+
+    h = History()
+    h.append(StepStats(step=0, scale=1.0, overflow=False, overflows_total=0, skipped_total=0, growths_total=0,
+                       loss=1.0, fp8={f"{FP8_SCALE}/0/inputs": 4.0}))
+    run = RunResult(framework="lightning", recipe="fp8-mixed", params=10, samples_per_s=1.0, step_time_ms=1.0,
+                    peak_rss_mb=1.0, state_bytes_per_param=16.0, estimate_bytes_per_param=16.0, final_loss=1.0,
+                    accuracy=float("nan"), overflows=0, skipped=0, history=h)
+    table = fp8_table([run])
+    assert "0/inputs" in table and "nan" not in table and "4" in table
