@@ -94,8 +94,9 @@ def _speed_row(rec: Recommendation, pick: Any, base: Any, control: Any, runs: Se
         parts.append(f"step {ms(pick.step_time_ms)} ms{window}")
     noise = f"timing noise {rec.timing_noise:.1%}" if finite(rec.timing_noise) else ""
     if noise and control is not None and finite(control.step_time_ms) and finite(base.step_time_ms):
-        noise += (f" ({BASELINE} run again last took {control.step_time_ms / base.step_time_ms:.2f}x its step time; "
-                  f"{BASELINE}'s windows {ms(base.step_time_min_ms)}\u2013{ms(base.step_time_max_ms)} ms)")
+        noise += (f" (the control, {BASELINE} run again last, took {control.step_time_ms / base.step_time_ms:.2f}x "
+                  f"{BASELINE}'s step time; {BASELINE}'s windows {ms(base.step_time_min_ms)}\u2013"
+                  f"{ms(base.step_time_max_ms)} ms)")
     parts += [noise] if noise else []
     text = "; ".join(parts) or "not measured"
     if rec.inconclusive:
@@ -122,7 +123,7 @@ def _card(framework: str, rec: Recommendation, results: Sequence[Any], several: 
     if rec.recipe is None or pick is None or base is None:
         return (f'<div class="card none"><p class="pick">{name}no recipe named</p>'
                 f"<p>{html.escape(rec.reason)}</p></div>")
-    basis = ("picked on memory and the metric only: the timing was inconclusive for speed" if rec.inconclusive
+    basis = (f"picked on {rec.basis} only: the timing was inconclusive for speed" if rec.inconclusive
              else f"goal: {rec.goal}")
     rows = [("deciding metric", _metric_row(rec, pick, base)), ("speed", _speed_row(rec, pick, base, control, runs)),
             ("memory", _memory_row(pick, base))]

@@ -244,7 +244,7 @@ def test_an_inconclusive_timing_says_so_on_the_page_and_in_the_terminal(tmp_path
     assert "picked on memory and accuracy only" in terminal
     first = _first_section((tmp_path / "index.html").read_text(encoding="utf-8"))
     shown = _text(first)
-    assert "use bf16-master" in shown and "the timing was inconclusive for speed" in shown
+    assert "use bf16-master" in shown and "picked on memory and accuracy only: the timing was inconclusive" in shown
     assert '<span class="flag">inconclusive</span>' in first and "timing noise 60.0%" in shown
     assert "\n".join(recommendation_lines(recs)) in html.unescape(first)   # the terminal's words on the page
 
