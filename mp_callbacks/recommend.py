@@ -20,9 +20,11 @@ The rule, on the runs of one comparison (every recipe from the same weights on t
    noise (the control's peak distance to the baseline's, at least :data:`MEMORY_NOISE_FLOOR_MB`)
    tie, and a tie goes the same way.
    **Inconclusive** (goal ``speed``, :func:`speed_inconclusive`): when the timing noise is above
-   :data:`SPEED_TIE_MAX` (the ties no longer cover it) and the recipe picked is not ``32-true``, its
-   speed-up over the faster of ``32-true``'s two runs must be above the timing noise; when it is
-   not, no recipe is named and the reason says the timing is inconclusive, with the noise.
+   :data:`SPEED_TIE_MAX` (the ties no longer cover it), the speed pick must stand out of the noise
+   against the faster of ``32-true``'s two runs: a pick other than ``32-true`` by a speed-up above
+   the noise, ``32-true`` by every other eligible recipe being slower beyond the noise.  When it does
+   not, the timing is inconclusive: the reason says so, with the noise, and the recipe is picked as
+   goal ``memory`` picks it (memory and the metric only: neither depends on the timing).
 5. **Warnings** from the diagnostics: swamped updates (of weights stored in low precision without an
    FP32 master), gradient underflow, FP8 saturation above their thresholds, a low-precision recipe
    whose policy kept most parameters in FP32, divergence stops, and a timing noise above
@@ -110,8 +112,12 @@ class RunOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class Recommendation:
-    """The recipe to use (None: no baseline to compare with, or the timing is inconclusive: the reason
-    says which), the reason and the evidence for the others."""
+    """The recipe to use (None: no baseline to compare with, the reason says why), the reason and the
+    evidence for the others.
+
+    ``inconclusive``: goal ``speed`` only, why the timing could not name a recipe (rule 4); the recipe
+    was then picked on memory and the metric only, and the reason starts with this text.  ``eligible``:
+    the recipes rule 2 let the goal choose among (``32-true`` always, when it finished)."""
 
     recipe: str | None
     goal: str
@@ -122,6 +128,13 @@ class Recommendation:
     reason: str
     others: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    inconclusive: str | None = None
+    eligible: tuple[str, ...] = ()
+
+    @property
+    def basis(self) -> str:
+        """What picked the recipe: the goal, or ``memory and <metric>`` when the speed was inconclusive."""
+        return f"memory and {self.metric_name}" if self.inconclusive else self.goal
 
     def lines(self) -> list[str]:
         """The report's text: the choice and why, the rule's figures, the other recipes, the warnings."""
@@ -159,26 +172,34 @@ def timing_noise(baseline: RunOutcome, control: RunOutcome | None) -> float:
 
 
 def speed_inconclusive(pick: RunOutcome, baseline: RunOutcome, control: RunOutcome | None,
-                       noise: float) -> str | None:
+                       noise: float, rivals: Sequence[RunOutcome] = ()) -> str | None:
     """Why the timing cannot name ``pick`` the speed winner (rule 4, inconclusive), or None when it can.
 
-    The rule: the pick is inconclusive when it is not ``32-true``, the timing ``noise`` (rule 3) is above
-    :data:`SPEED_TIE_MAX`, and the pick's speed-up over the faster of ``32-true``'s runs (the baseline
-    and the control) is not above ``noise``.  Below :data:`SPEED_TIE_MAX` the ties of rule 4 already
-    span the noise; above it they are capped, so a difference under the noise could name a winner.
-    The faster ``32-true`` run is the reference because the claim must hold against both measurements
-    of the same work (a busy machine may have slowed either), and what is left must still beat the noise
-    the pick's own run carries.  Example: control 0.311 of the baseline's step time (noise 222%), a
-    recipe at 9.73x the baseline's samples/s is 3.03x the control's: inconclusive."""
-    if pick.recipe == BASELINE or noise <= SPEED_TIE_MAX or not _speed(baseline):
+    The rule: only when the timing ``noise`` (rule 3) is above :data:`SPEED_TIE_MAX` (below it the
+    ties of rule 4 span the noise; above it they are capped, so a difference under the noise could
+    name a winner).  The reference is the faster of ``32-true``'s runs (the baseline and the control):
+    a busy machine may have slowed either, and the claim must hold against both.  A ``pick`` other
+    than ``32-true`` is inconclusive when its speed-up over the reference is not above ``noise``;
+    ``32-true`` is inconclusive when one of ``rivals`` (the other eligible recipes) is not slower than
+    the reference by more than ``noise``.  Example: control 0.311 of the baseline's step time (noise
+    222%), a recipe at 9.73x the baseline's samples/s is 3.03x the control's: inconclusive."""
+    if noise <= SPEED_TIE_MAX or not _speed(baseline):
         return None
-    ratio = _speed(pick) / max(_speed(baseline), _speed(control) if control is not None else 0.0)
-    if ratio - 1 > noise:
+    reference = max(_speed(baseline), _speed(control) if control is not None else 0.0)
+    if pick.recipe != BASELINE:
+        ratio = _speed(pick) / reference
+        if ratio - 1 > noise:
+            return None
+        return (f"inconclusive: timing noise {noise:.1%} is larger than {pick.recipe}'s speed-up over 32-true "
+                f"({ratio:.2f}x the samples/s of 32-true's faster run, {_speed(pick) / _speed(baseline):.2f}x the "
+                "baseline's), so speed names no recipe")
+    close = [o for o in rivals if o.recipe != BASELINE and _speed(o) and reference / _speed(o) - 1 <= noise]
+    if not close:
         return None
-    return (f"inconclusive: timing noise {noise:.1%} is larger than {pick.recipe}'s speed-up over 32-true "
-            f"({ratio:.2f}x the samples/s of 32-true's faster run, {_speed(pick) / _speed(baseline):.2f}x the "
-            "baseline's), so no recipe is named for speed; run again on an idle machine (goal memory and the "
-            "metric tolerance do not depend on the timing)")
+    rival = max(close, key=_speed)
+    return (f"inconclusive: timing noise {noise:.1%} is larger than the difference between 32-true and "
+            f"{rival.recipe} ({rival.recipe} at {_speed(rival) / reference:.2f}x the samples/s of 32-true's faster "
+            "run), so speed names no recipe")
 
 
 def _worse_by(outcome: RunOutcome, baseline: RunOutcome, higher: bool) -> float:
@@ -224,7 +245,8 @@ def _speed_words(o: RunOutcome, base: RunOutcome, notes: Mapping[str, str]) -> s
 
 def _metric_words(o: RunOutcome, base: RunOutcome, name: str, higher: bool, tol: float) -> str:
     if not _finite(o.metric):
-        return f"{name} not finite ({o.metric}): diverged"
+        what = "not measured" if o.metric is None else "infinite" if math.isinf(o.metric) else "not a number"
+        return f"{name} {what}: diverged" if o.metric is not None else f"{name} {what}"
     worse = _worse_by(o, base, higher)
     delta = f"{o.metric - base.metric:+.3g}"
     if worse > tol:
@@ -313,14 +335,17 @@ def recommend(outcomes: Sequence[RunOutcome], goal: str = "speed", metric_name: 
     runs = [o for o in outcomes if not o.control]
     eligible = [o for o in runs if o is base or (o.ran and _finite(o.metric) and _worse_by(o, base, higher) <= tol)]
     chosen = _pick(eligible, goal, noise, memory_noise)
-    unsure = speed_inconclusive(chosen, base, control, noise) if goal == "speed" else None
-    if unsure is not None:
-        others = tuple(_evidence(o, base, metric_name, higher, tol, notes) for o in runs)
-        return Recommendation(None, goal, metric_name, tol, rule, noise, unsure, others, warnings)
+    unsure = speed_inconclusive(chosen, base, control, noise, eligible) if goal == "speed" else None
+    if unsure is not None:  # speed cannot decide: memory and the metric do (they do not depend on the timing)
+        chosen = _pick(eligible, "memory", noise, memory_noise)
     reason = _evidence(chosen, base, metric_name, higher, tol, notes)
     if chosen is base:
         reason += ("; no other recipe is faster beyond the timing noise, or as fast and smaller, with the metric "
-                   "in tolerance" if goal == "speed" else "; no other recipe is smaller beyond the memory noise with "
-                   "the metric in tolerance")
+                   "in tolerance" if goal == "speed" and unsure is None else "; no other recipe is smaller beyond "
+                   "the memory noise with the metric in tolerance")
+    if unsure is not None:
+        reason = (f"{unsure}; picked on memory and {metric_name} only (neither depends on the timing; run again on "
+                  f"an idle machine for a speed pick): {reason}")
     others = tuple(_evidence(o, base, metric_name, higher, tol, notes) for o in runs if o is not chosen)
-    return Recommendation(chosen.recipe, goal, metric_name, tol, rule, noise, reason, others, warnings)
+    return Recommendation(chosen.recipe, goal, metric_name, tol, rule, noise, reason, others, warnings, unsure,
+                          tuple(o.recipe for o in eligible))

@@ -313,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp8-mixed[KIND]")
     p.add_argument("--steps", type=_positive_int, default=300)
     p.add_argument("--batch-size", type=_positive_int, default=None,
-                   help="built-in model: 128; Keras arrays: the batch to cut them in; Lightning: set by your loader")
+                   help="built-in model: 128; Keras arrays: the batch to cut them in (default: 32, as Keras' fit); "
+                        "Lightning: set by your loader")
     p.add_argument("--hidden", type=_positive_int, default=None, help="built-in MLP width (512)")
     p.add_argument("--depth", type=_positive_int, default=None, help="built-in MLP hidden layers (2)")
     p.add_argument("--lr", type=_positive_float, default=1e-3, help="built-in model, or an uncompiled Keras model")

@@ -33,7 +33,8 @@ from .measurement import WARMUP_FRACTION, WINDOWS, can_isolate, run_isolated, st
 
 __all__ = [
     "FRAMEWORKS", "ModelSetupError", "ModelSpec", "PreparedData", "RunResult", "RunSpec", "WARMUP_FRACTION", "WINDOWS",
-    "accuracy_metric", "batch_indices", "can_isolate", "digits_data", "load_factory", "run_isolated", "runner",
+    "accuracy_metric", "batch_indices", "can_isolate", "digits_data", "load_factory", "optimizer_label", "run_isolated",
+    "runner",
     "sample_weights", "scaler_for", "step_timing", "timing_fields",
 ]
 
@@ -102,9 +103,10 @@ def load_factory(text: str) -> Callable[..., Any]:
 class ModelSpec:
     """What every run of a user's model shares.
 
-    ``batch_size``: Keras array data only (cut into batches of this size; Lightning and datasets of
-    batches bring their own); ``metric``: the validation metric to compare (None: the first logged one
-    whose name has ``loss``; the training loss without validation data); ``higher_is_better``: its
+    ``batch_size``: Keras array data only (cut into batches of this size; None: the data factory's, else 32
+    as ``fit`` does; Lightning and datasets of batches bring their own); ``metric``: the validation metric
+    to compare (None: the first logged one whose name has ``loss``; the training loss without validation
+    data); ``higher_is_better``: its
     direction (None: from its name); ``loss``/``lr``: an uncompiled Keras model's loss and AdamW rate;
     ``monitor_every``: the monitor's sampling period (0: about 8 samples per run)."""
 
@@ -136,11 +138,10 @@ class ModelSpec:
         return self.monitor_every or max(2, self.steps // 8)
 
     def setup_line(self) -> str:
-        """What every run shared, for the report."""
-        data = f"batches of {self.data}" if self.data else "batches of the model's own train_dataloader"
-        return (f"Model {self.model} ({self.framework}): every recipe starts from the same initial weights (made "
-                f"once, seed {self.seed}) and trains {self.steps} steps on the same {data}, in the same order; "
-                f"the monitor samples every {self.sample_every}th step (those steps are left out of the timing).")
+        """What every run shared, for the report (what the factories built: :mod:`.own_model`'s header)."""
+        return (f"Every recipe starts from the same initial weights (made once, seed {self.seed}) and trains on the "
+                f"same batches in the same order; the monitor samples one step in {self.sample_every} (those steps are "
+                "left out of the timing).")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -185,7 +186,8 @@ class RunResult:
     has one, else the final training loss), ``metric_se`` its standard error, ``higher_is_better`` its
     direction; ``diagnostics``: mean ``update_swamped_frac`` / ``grad_underflow_frac`` /
     ``fp8_saturated_frac`` over the sampled steps; ``error``: why the run failed (its first line; the
-    other figures are then NaN).
+    other figures are then NaN); ``optimizer``: the optimizer the run trained with and its learning rate
+    (:func:`optimizer_label`; empty when the runner does not say).
     """
 
     framework: str
@@ -210,6 +212,7 @@ class RunResult:
     metric_se: float = float("nan")
     higher_is_better: bool = False
     diagnostics: dict[str, float] = dataclasses.field(default_factory=dict)
+    optimizer: str = ""
     error: str | None = None
     error_detail: str | None = dataclasses.field(default=None, repr=False)
     history: History = dataclasses.field(default_factory=History, repr=False)
@@ -255,6 +258,13 @@ class RunResult:
         d["step_windows_ms"] = list(self.step_windows_ms)
         d["model_state_mb"], d["other_mb"] = self.model_state_mb, self.other_mb
         return d
+
+
+def optimizer_label(name: str, lrs: Sequence[float] = (), schedule: str | None = None) -> str:
+    """How a report names an optimizer as a run used it: ``"SGD lr 0.1"``, ``"AdamW lr 0.001/0.0001"`` (one rate
+    per parameter group where they differ), ``"Adam lr 0.01, ExponentialDecay schedule"``."""
+    rates = "/".join(dict.fromkeys(f"{lr:.3g}" for lr in lrs if math.isfinite(lr)))
+    return name + (f" lr {rates}" if rates else "") + (f", {schedule} schedule" if schedule else "")
 
 
 def timing_fields(seconds: Sequence[float], batch_size: int) -> dict[str, Any]:

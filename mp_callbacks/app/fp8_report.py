@@ -56,6 +56,14 @@ def fp8_rows(history: History) -> list[dict[str, Any]]:
     return rows
 
 
+def _cell(value: float, spec: str) -> str:
+    """``value`` formatted with ``spec``; ``-`` (right-aligned as ``spec`` says) when nothing was logged (NaN)."""
+    if math.isfinite(value):
+        return format(value, spec)
+    width = "".join(c for c in spec.split(".")[0] if c.isdigit())
+    return format("-", f">{width}" if width else "")
+
+
 def fp8_table(results: Sequence[Any]) -> str:
     """One block per run with FP8 metrics (``framework``, ``recipe``, ``history`` attributes): a row per tensor,
     and the run's mean saturated / flushed shares over all FP8 elements."""
@@ -68,11 +76,12 @@ def fp8_table(results: Sequence[Any]) -> str:
             continue
         sat = _mean(s.fp8.get(FP8_SATURATED_FRAC) for s in r.history if s.fp8)
         flushed = _mean(s.fp8.get(FP8_UNDERFLOW_FRAC) for s in r.history if s.fp8)
-        lines += [f"{r.recipe} ({r.framework}): all FP8 elements: saturated {sat:.2e}, flushed to zero {flushed:.2e}",
-                  head, "-" * len(head)]
+        lines += [f"{r.recipe} ({r.framework}): all FP8 elements: saturated {_cell(sat, '.2e')}, flushed to zero "
+                  f"{_cell(flushed, '.2e')}", head, "-" * len(head)]
         for row in rows:
-            lines.append(f"{row['tensor']:<28} {row['amax']:>10.3g} {row['scale']:>10.3g} {row['scale_min']:>10.3g} "
-                         f"{row['scale_max']:>10.3g} {row['saturated_frac']:>9.2e} {row['underflow_frac']:>9.2e}")
+            lines.append(f"{row['tensor']:<28} {_cell(row['amax'], '>10.3g')} {_cell(row['scale'], '>10.3g')} "
+                         f"{_cell(row['scale_min'], '>10.3g')} {_cell(row['scale_max'], '>10.3g')} "
+                         f"{_cell(row['saturated_frac'], '>9.2e')} {_cell(row['underflow_frac'], '>9.2e')}")
         lines.append("")
     return "\n".join(lines).rstrip()
 

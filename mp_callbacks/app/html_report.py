@@ -21,17 +21,17 @@ module does not import :mod:`.compare` (which calls it).
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .decision import DECISION_STYLE, MISSING, decision_html, finite, fmt, ms
 from .fp8_report import fp8_rows
 
-__all__ = ["BASELINE", "loss_series", "plot_loss_by_framework", "plot_loss_vs_baseline", "table_rows",
+__all__ = ["BASELINE", "loss_series", "metric_name", "plot_loss_by_framework", "plot_loss_vs_baseline", "table_rows",
            "write_html_report"]
 
 BASELINE = "32-true"
@@ -131,38 +131,44 @@ def plot_loss_vs_baseline(results: Sequence[Any], path: str | os.PathLike[str], 
     return True
 
 
-def _fmt(value: Any, fmt: str) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
-    return format(value, fmt)
+def metric_name(results: Sequence[Any]) -> str:
+    """The compared metric's name when every finished run shares it, else ``metric``."""
+    names = {r.metric_name for r in results if r.error is None}
+    return names.pop() if len(names) == 1 else "metric"
 
 
-def _ms(value: Any) -> str:
-    """A step time in ms with 3 significant digits at least (0.123, 1.23, 12.30, 123.4), as the Markdown table."""
-    if value is None or not math.isfinite(value):
-        return "-"
-    return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 100 else f"{value:.1f}"
+def _delta(value: Any, base: Any, spec: str) -> str:
+    return format(value - base, "+" + spec) if finite(value) and finite(base) else MISSING
 
 
 def table_rows(results: Sequence[Any]) -> list[dict[str, str]]:
-    """The comparison table's cells, per run (deltas against the framework's ``32-true``; ``-`` without one)."""
+    """The comparison table's cells, per run: deltas against the framework's ``32-true``, then the metric the
+    recommendation compares and its delta (named for it; the training loss columns when it is the training
+    loss); a figure that was not measured is :data:`~mp_callbacks.app.decision.MISSING`."""
     base = _baselines(results)
+    name = metric_name(results)
     rows = []
     for r in results:
         b = base.get(r.framework)
-        rows.append({
+        row = {
             "framework": r.framework, "recipe": r.label,
-            "samples/s": _fmt(r.samples_per_s, ".0f"),
-            "speed-up": f"{r.samples_per_s / b.samples_per_s:.2f}x" if b and b.samples_per_s else "-",
-            "step ms": _ms(r.step_time_ms),
-            "min-max": f"{_ms(r.step_time_min_ms)}-{_ms(r.step_time_max_ms)}",
-            "peak MB": _fmt(r.peak_rss_mb, ".1f"), "state MB": _fmt(r.model_state_mb, ".1f"),
-            "other MB": _fmt(r.other_mb, ".1f"), "B/param": _fmt(r.state_bytes_per_param, ".1f"),
-            "est.": _fmt(r.estimate_bytes_per_param, ".0f"), "loss": _fmt(r.final_loss, ".4f"),
-            "d loss": f"{r.final_loss - b.final_loss:+.4f}" if b else "-",
-            "acc": _fmt(r.accuracy, ".3f"), "d acc": f"{r.accuracy - b.accuracy:+.3f}" if b else "-",
-            "overflows": str(r.overflows), "skipped": str(r.skipped),
-        })
+            "samples/s": fmt(r.samples_per_s, ".0f"),
+            "speed-up": (f"{r.samples_per_s / b.samples_per_s:.2f}x" if b and finite(r.samples_per_s)
+                         and finite(b.samples_per_s) and b.samples_per_s else MISSING),
+            "step ms": ms(r.step_time_ms),
+            "min-max": (f"{ms(r.step_time_min_ms)}-{ms(r.step_time_max_ms)}"
+                        if finite(r.step_time_min_ms) and finite(r.step_time_max_ms) else MISSING),
+            "peak MB": fmt(r.peak_rss_mb, ".1f"), "state MB": fmt(r.model_state_mb, ".1f"),
+            "other MB": fmt(r.other_mb, ".1f"), "B/param": fmt(r.state_bytes_per_param, ".1f"),
+            "est.": fmt(r.estimate_bytes_per_param, ".0f"), "loss": fmt(r.final_loss, ".4f"),
+            "d loss": _delta(r.final_loss, b.final_loss, ".4f") if b else MISSING,
+        }
+        if name != "loss":
+            row[name] = fmt(r.metric, ".4f")
+            row[f"d {name}"] = _delta(r.metric, b.metric, ".4f") if b else MISSING
+        row.update({"overflows": str(r.overflows) if r.error is None else MISSING,
+                    "skipped": str(r.skipped) if r.error is None else MISSING})
+        rows.append(row)
     return rows
 
 
@@ -174,33 +180,52 @@ h2 { font-size: 1.25rem; margin-top: 2rem; border-bottom: 1px solid #ddd; }
 .machine { background: #f3f5f9; border-left: 4px solid #3f51b5; padding: .6rem 1rem; }
 pre { background: #f6f6f6; padding: .7rem 1rem; overflow-x: auto; font-size: .85rem; }
 table { border-collapse: collapse; font-size: .85rem; margin: .5rem 0; }
-th, td { border: 1px solid #d8d8d8; padding: .25rem .4rem; text-align: right; white-space: nowrap; }
+th, td { border: 1px solid #d8d8d8; padding: .25rem .35rem; text-align: right; white-space: nowrap; }
 th { background: #eef0f6; white-space: normal; } td.text { text-align: left; }  /* headers wrap: fits 1400 px */
 tr.baseline td { font-weight: 600; background: #fafaf0; } tr.control td { color: #666; font-style: italic; }
-td.worse { color: #b00020; } td.better { color: #1b7f3b; }
+td.worse { color: #b00020; } td.better { color: #1b7f3b; } th.decides { background: #dcefe1; }
+tr.picked td { background: #eef8f0; } td.failed { color: #b00020; white-space: normal; }
+.setup { font-size: 1rem; } pre.notes { white-space: pre-wrap; }
 img { max-width: 100%; border: 1px solid #e5e5e5; margin: .4rem 0; }
 .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(420px, 1fr)); gap: .8rem; }
 .note { color: #555; font-size: .9rem; } .wide { overflow-x: auto; }
 """
 
 
-def _table_html(results: Sequence[Any]) -> str:
+def _judged(r: Any, b: Any, rec: Any) -> str:
+    """``worse``/``better`` when the run's metric is beyond the recommendation's tolerance of 32-true's, else ''."""
+    if b is None or rec is None or r is b or r.control or not finite(r.metric) or not finite(b.metric) \
+            or not finite(rec.tolerance):
+        return ""
+    worse = (b.metric - r.metric) if r.higher_is_better else (r.metric - b.metric)
+    return "worse" if worse > rec.tolerance else "better" if worse < -rec.tolerance else ""
+
+
+def _table_html(results: Sequence[Any], recs: Mapping[str, Any]) -> str:
     rows = table_rows(results)
     if not rows:
         return "<p>No runs.</p>"
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+    name = metric_name(results)
+    deciding = ("loss", "d loss") if name == "loss" else (name, f"d {name}")
+    head = "".join(f'<th class="decides" title="the metric the recommendation compares">{html.escape(k)}</th>'
+                   if k in deciding else f"<th>{html.escape(k)}</th>" for k in rows[0])
+    base = _baselines(results)
     body = []
     for r, row in zip(results, rows):
-        cls = "control" if r.control else "baseline" if r.recipe == BASELINE else ""
-        cells = []
-        for key, value in row.items():
-            kind = "text" if key in ("framework", "recipe") else ""
-            if key in ("d loss", "d acc") and value not in ("-",) and not r.control and r.recipe != BASELINE:
-                number = float(value)
-                worse = number > 0 if key == "d loss" else number < 0
-                kind = "worse" if worse else "better" if number else ""
-            cells.append(f'<td class="{kind}">{html.escape(value)}</td>' if kind else f"<td>{html.escape(value)}</td>")
-        body.append(f'<tr class="{cls}">{"".join(cells)}</tr>' if cls else f'<tr>{"".join(cells)}</tr>')
+        rec = recs.get(r.framework)
+        picked = rec is not None and rec.recipe == r.recipe and not r.control and r.error is None
+        cls = " ".join(c for c in ("control" if r.control else "baseline" if r.recipe == BASELINE else "",
+                                   "picked" if picked else "") if c)
+        if r.error is not None:
+            cells = (f'<td class="text">{html.escape(row["framework"])}</td><td class="text">'
+                     f'{html.escape(row["recipe"])}</td><td class="text failed" colspan="{len(row) - 2}">failed: '
+                     f"{html.escape(r.error)}</td>")
+        else:
+            judged = _judged(r, base.get(r.framework), rec)
+            cells = "".join(
+                f'<td class="{"text" if key in ("framework", "recipe") else judged if key == deciding[1] else ""}">'
+                f"{html.escape(value)}</td>" for key, value in row.items()).replace(' class=""', "")
+        body.append(f'<tr class="{cls}">{cells}</tr>' if cls else f"<tr>{cells}</tr>")
     return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
@@ -229,10 +254,10 @@ def _fp8_html(runs: Sequence[Any], out: Path) -> str:
         head = "".join(f"<th>{h}</th>" for h in ("tensor", "amax", "scale", "scale min", "scale max", "saturated",
                                                  "flushed"))
         body = "".join(
-            f'<tr><td class="text">{html.escape(row["tensor"])}</td><td>{_fmt(row["amax"], ".3g")}</td>'
-            f'<td>{_fmt(row["scale"], ".3g")}</td><td>{_fmt(row["scale_min"], ".3g")}</td>'
-            f'<td>{_fmt(row["scale_max"], ".3g")}</td><td>{_fmt(row["saturated_frac"], ".2e")}</td>'
-            f'<td>{_fmt(row["underflow_frac"], ".2e")}</td></tr>' for row in rows)
+            f'<tr><td class="text">{html.escape(row["tensor"])}</td><td>{fmt(row["amax"], ".3g")}</td>'
+            f'<td>{fmt(row["scale"], ".3g")}</td><td>{fmt(row["scale_min"], ".3g")}</td>'
+            f'<td>{fmt(row["scale_max"], ".3g")}</td><td>{fmt(row["saturated_frac"], ".2e")}</td>'
+            f'<td>{fmt(row["underflow_frac"], ".2e")}</td></tr>' for row in rows)
         blocks.append(f"<h3>{html.escape(r.framework)} {html.escape(r.recipe)}</h3>"
                       f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
         png = f"{r.framework}_{r.recipe}_fp8_scales.png"
@@ -247,32 +272,32 @@ def _fp8_html(runs: Sequence[Any], out: Path) -> str:
 
 
 def write_html_report(results: Sequence[Any], spec: Any, out: str | os.PathLike[str],
-                      machine: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> Path:
+                      machine: dict[str, Any] | None = None, notes: Sequence[str] = (),
+                      recommended: Mapping[str, Any] | None = None) -> Path:
     """Write ``index.html``, ``loss_by_framework.png`` and ``loss_vs_32true.png`` into ``out``; returns the page.
 
-    The arguments are :func:`~mp_callbacks.app.compare.write_report`'s; call it after that function
-    wrote its plots, which the page shows where they exist."""
+    The arguments are :func:`~mp_callbacks.app.compare.write_report`'s (``spec``: anything with a
+    ``setup_line()``, the header; ``recommended``: the recommendation per framework, the page's first
+    section); call it after that function wrote its plots, which the page shows where they exist."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    recs = dict(recommended or {})
     runs = [r for r in results if not r.control]
     by_fw = plot_loss_by_framework(results, out / "loss_by_framework.png")
     vs_base = plot_loss_vs_baseline(results, out / "loss_vs_32true.png")
-    spec_d = dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else dict(vars(spec))
-    inject = list(spec_d.get("inject") or []) or "none"
-    summary = (f"Same seed ({spec_d.get('seed')}), data (scikit-learn digits), {spec_d.get('steps')} steps of batch "
-               f"{spec_d.get('batch_size')}, MLP {spec_d.get('depth')}x{spec_d.get('hidden')}, AdamW lr "
-               f"{spec_d.get('lr')}; injected overflow steps: {inject}.")
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             "<title>Mixed-precision comparison</title>", f"<style>{STYLE}</style></head><body>",
-             "<h1>Mixed-precision comparison</h1>", f"<p>{html.escape(summary)}</p>", _machine_html(machine)]
+             "<title>Mixed-precision comparison</title>", f"<style>{STYLE}{DECISION_STYLE}</style></head><body>",
+             "<h1>Mixed-precision comparison</h1>", f'<p class="setup">{html.escape(spec.setup_line())}</p>',
+             decision_html(results, recs), _machine_html(machine)]
     if notes:
-        parts.append("<pre>" + html.escape("\n".join(notes)) + "</pre>")
-    parts += ["<h2>Results</h2>", _table_html(results),
-              f'<p class="note">Speed-up, loss and accuracy deltas are against the same framework\'s '
+        parts.append('<pre class="notes">' + html.escape("\n".join(notes)) + "</pre>")
+    parts += ["<h2>Results</h2>", _table_html(results, recs),
+              f'<p class="note">Speed-up, loss and metric deltas are against the same framework\'s '
               f"<code>{BASELINE}</code> (bold row); <code>{BASELINE}(ctl)</code> is {BASELINE} run again, last: its "
-              "speed-up is the run-to-run noise. Red: worse than "
-              f"{BASELINE}, green: better. The Markdown summary (README.md) explains every column.</p>"]
+              "speed-up is the run-to-run noise. The green-headed columns are the metric the recommendation compares: "
+              f"red, worse than {BASELINE}'s beyond the tolerance; green, better beyond it. The recommended run's row "
+              f"is shaded green; {MISSING}: not measured. The Markdown summary (README.md) explains every column.</p>"]
     if by_fw or vs_base:
         parts.append("<h2>Loss</h2>")
     if by_fw:

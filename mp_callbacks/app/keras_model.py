@@ -5,7 +5,7 @@ policy (seeded), its weights as the initial weights, and the data factory's firs
 batches and up to ``val_batches`` validation batches as NumPy arrays.  The data is ``(x, y[, w])``
 arrays (cut into ``batch_size`` batches, in order), an iterable of such batches (a ``tf.data``
 dataset, a generator), or ``{"train": ..., "validation": ..., "batch_size": n}`` of either (the
-batch size for arrays; ``--batch-size`` overrides it).
+batch size for arrays; ``--batch-size`` overrides it; neither: :data:`FIT_BATCH_SIZE`, as ``fit`` does).
 
 :func:`run` (once per recipe, in a process of its own): the model built again under the recipe's
 global policy (:func:`keras_ext.set_global_policy`, :func:`keras_ext.apply_policy`: the documented
@@ -33,12 +33,16 @@ from keras_ext.optimizer import master_optimizer
 
 from ..recipes import Recipe, get_recipe, recipe_label
 from ..recommend import higher_is_better
-from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, load_factory, timing_fields
+from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, load_factory, optimizer_label, timing_fields
 from .keras_runner import _Recorder, graph_options, set_threads, state_bytes
 from .measurement import PeakRSS, error_summary
 from .run_stats import estimate_per_param, loss_tail, run_diagnostics, standard_error
 
-__all__ = ["prepare", "run"]
+__all__ = ["FIT_BATCH_SIZE", "prepare", "run"]
+
+FIT_BATCH_SIZE = 32
+"""The batch size array data is cut into when neither ``--batch-size`` nor the data factory gives one:
+``keras.Model.fit``'s default."""
 
 Batch = tuple[Any, ...]
 """``(x, y)`` or ``(x, y, sample_weight)``; ``x`` an array or a dict/list of arrays."""
@@ -54,9 +58,8 @@ def _rows(tree: Any) -> int:
 
 def _batches(source: Any, n: int, batch_size: int | None, cycle: bool) -> list[Batch]:
     """The first ``n`` batches of ``source`` (arrays cut into ``batch_size``, or an iterable of batches)."""
-    if isinstance(source, tuple) and 2 <= len(source) <= 3 and not _is_batch_iterable(source[0]):
-        if batch_size is None:
-            raise ModelSetupError("array data needs a batch size: pass --batch-size (batch_size=)")
+    if _is_arrays(source):
+        batch_size = batch_size or FIT_BATCH_SIZE
         rows = _rows(source[0])
         cuts = [(i, i + batch_size) for i in range(0, rows - batch_size + 1, batch_size)]
         if not cuts:
@@ -78,6 +81,11 @@ def _batches(source: Any, n: int, batch_size: int | None, cycle: bool) -> list[B
             break
     size = _rows(out[0][0]) if out else 0
     return [b for b in out if _rows(b[0]) == size]  # a last, smaller batch would change the step's shape
+
+
+def _is_arrays(source: Any) -> bool:
+    """Whether ``source`` is ``(x, y[, w])`` arrays (cut into batches here), not an iterable of batches."""
+    return isinstance(source, tuple) and 2 <= len(source) <= 3 and not _is_batch_iterable(source[0])
 
 
 def _is_batch_iterable(value: Any) -> bool:
@@ -108,7 +116,12 @@ def prepare(build_model: Callable[[], Any], make_dataset: Callable[[], Any], spe
     if make_dataset is None:
         raise ModelSetupError("a Keras comparison needs a data factory (--data)")
     train_source, val_source, batch_size = _split(make_dataset())
-    batch_size = spec.batch_size or batch_size
+    extra: dict[str, Any] = {}
+    if _is_arrays(train_source):
+        extra["train_samples"] = _rows(train_source[0])
+        extra["batch_size_from"] = ("--batch-size" if spec.batch_size else "the data factory's batch_size"
+                                    if batch_size else "Keras fit's default; --batch-size sets it")
+    batch_size = spec.batch_size or batch_size or (FIT_BATCH_SIZE if extra else None)
     train = _batches(train_source, spec.steps, batch_size, cycle=True)
     if len(train) < spec.steps:
         raise ModelSetupError(f"the data gave {len(train)} full batches; {spec.steps} steps need more")
@@ -122,7 +135,7 @@ def prepare(build_model: Callable[[], Any], make_dataset: Callable[[], Any], spe
     metric = (f"val_{spec.metric or 'loss'}" if val else "training loss")
     return PreparedData(description=f"{type(model).__name__} {model.name!r} ({params:,} parameters)",
                         initial=[np.asarray(ops.convert_to_numpy(v)) for v in model.weights],
-                        train=train, val=val, batch_size=_rows(train[0][0]), metric_label=metric)
+                        train=train, val=val, batch_size=_rows(train[0][0]), metric_label=metric, extra=extra)
 
 
 def _loss(spec: ModelSpec) -> Any:
@@ -139,6 +152,14 @@ def _compile_args(model: keras.Model, spec: ModelSpec) -> dict[str, Any]:
     inner = getattr(inner, "inner_optimizer", inner)  # compile() under mixed_float16 wraps it
     args = {k: config.get(k) for k in ("loss_weights", "metrics", "weighted_metrics")}
     return {**args, "optimizer": type(inner).from_config(inner.get_config()), "loss": model.loss}
+
+
+def _optimizer(inner: keras.optimizers.Optimizer) -> str:
+    """The optimizer's class and learning rate (or schedule) from its config, for the report's header."""
+    rate = inner.get_config().get("learning_rate")
+    if isinstance(rate, dict):
+        return optimizer_label(type(inner).__name__, schedule=str(rate.get("class_name", "a")))
+    return optimizer_label(type(inner).__name__, [float(rate)] if isinstance(rate, (int, float)) else [])
 
 
 def run(recipe: str, build_model: Callable[[], Any], prepared: PreparedData, spec: ModelSpec,
@@ -226,5 +247,5 @@ def _run(recipe: str, build_model: Callable[[], Any], prepared: PreparedData, sp
         estimate_bytes_per_param=estimate, final_loss=float(np.mean(tail)), accuracy=float("nan"),
         overflows=opt.overflows, skipped=opt.skipped, history=recorder.history, metric_name=metric_name,
         metric=metric, metric_se=metric_se, higher_is_better=higher,
-        diagnostics=run_diagnostics(monitor.history, recorder.history, storage),
+        diagnostics=run_diagnostics(monitor.history, recorder.history, storage), optimizer=_optimizer(inner),
     )

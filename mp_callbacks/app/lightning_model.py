@@ -25,7 +25,7 @@ from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 
 from ..recipes import get_recipe, recipe_label
 from ..recommend import higher_is_better
-from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, timing_fields
+from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, optimizer_label, timing_fields
 from .lightning_runner import _Batches, _Clock, _Recorder
 from .measurement import PeakRSS, error_summary
 from .run_stats import estimate_per_param, loss_tail, run_diagnostics, standard_error
@@ -184,6 +184,9 @@ def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, sp
                                   weights_released=plugin.free_weights_during_step)
     times = [t for b, t in enumerate(recorder.times) if (b + 1) % every] or recorder.times  # monitor steps out
     view = plugin.loss_scaler
+    schedulers = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs]
+    used = optimizer_label(type(raw).__name__, [g.get("initial_lr", g["lr"]) for g in raw.param_groups],
+                           ", ".join(schedulers) or None)
     return RunResult(
         framework="lightning", recipe=recipe_label(recipe), params=n_params,
         **timing_fields(times, prepared.batch_size),
@@ -192,5 +195,5 @@ def _run(recipe: str, make_module: Callable[[], Any], prepared: PreparedData, sp
         estimate_bytes_per_param=estimate, final_loss=float(np.mean(tail)), accuracy=float("nan"),
         overflows=view.overflows, skipped=view.skipped, history=recorder.history, metric_name=metric_name,
         metric=metric, metric_se=metric_se, higher_is_better=higher,
-        diagnostics=run_diagnostics(monitor.history, recorder.history, storage),
+        diagnostics=run_diagnostics(monitor.history, recorder.history, storage), optimizer=used,
     )

@@ -33,14 +33,15 @@ from typing import Any
 
 from ..recipes import RECIPE_NAMES, recipe_label
 from ..recommend import GOALS, Recommendation
-from .compare import ModelSetupError, ModelSpec, RunResult, load_factory
+from .compare import ModelSetupError, ModelSpec, PreparedData, RunResult, load_factory
 from .machine import matmul_probe
 from .measurement import IsolatedRunError
+from .run_stats import TAIL_STEPS
 from .session import PlannedRun, caller, finish, machine_notes, quiet_frameworks, run_plan, with_control
 
 FRAMEWORK_MODULES = {"lightning": "mp_callbacks.app.lightning_model", "keras": "mp_callbacks.app.keras_model"}
-__all__ = ["Comparison", "ModelSetupError", "ModelSpec", "compare_keras", "compare_lightning", "compare_recipes",
-           "detect_framework", "load_factory"]
+__all__ = ["Comparison", "Described", "ModelSetupError", "ModelSpec", "compare_keras", "compare_lightning",
+           "compare_recipes", "detect_framework", "load_factory"]
 
 
 def _name(fn: Any) -> str:
@@ -134,27 +135,70 @@ def compare_recipes(make_model: Callable[[], Any], data: Callable[[], Any] | Non
     machine, notes = machine_notes(call, slowdown, probe or matmul_probe)
     echo = print if verbose else (lambda text: None)
     echo("\n".join(notes))
-    echo(f"model: {prepared.description}; {len(prepared.train)} training batches of {prepared.batch_size}, "
-         f"{len(prepared.val)} validation batches; metric: {prepared.metric_label}")
+    batch_from = prepared.extra.get("batch_size_from")
+    echo(f"model: {prepared.description}; {_count(len(prepared.train), 'training batch')} of {prepared.batch_size}"
+         + (f" ({batch_from})" if batch_from else "") + f", {_count(len(prepared.val), 'validation batch')}; metric: "
+         f"{prepared.metric_label}")
     plan = [PlannedRun(spec.framework, recipe, runner.run, (recipe, make_model, prepared, spec), spec.steps, control)
             for recipe, control in with_control(names)]
     results = run_plan(plan, call, quiet=not show_progress)
-    folder, recs = finish(results, _Described(spec, prepared.description), out, machine, notes, goal=goal, echo=echo)
+    described = Described.of(spec, prepared, results)
+    folder, recs = finish(results, described, out, machine, notes, goal=goal, echo=echo)
     return Comparison(results, recs[spec.framework], machine, spec, folder, prepared.description)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 batch``, ``2 batches``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith(("ch", "sh", "s", "x")) else f"{n} {noun}s"
+
+
 @dataclasses.dataclass(frozen=True)
-class _Described:
-    """A :class:`ModelSpec` whose setup line names the model the factory built."""
+class Described:
+    """What a report's header says about a user's model comparison: the model the factory built, the data
+    and how it was batched, the optimizer as the runs used it, the metric compared.  A figure the app does
+    not know is left out of the sentence (never written as ``None``)."""
 
     spec: ModelSpec
     description: str
+    train_batches: int
+    val_batches: int
+    batch_size: int
+    batch_size_from: str = ""
+    train_samples: int | None = None
+    optimizer: str = ""
+    metric: str = ""
+
+    @classmethod
+    def of(cls, spec: ModelSpec, prepared: PreparedData, results: Sequence[RunResult]) -> Described:
+        """From the prepared data and the runs (the first finished one says the optimizer and the metric)."""
+        done = next((r for r in results if r.error is None), None)
+        return cls(spec, prepared.description, len(prepared.train), len(prepared.val), prepared.batch_size,
+                   prepared.extra.get("batch_size_from", ""), prepared.extra.get("train_samples"),
+                   done.optimizer if done else "", done.metric_name if done else "")
 
     def setup_line(self) -> str:
-        return f"{self.spec.setup_line()} The model: {self.description}."
+        framework = {"lightning": "Lightning", "keras": "Keras"}.get(self.spec.framework, self.spec.framework)
+        model = f"Model: {self.description}" + (f", from {self.spec.model}" if self.spec.model else "")
+        source = self.spec.data or ("the module's own train_dataloader" if self.spec.framework == "lightning" else "")
+        batch = f"batches of {self.batch_size}" + (f" ({self.batch_size_from})" if self.batch_size_from else "")
+        if self.train_samples:  # arrays, cut here: the steps may cycle through them
+            cycled = " (cycled)" if self.train_batches * self.batch_size > self.train_samples else ""
+            taken = f"{self.train_samples:,} training samples in {batch}: {_count(self.train_batches, 'batch')}{cycled}"
+        else:
+            taken = f"{_count(self.train_batches, 'training batch')} of {self.batch_size}"
+        data = ("Data: " + (f"{source}, " if source else "") + taken
+                + (f", {_count(self.val_batches, 'validation batch')}" if self.val_batches else ", no validation data"))
+        metric = (self.metric if self.metric not in ("", "loss") else
+                  f"the training loss (mean of the last {TAIL_STEPS} steps)")
+        training = (f"Training: {self.spec.steps} steps of batch {self.batch_size}"
+                    + (f", {self.optimizer}" if self.optimizer else "") + f"; compared on {metric}")
+        return f"{model} ({framework}). {data}. {training}. {self.spec.setup_line()}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.spec.to_dict(), "description": self.description}
+        return {**self.spec.to_dict(), "description": self.description, "train_batches": self.train_batches,
+                "validation_batches": self.val_batches, "batch_size_used": self.batch_size,
+                "batch_size_from": self.batch_size_from or None, "train_samples": self.train_samples,
+                "optimizer": self.optimizer or None}
 
 
 def compare_lightning(make_module: Callable[[], Any], make_datamodule: Callable[[], Any] | None = None,

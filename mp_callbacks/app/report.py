@@ -2,7 +2,7 @@
 
 :func:`format_table` prints one row per run (a failed run: the first line of its error);
 :func:`recommendations` applies the core's rule (:mod:`mp_callbacks.recommend`) to each framework's
-runs; :func:`write_report` writes README.md (table, notes, plots, FP8 section, recommendation),
+runs; :func:`write_report` writes README.md (recommendation, table, notes, plots, FP8 section), index.html,
 results.json, one JSONL history and scale plot per run, and a failed run's whole error.
 """
 
@@ -20,13 +20,18 @@ import numpy as np
 from ..diagnostics import plot
 from ..recommend import MEMORY_NOISE_FLOOR_MB, SPEED_TIE_MAX, STANDARD_ERRORS, Recommendation, recommend
 from .compare import RunResult
+from .decision import finite, recommendation_lines
 from .fp8_report import report_lines as fp8_report_lines
 from .html_report import write_html_report
 from .measurement import WARMUP_FRACTION, WINDOWS
 
 
 def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
+    return format(value, fmt) if finite(value) else "-"
+
+
+def _diff(value: float, base: float) -> str:
+    return f"{value - base:+.4f}" if finite(value) and finite(base) else "-"
 
 
 def _baselines(results: Sequence[RunResult]) -> dict[str, RunResult]:
@@ -68,14 +73,15 @@ def format_table(results: Sequence[RunResult]) -> str:
             continue
         b = base.get(r.framework)
         speed = f"{r.samples_per_s / b.samples_per_s:.2f}x" if b else "-"
-        dloss = f"{r.final_loss - b.final_loss:+.4f}" if b else "-"
-        dmetric = f"{r.metric - b.metric:+.4f}" if b else "-"
+        dloss = _diff(r.final_loss, b.final_loss) if b else "-"
+        dmetric = _diff(r.metric, b.metric) if b else "-"
         spread = f"{_ms(r.step_time_min_ms)}-{_ms(r.step_time_max_ms)}"
         lines.append(
             f"{r.framework:<10} {r.label:<{w}} {r.samples_per_s:>9.0f} {speed:>8} {_ms(r.step_time_ms):>8} "
             f"{spread:>15} {r.peak_rss_mb:>8.1f} {_num(r.model_state_mb, '.1f'):>7} {_num(r.other_mb, '.1f'):>7} "
-            f"{_num(r.state_bytes_per_param, '.1f'):>7} {r.estimate_bytes_per_param:>5.0f} "
-            f"{r.final_loss:>8.4f} {dloss:>8} {r.metric:>10.4f} {dmetric:>10} {r.overflows:>7} {r.skipped:>7}"
+            f"{_num(r.state_bytes_per_param, '.1f'):>7} {_num(r.estimate_bytes_per_param, '.0f'):>5} "
+            f"{_num(r.final_loss, '.4f'):>8} {dloss:>8} {_num(r.metric, '.4f'):>10} {dmetric:>10} {r.overflows:>7} "
+            f"{r.skipped:>7}"
         )
     return "\n".join(lines)
 
@@ -130,14 +136,6 @@ def has_scale_curve(result: RunResult) -> bool:
     return any(s.overflow or s.scale != 1.0 for s in result.history)
 
 
-def recommendation_lines(recs: Mapping[str, Recommendation]) -> list[str]:
-    """The recommendation of each framework, as text."""
-    lines: list[str] = []
-    for framework, rec in recs.items():
-        lines += [f"{framework}:" if len(recs) > 1 else "", *rec.lines()]
-    return [line for line in lines if line] if len(recs) == 1 else lines
-
-
 def write_report(results: Sequence[RunResult], spec: ReportSpec, out: str | os.PathLike[str],
                  machine: dict[str, Any] | None = None, notes: Sequence[str] = (),
                  recommended: Mapping[str, Recommendation] | None = None) -> Path:
@@ -145,7 +143,7 @@ def write_report(results: Sequence[RunResult], spec: ReportSpec, out: str | os.P
 
     ``machine``: what the CLI found about the CPU (model, features, probe), written to results.json;
     ``notes``: lines for the README (what the features mean per recipe); ``recommended``: the
-    recommendation per framework (:func:`recommendations`), the report's last section.  A failed run's
+    recommendation per framework (:func:`recommendations`), the report's first section.  A failed run's
     whole error goes to ``<framework>_<recipe>_error.txt``."""
     import matplotlib
 
@@ -184,6 +182,9 @@ def write_report(results: Sequence[RunResult], spec: ReportSpec, out: str | os.P
          "results": [r.row() for r in results],
          "recommendation": {fw: dataclasses.asdict(rec) for fw, rec in recommended.items()}}, indent=2))
     md = ["# Mixed-precision comparison", "", spec.setup_line(), ""]
+    if recommended:  # the decision first, as on the page (and last in the terminal, where it is read last)
+        md += ["## Recommendation", "", "```", *recommendation_lines(recommended), "```", "", RULE_NOTE, "",
+               "## Runs", ""]
     if machine and machine.get("cpu"):
         md += [f"CPU: {machine['cpu']}", ""]
     if notes:
@@ -201,11 +202,9 @@ def write_report(results: Sequence[RunResult], spec: ReportSpec, out: str | os.P
         md += [f"No scale plot for {', '.join(flat)}: scale 1 throughout and no overflow (the loss is in "
                "loss_curves.png).", ""]
     md += fp8_report_lines(runs, out)  # fp8-mixed runs: per-tensor FP8 rows and scale plots
-    if recommended:
-        md += ["## Recommendation", "", "```", *recommendation_lines(recommended), "```", "",
-               RULE_NOTE, ""]
     (out / "README.md").write_text("\n".join(md))
-    write_html_report(results, spec, out, machine=machine, notes=notes)  # index.html: the same, for a browser
+    write_html_report(results, spec, out, machine=machine, notes=notes,  # index.html: the same, for a browser,
+                      recommended=recommended)                            # opening with the recommendation
     return out
 
 
@@ -215,7 +214,8 @@ RULE_NOTE = (
     f"{STANDARD_ERRORS:g} standard errors of 32-true's metric. Among the eligible: goal speed, the most samples/s "
     f"(recipes within the timing noise of it, at most {SPEED_TIE_MAX:.0%}, tie); goal memory, the smallest peak "
     f"(within the memory noise, at least {MEMORY_NOISE_FLOOR_MB:g} MB, tie); a tie goes to the least model state "
-    "per parameter, then to 32-true, then to the most samples/s. Goal speed names no recipe (inconclusive, with "
-    f"the timing noise) when the noise is above {SPEED_TIE_MAX:.0%} and the pick's speed-up over the faster of "
-    "32-true's two runs is not above it."
+    f"per parameter, then to 32-true, then to the most samples/s. When the timing noise is above {SPEED_TIE_MAX:.0%} "
+    "and the speed pick does not stand out of it against the faster of 32-true's two runs (another recipe's "
+    "speed-up not above the noise, or, for 32-true, a recipe not slower beyond it), the speed is inconclusive: "
+    "the report says so, with the noise, and picks on memory and the metric only, as goal memory does."
 )

@@ -41,8 +41,8 @@ def _check_report(out: Path, recipes: list[str], framework: str) -> dict:
     assert rows == [(r, False) for r in recipes] + [("32-true", True)]
     rec = data["recommendation"][framework]
     ran = {r["recipe"] for r in data["results"] if r["error"] is None}
-    named = rec["recipe"] or "inconclusive"  # None: the timing noise was above the speed-up (a busy machine)
-    assert rec["recipe"] in ran | {None} and rec["reason"].startswith(named + ":")
+    named = "inconclusive" if rec["inconclusive"] else rec["recipe"]  # a busy machine: noise above the speed-up
+    assert rec["recipe"] in ran and rec["reason"].startswith(named + ":")
     readme = (out / "README.md").read_text()
     assert "## Recommendation" in readme and f"Recommended (speed): {named}:" in readme
     assert f"tolerance on {rec['metric_name']}: " in readme
@@ -151,8 +151,8 @@ def test_python_api_lightning(tmp_path):
     assert errors["bf16-master"] == "RuntimeError: this model refuses bfloat16 weights"
     assert errors["16-master"].startswith("the run's process died")
     assert errors["16-mixed"] is None and errors["32-true"] is None
-    fragile = data["fragile"]  # None: 16-mixed's speed-up was within the timing noise (a busy machine)
-    assert fragile["recipe"] in ("32-true", "16-mixed") or fragile["reason"].startswith("inconclusive: timing noise")
+    fragile = data["fragile"]  # on a busy machine the timing may be inconclusive: memory and the metric pick
+    assert fragile["recipe"] in ("32-true", "16-mixed")
     assert "bf16-master: failed: RuntimeError: this model refuses bfloat16 weights" in data["fragile"]["others"]
     readme = (tmp_path / "README.md").read_text()
     assert "bf16-master   failed: RuntimeError: this model refuses bfloat16 weights" in readme
@@ -220,3 +220,37 @@ def test_keras_hub_every_recipe(tmp_path):
     data = _check_report(tmp_path, list(RECIPE_NAMES), "keras")
     for r in data["results"]:
         assert r["error"] is None or r["error"].split(":")[0].isidentifier(), r["error"]
+
+
+KERAS_ARRAYS = """
+import dataclasses, json
+from mp_callbacks.app import keras_model
+from mp_callbacks.app.compare import ModelSpec, RunResult
+from mp_callbacks.app.own_model import Described
+from tests.cli.own_models import build_keras_mlp, make_keras_arrays
+
+spec = ModelSpec("keras", model="tests.cli.own_models:build_keras_mlp", data="tests.cli.own_models:make_keras_arrays",
+                 steps=4)
+prepared = keras_model.prepare(build_keras_mlp, make_keras_arrays, spec)
+run = RunResult.failure("keras", "32-true", "not run")
+run.error, run.optimizer, run.metric_name = None, "Adam lr 0.01", "val_loss"
+chosen = keras_model.prepare(build_keras_mlp, make_keras_arrays, dataclasses.replace(spec, batch_size=16))
+print(json.dumps({"batch_size": prepared.batch_size, "fit": keras_model.FIT_BATCH_SIZE,
+                  "train": [len(b[0]) for b in prepared.train], "val": [len(b[0]) for b in prepared.val],
+                  "header": Described.of(spec, prepared, [run]).setup_line(),
+                  "chosen": [chosen.batch_size, chosen.extra["batch_size_from"]]}))
+"""
+
+
+def test_keras_array_data_without_a_batch_size_is_cut_as_fit_cuts_it():
+    """(x, y) arrays and no batch size anywhere: batches of 32 (``keras.Model.fit``'s default), said in the report's
+    header; ``--batch-size`` (batch_size=) still sets it.  In a fresh interpreter (TensorFlow stays out of the test
+    process, whose other tests fork)."""
+    pytest.importorskip("keras")
+    data = _python(KERAS_ARRAYS)
+    assert data["batch_size"] == data["fit"] == 32 and data["train"] == [32] * 4 and data["val"] == [32]
+    assert ("Data: tests.cli.own_models:make_keras_arrays, 96 training samples in batches of 32 (Keras fit's "
+            "default; --batch-size sets it): 4 batches (cycled), 1 validation batch. Training: 4 steps of batch 32, "
+            "Adam lr 0.01; compared on val_loss.") in data["header"]
+    assert "None" not in data["header"]
+    assert data["chosen"] == [16, "--batch-size"]
