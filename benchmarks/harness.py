@@ -11,7 +11,9 @@ How it measures (the rule every timed figure of ``benchmarks/README.md`` follows
   in a row (so a slow phase of the machine hits all variants alike, and no variant always follows the same
   neighbour);
 * a variant's figure in a round: wall seconds and process CPU seconds per step over its turn (the sum of its
-  steps' times, from :meth:`Clock.begin` to :meth:`Clock.end`, divided by ``steps``);
+  steps' times, from :meth:`Clock.begin` to :meth:`Clock.end`, divided by ``steps``); a variant passes the turn
+  at the start of its next step, so what its loop does between steps (fetching the batch, hooks) never runs
+  beside another variant's timed step;
 * a reference (native) variant is also built and run a second time, as an independent variant: its
   *control*.  ``control / reference`` per round shows the noise a ratio carries on this machine, now;
 * a ratio ``ours / reference`` is the median over rounds of the per-round ratios, with their min-max;
@@ -132,17 +134,24 @@ class Clock:
         self.total = sum(self._sizes)
         self.rounds: list[list[float]] = [[0.0, 0.0] for _ in self._sizes]  # per turn: wall, cpu seconds
         self._turn = self._in_turn = self._steps = 0
+        self._holding = False  # the turn ended with the last step; passed at the next begin()
         self._t0 = self._c0 = 0.0
 
     def begin(self) -> None:
-        """Before a step: at a turn's first step, wait for this variant's turn; then start the clocks."""
+        """Before a step: at a turn's first step, pass the turn this variant still holds (its last turn ended with
+        the previous step: what its loop did since ran while no other variant was timed), wait for its next turn;
+        then start the clocks."""
         if self._in_turn == 0:
+            if self._holding:
+                self._holding = False
+                self._turns.passed()
             self._turns.wait(self._index)
         self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def end(self) -> None:
-        """After a step: stop the clocks; at a turn's last step pass the turn; after the last step of all, wait
-        until every variant has taken its last step (no set-up or teardown runs beside a timed step)."""
+        """After a step: stop the clocks.  A turn's last step keeps the turn until the next :meth:`begin`; after the
+        last step of all, pass it and wait until every variant has taken its last step (no set-up or teardown runs
+        beside a timed step)."""
         wall, cpu = time.perf_counter() - self._t0, time.process_time() - self._c0
         turn = self.rounds[self._turn]
         turn[0] += wall
@@ -152,9 +161,11 @@ class Clock:
         if self._in_turn == self._sizes[self._turn]:
             self._turn += 1
             self._in_turn = 0
-            self._turns.passed()
             if self._steps == self.total:
+                self._turns.passed()
                 self._done.wait()
+            else:
+                self._holding = True
 
     def figures(self) -> list[tuple[float, float]]:
         """``(wall, cpu)`` seconds per step of each timed round."""
