@@ -1,12 +1,12 @@
 """The prepared GPU check: ``pytest -m cuda``, the launch and sync counter on the device, bytes per parameter, ours
 vs native per recipe on a GPT-2-small-size model, and FP8 against bf16 on a stack of large Linear layers.
 
-    python3 benchmarks/gpu_check.py --out DIR [--rounds 3] [--steps 4] [--batch 16] [--no-hf] [--wheels DIR ...]
+    python3 benchmarks/gpu_check.py --out DIR [--rounds 3] [--steps 4] [--batch 8] [--no-hf] [--wheels DIR ...]
         [--cpu-dry-run]
 
 Run from the repository root with the project on ``PYTHONPATH``; it writes ``gpu_check.json`` and
 ``gpu_check.md`` into ``--out`` after every section (a run cut short keeps what it measured) and prints the
-Markdown at the end.  Sections, in order (about 7 minutes on one H100):
+Markdown at the end.  Sections, in order (sized for under 8 minutes on one H100; not yet run on a GPU):
 
 1. ``python -m pytest -m cuda tests/cuda`` in a subprocess (with a timeout); the pass/fail/skip counts come from its
    JUnit XML.  Where this Python has no pytest, wheels found in ``--wheels`` (default: ``shared/wheels``,
@@ -17,7 +17,8 @@ Markdown at the end.  Sections, in order (about 7 minutes on one H100):
 3. bytes per parameter of model state at the optimizer step, per recipe: the CUDA allocator above its level before
    the model existed, next to ``mp_callbacks.estimate_memory``;
 4. a GPT-2-small-size model (Hugging Face ``GPT2LMHeadModel`` from a ``GPT2Config``: 12 layers, 768 wide, seq
-   1024, vocab padded to 50304, random init; the built-in twin without ``transformers``), batch 16, AdamW:
+   1024, vocab padded to 50304, random init; the built-in twin without ``transformers``), batch 8 (every variant
+   stays resident while they take turns: 18 GPT-2-small models with their AdamW states), AdamW:
    ours vs native per recipe (``harness.py``: variants in turns, natives with controls, the device synchronised at
    every step's start and end), ms per step and each variant's peak memory above its resting state;
 5. ``fp8-mixed`` against ``bf16-mixed`` on 8 x ``Linear(4096, 4096)`` over 16384 tokens: the training step, and the
@@ -269,7 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU; CUDA parts skipped")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per section (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per variant per round (default 4)")
-    parser.add_argument("--batch", type=int, default=None, help="GPT batch (default 16)")
+    parser.add_argument("--batch", type=int, default=None, help="GPT batch (default 8)")
     parser.add_argument("--pytest-timeout", type=float, default=150.0)
     parser.add_argument("--no-hf", action="store_true",
                         help="the built-in GPT twin even where transformers is installed")

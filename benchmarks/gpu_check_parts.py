@@ -35,7 +35,7 @@ class Sizes:
     d_model: int = 768
     seq: int = 1024
     vocab: int = 50304  # GPT-2's 50257 padded to a multiple of 64 (as nanoGPT): tensor-core-shaped head
-    batch: int = 16
+    batch: int = 8  # every variant's model and optimizer stay resident while the variants take turns
     warmup: int = 2
     rounds: int = 3
     steps: int = 4

@@ -17,8 +17,9 @@ scikit-learn's digits with AdamW (``--lr``, weight decay 1e-2):
 
 The variants alternate (``harness.py``); the timing table gives ours / peer (and the peers' controls).  After the
 run (``warmup + rounds x steps`` steps each) every model is scored in FP32 as it stands (its bf16 weights where it
-keeps them): the loss over the whole digits set, its difference from ``fp32``'s, and the relative L2 distance of
-its weights from ``fp32``'s.  ``--no-torchao``: without torchao's variants (its compile needs a C++ compiler).
+keeps them): the loss over the whole digits set, its difference from ``fp32``'s, the accuracy, and the relative
+L2 distance of its weights from ``fp32``'s.  ``--no-torchao``: without torchao's variants (its compile needs a C++
+compiler).
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def scores(nets: dict[str, Any], data: tuple) -> dict[str, dict[str, float]]:
                     h = layer(h)
             num = sum(float((weights[k] - ref[k]).square().sum()) for k in ref)
             den = sum(float(ref[k].square().sum()) for k in ref)
-            out[name] = {"loss": float(F.cross_entropy(h, y)), "weights_rel_l2": (num / den) ** 0.5}
+            out[name] = {"loss": float(F.cross_entropy(h, y)), "accuracy": float((h.argmax(-1) == y).float().mean()),
+                         "weights_rel_l2": (num / den) ** 0.5}
     base = out["fp32"]["loss"]
     for s in out.values():
         s["loss_vs_fp32"] = s["loss"] - base
@@ -173,9 +175,11 @@ def main(argv: list[str] | None = None) -> dict:
                            f"{args.batch_size}, AdamW lr {args.lr}, whole training step; {args.rounds} rounds x "
                            f"{args.steps} steps", summary))
     print(f"### After {total} steps: the model as it stands, scored in FP32 on the whole digits set\n")
-    print("| variant | loss | loss - fp32's | weights' relative L2 distance from fp32's |\n|---|---|---|---|")
+    print("| variant | loss | loss - fp32's | accuracy | weights' relative L2 distance from fp32's |\n"
+          "|---|---|---|---|---|")
     for name, s in graded.items():
-        print(f"| {name} | {s['loss']:.5f} | {s['loss_vs_fp32']:+.5f} | {s['weights_rel_l2']:.2e} |")
+        print(f"| {name} | {s['loss']:.5f} | {s['loss_vs_fp32']:+.5f} | {s['accuracy']:.4f} | "
+              f"{s['weights_rel_l2']:.2e} |")
     result = {"timing": summary, "scores": graded, "steps": total}
     harness.write_json(args.json, result, args.threads)
     return result
