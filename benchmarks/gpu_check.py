@@ -1,40 +1,37 @@
-"""One prepared GPU check: ``pytest -m cuda``, then ours vs native side by side, alternating, with controls.
+"""The prepared GPU check: ``pytest -m cuda``, the launch and sync counter on the device, bytes per parameter, ours
+vs native per recipe on a GPT-2-small-size model, and FP8 against bf16 on a stack of large Linear layers.
 
-    python3 benchmarks/gpu_check.py --out DIR [--budget-s 420] [--rounds 5] [--batch 16] [--no-hf]
-        [--wheels DIR ...] [--cpu-dry-run]
+    python3 benchmarks/gpu_check.py --out DIR [--rounds 3] [--steps 4] [--batch 8] [--no-hf] [--wheels DIR ...]
+        [--cpu-dry-run]
 
-Run from the repository root with the project on ``PYTHONPATH``.  Within ``--budget-s`` seconds of
-wall time (default 420: the whole check stays under 8 minutes and can be rerun once) it runs:
+Run from the repository root with the project on ``PYTHONPATH``; it writes ``gpu_check.json`` and
+``gpu_check.md`` into ``--out`` after every section (a run cut short keeps what it measured) and prints the
+Markdown at the end.  Sections, in order (sized for under 8 minutes on one H100; not yet run on a GPU):
 
-1. ``python -m pytest -m cuda tests/cuda`` in a subprocess (with a timeout); the pass/fail/skip
-   counts come from its JUnit XML.  Where this Python has no pytest, wheels found in ``--wheels``
-   (default: ``shared/wheels``, ``benchmarks/wheels``) are unpacked under ``--out`` and put on the
-   subprocess's path (pure-Python packages only);
-2. bytes/param of model state at the optimizer step, per recipe, measured on the device (the CUDA
-   allocator above its level before the model existed, and the storages held) against
-   ``mp_callbacks.estimate_memory`` for the dtypes the parameters ended in;
-3. a GPT-2-small-size model (Hugging Face ``GPT2Config(n_layer=12, n_embd=768, n_head=12,
-   n_positions=1024)``, random init, vocab padded to 50304 (a multiple of 64, as nanoGPT, so that
-   the tied head's matmul is ``torch._scaled_mm``-shaped), seq 1024, batch 16): steps/s and
-   ``torch.cuda.max_memory_allocated`` per recipe, ours against Lightning's native precision
-   (``32-true``, ``16-mixed``, ``bf16-mixed``; the other recipes against ``bf16-mixed``);
-4. ``fp8-mixed`` against ``bf16-mixed`` on a stack of 4096x4096 Linear layers: the training step,
-   and the forward pass alone (where the tensor-core matmul is all of the difference).
+1. ``python -m pytest -m cuda tests/cuda`` in a subprocess (with a timeout); the pass/fail/skip counts come from its
+   JUnit XML.  Where this Python has no pytest, wheels found in ``--wheels`` (default: ``shared/wheels``,
+   ``benchmarks/wheels``) are unpacked under ``--out`` and put on the subprocess's path (pure-Python packages);
+2. ``launches.py`` on the device: per recipe, Trainer and Fabric, ``AdamW(foreach=True)`` and ``fused=True``, the
+   ops, kernels and host syncs of one step, ours vs native; the syncs also as torch counts them
+   (``torch.cuda.set_sync_debug_mode("warn")``);
+3. bytes per parameter of model state at the optimizer step, per recipe: the CUDA allocator above its level before
+   the model existed, next to ``mp_callbacks.estimate_memory``;
+4. a GPT-2-small-size model (Hugging Face ``GPT2LMHeadModel`` from a ``GPT2Config``: 12 layers, 768 wide, seq
+   1024, vocab padded to 50304, random init; the built-in twin without ``transformers``), batch 8 (every variant
+   stays resident while they take turns: 18 GPT-2-small models with their AdamW states), AdamW:
+   ours vs native per recipe (``harness.py``: variants in turns, natives with controls, the device synchronised at
+   every step's start and end), ms per step and each variant's peak memory above its resting state;
+5. ``fp8-mixed`` against ``bf16-mixed`` on 8 x ``Linear(4096, 4096)`` over 16384 tokens: the training step, and the
+   forward pass alone (where the tensor-core matmuls are the difference), with the ``_scaled_mm`` calls counted.
 
-Variants alternate in one process (``common.alternate``), each native one runs twice (the
-control), ratios are medians of per-round ratios with their min-max.  Rounds stop being added
-when the next one would pass its section's share of the budget.  It writes ``gpu_check.json`` and
-``gpu_check.md`` into ``--out`` and prints the Markdown.
-
-``--cpu-dry-run``: the same code paths on the CPU with tiny sizes (what ``make test`` runs); what
-needs CUDA (peak memory, the allocator, FP8 tensor cores) is reported as "skipped: no CUDA".
-``transformers`` is imported only when present; without it the built-in GPT twin runs, and the
-report says so.
+``--cpu-dry-run``: the same code paths on the CPU with tiny sizes (what ``make test`` runs); what needs CUDA (the
+allocator, peak memory, FP8 tensor cores, torch's sync count) is reported as "skipped: no CUDA".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -56,26 +53,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
-from common import summary, with_controls  # noqa: E402
-from gpu_check_parts import (  # noqa: E402
-    DRY_SIZES,
-    LM,
-    NATIVE_OF,
-    NATIVES,
-    RECIPES,
-    LinearStack,
-    Sizes,
-    bytes_per_param_row,
-    gpt_batches,
-    gpt_template,
-    linear_forward_rows,
-    rounds_within,
-    timed_variant,
-)
 
 NO_CUDA = "skipped: no CUDA"
-GPT2_SHARE = 0.65
-"""The GPT section's share of the budget left after pytest and bytes/param (the Linear stack gets the rest)."""
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -168,166 +147,130 @@ def guarded(report: dict[str, Any], section: str, fn: Callable[[], Any]) -> Any:
         report.setdefault("section_s", {})[section] = round(time.monotonic() - t0, 1)
 
 
-def steps_per_s(data: dict[str, Any], name: str) -> float | None:
-    v = data["variants"].get(name)
-    return 1000.0 / v["median_ms"] if v and v["median_ms"] > 0 and math.isfinite(v["median_ms"]) else None
-
-
-def ratio_rows(data: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(r["ours"], r["native"]): r for r in data["ratios"]}
-
-
-def memory(peaks: dict[str, list[tuple[float, float]]], prefix: str, name: str, device: str) -> dict[str, Any]:
-    """``{prefix_peak_mb, prefix_start_mb}`` of a variant: its largest peak over rounds, and the most that was
-    still allocated when one of its fits started ("skipped: no CUDA" on the CPU; None when it never ran)."""
-    key = f"{prefix}_" if prefix else ""
-    if device != "cuda":
-        return {f"{key}peak_mb": NO_CUDA, f"{key}start_mb": NO_CUDA}
-    runs = peaks.get(name)
-    return {f"{key}peak_mb": max(p for p, _ in runs) if runs else None,
-            f"{key}start_mb": max(s for _, s in runs) if runs else None}
-
-
-def gpt2_section(template: Any, desc: str, sizes: Sizes, device: str, rounds: int, deadline: float) -> dict[str, Any]:
-    """Ours vs native per recipe on the GPT model: steps/s, peak allocated MB, per-round step-time ratios."""
-    batches = gpt_batches(sizes, sizes.warmup + sizes.steps, sizes.batch)
-    peaks: dict[str, list[tuple[float, float]]] = {}
-    errors: dict[str, str] = {}
-    names = [f"ours {r}" for r in RECIPES] + [f"native {p}" for p in NATIVES]
-    variants = {n: timed_variant(n, lambda: LM(template), batches, sizes.warmup, device, peaks, errors) for n in names}
-    variants = with_controls(variants, [f"native {p}" for p in NATIVES])
-    times, done = rounds_within(variants, rounds, deadline)
-    pairs = [(f"ours {r}", f"native {NATIVE_OF[r]}", "<= 1.03" if r in NATIVES else "measured") for r in RECIPES]
-    data = summary(times, pairs)
-    by_pair = ratio_rows(data)
-    rows = []
-    for r in RECIPES:
-        ours, native = f"ours {r}", f"native {NATIVE_OF[r]}"
-        ratio = by_pair[(ours, native)]
-        rows.append({
-            "recipe": r, "native": NATIVE_OF[r], "ours_steps_per_s": steps_per_s(data, ours),
-            "native_steps_per_s": steps_per_s(data, native),
-            "step_time_ratio": ratio["median"], "ratio_min": ratio["min"], "ratio_max": ratio["max"],
-            "control": ratio.get("control"),
-            **memory(peaks, "ours", ours, device), **memory(peaks, "native", native, device),
-            "error": errors.get(ours) or errors.get(native),
-        })
-    n_params = sum(p.numel() for p in template.parameters())
-    return {"model": desc, "params": n_params, "batch": sizes.batch, "seq": sizes.seq, "warmup_steps": sizes.warmup,
-            "timed_steps": sizes.steps, "rounds": done, "rows": rows, "summary": data, "errors": errors}
-
-
-def linear_section(sizes: Sizes, device: str, rounds: int, deadline: float) -> dict[str, Any]:
-    """``fp8-mixed`` vs ``bf16-mixed`` on the Linear stack: training steps (Trainer), then forward passes alone."""
-    batches = [torch.zeros(1)] * (sizes.warmup + sizes.steps)
-    peaks: dict[str, list[tuple[float, float]]] = {}
-    errors: dict[str, str] = {}
-    names = ["ours fp8-mixed", "ours bf16-mixed", "native bf16-mixed"]
-    make = lambda: LinearStack(sizes.linear_dim, sizes.linear_depth, sizes.linear_tokens)  # noqa: E731
-    variants = with_controls({n: timed_variant(n, make, batches, sizes.warmup, device, peaks, errors) for n in names},
-                             ["native bf16-mixed"])
-    train_deadline = time.monotonic() + 0.6 * max(deadline - time.monotonic(), 0)
-    times, done = rounds_within(variants, rounds, train_deadline)
-    fp8_target = "0.5-0.77 (1.3-2x faster) with FP8 tensor cores"
-    train = summary(times, [("ours fp8-mixed", "ours bf16-mixed", fp8_target),
-                            ("ours fp8-mixed", "native bf16-mixed", "measured"),
-                            ("ours bf16-mixed", "native bf16-mixed", "<= 1.03")])
-    fwd = linear_forward_rows(sizes, device, reps=max(sizes.steps, 2), rounds=rounds + 2, deadline=deadline)
-    forward = summary(fwd["times"], [("ours fp8-mixed forward", "ours bf16-mixed forward", fp8_target),
-                                     ("ours fp8-mixed forward", "native bf16-mixed forward", "measured"),
-                                     ("ours bf16-mixed forward", "native bf16-mixed forward", "<= 1.03")])
-    for name, v in train["variants"].items():
-        v.update(memory(peaks, "", name.replace(" (control)", ""), device))
-    return {"layers": f"{sizes.linear_depth} x Linear({sizes.linear_dim}, {sizes.linear_dim}, bias=False)",
-            "tokens": sizes.linear_tokens, "train": train, "train_rounds": done, "forward": forward,
-            "forward_rounds": fwd["rounds"], "scaled_mm_calls_per_forward": fwd["scaled_mm_calls_per_forward"],
-            "errors": errors}
-
-
 def fmt(v: Any, spec: str = ".3f") -> str:
     if isinstance(v, (int, float)) and math.isfinite(v):
         return format(v, spec)
     return "-" if v is None else str(v)
 
+def counter_section(sizes: Any, device: str) -> dict[str, Any]:
+    """``launches.py`` on the device (the transformer benchmark model), Trainer and Fabric, foreach and fused."""
+    import gpu_check_parts as parts
+    import launches
 
-def ratio_md(title: str, data: dict[str, Any]) -> list[str]:
-    lines = [title, "", "| ours | native | ours/native step time | min-max | control | target |",
-             "|---|---|---|---|---|---|"]
-    for r in data["ratios"]:
-        c = r.get("control")
-        ctl = f"{fmt(c['median'])} ({fmt(c['min'])}-{fmt(c['max'])})" if c else "-"
-        lines.append(f"| {r['ours']} | {r['native']} | {fmt(r['median'])} | {fmt(r['min'])}-{fmt(r['max'])} | {ctl} | "
-                     f"{r['target']} |")
-    lines += ["", "| variant | median step ms | rounds min-max ms | peak MB |", "|---|---|---|---|"]
-    for name, v in data["variants"].items():
-        lines.append(f"| {name} | {fmt(v['median_ms'])} | {fmt(v['min_ms'])}-{fmt(v['max_ms'])} | "
-                     f"{fmt(v.get('peak_mb'), '.0f')} |")
-    return lines + [""]
+    full = device == "cuda"  # the dry run: the Trainer, two recipes, AdamW(fused=True)
+    argv = ["--frameworks", *(["trainer", "fabric"] if full else ["trainer"]), "--models", "tiny",
+            "--optimizers", *(["foreach", "fused"] if full else ["fused"]),
+            "--recipes", *(parts.RECIPES if full else ["16-mixed", "bf16-master"]),
+            "--device", device, "--d-model", str(sizes.counter_d_model), "--layers", str(sizes.counter_layers),
+            "--warmup", "2"]
+    return {"rows": launches.main(argv)}
+
+
+def gpt_section(make_net: Callable[[], Any], desc: str, sizes: Any, device: str) -> dict[str, Any]:
+    """Ours vs native per recipe on the GPT model (and bf16-master vs native bf16-mixed, both AdamW(fused=True))."""
+    import gpu_check_parts as parts
+    import lightning_variants as lv
+    import torch_models as tm
+    from harness import Variant
+
+    batches = parts.gpt_batches(sizes, 8, sizes.batch)
+    ours = [Variant("ours", r) for r in parts.RECIPES] + [Variant("ours", "bf16-master", "fused")]
+    pairs = [(v, v.reference()) for v in ours]
+    variants = list(dict.fromkeys(v for p in pairs for v in p))
+    builds = {v.name: lv.trainer_build(v, make_net, batches, tm.lm_loss, device) for v in variants}
+    data = parts.timed(builds, [v.name for v in variants if v.side == "native"],
+                       [(a.name, b.name) for a, b in pairs], sizes, device)
+    n = sum(p.numel() for p in make_net().parameters())
+    return {"model": desc, "params": n, "batch": sizes.batch, "seq": sizes.seq, **data}
+
+
+def linear_section(sizes: Any, device: str) -> dict[str, Any]:
+    """``fp8-mixed`` vs ``bf16-mixed`` on the Linear stack: training steps (Trainer), then forward passes alone."""
+    import gpu_check_parts as parts
+    import lightning_variants as lv
+    from harness import Variant
+
+    make = lambda: parts.LinearStack(sizes.linear_dim, sizes.linear_depth, sizes.linear_tokens)  # noqa: E731
+    batches = [(torch.zeros(1), torch.zeros(1))]
+    names = [Variant("ours", "fp8-mixed"), Variant("ours", "bf16-mixed"), Variant("native", "bf16-mixed")]
+    builds = {v.name: lv.trainer_build(v, make, batches, parts.square_loss, device) for v in names}
+    pairs = [("ours fp8-mixed", "ours bf16-mixed"), ("ours fp8-mixed", "native bf16-mixed"),
+             ("ours bf16-mixed", "native bf16-mixed")]
+    train = parts.timed(builds, ["native bf16-mixed"], pairs, sizes, device)
+    return {"layers": f"{sizes.linear_depth} x Linear({sizes.linear_dim}, {sizes.linear_dim}, bias=False)",
+            "tokens": sizes.linear_tokens, "train": train, "forward": parts.linear_forward(sizes, device)}
+
+
+def timing_md(title: str, data: dict[str, Any]) -> list[str]:
+    import harness
+
+    def peak(v: dict[str, Any]) -> str:
+        mb = v.get("peak_mb_above_rest")
+        return fmt(mb, ".0f") if mb is not None else "-" if CUDA[0] else NO_CUDA
+
+    lines = [harness.markdown(title, data), "| variant | peak MB above its resting state |", "|---|---|"]
+    return lines + [f"| {k} | {peak(v)} |" for k, v in data["variants"].items()] + [""]
+
+
+CUDA = [False]  # set by main: whether this run is on CUDA
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The report as Markdown tables (the same figures as the JSON)."""
+    """The report as Markdown (the same figures as the JSON)."""
+    import launches
+
     m = report["machine"]
     dev = (f"{m.get('gpu')} (sm {m.get('capability')}, {m.get('gpu_memory_gb')} GB)" if m["device"] == "cuda"
            else "CPU dry run")
     out = [f"# GPU check: {dev}", "",
-           f"{m['date']}; python {m['python']}, torch {m['torch']} (CUDA {m['torch_cuda']}), "
-           f"lightning {m['lightning']}, transformers {m['transformers']}; "
-           f"wall {fmt(report.get('wall_s'), '.0f')} s of a {report['budget_s']:.0f} s budget", ""]
+           f"{m['date']}; python {m['python']}, torch {m['torch']} (CUDA {m['torch_cuda']}), lightning "
+           f"{m['lightning']}, transformers {m['transformers']}; wall {fmt(report.get('wall_s'), '.0f')} s", ""]
     p = report.get("pytest") or {}
     out += [f"**pytest -m cuda tests/cuda**: {p.get('status')}; {p.get('passed', '-')} passed, "
-            f"{p.get('failures', '-')} failed, "
-            f"{p.get('errors', '-')} errors, {p.get('skipped', '-')} skipped ({fmt(p.get('seconds'), '.0f')} s)", ""]
-    rows = report.get("bytes_per_param")
-    if rows:
+            f"{p.get('failures', '-')} failed, {p.get('errors', '-')} errors, {p.get('skipped', '-')} skipped "
+            f"({fmt(p.get('seconds'), '.0f')} s)", ""]
+    if report.get("counter"):
+        out += ["## Launches and host syncs of one step (launches.py)", "",
+                launches.markdown(report["counter"]["rows"]), ""]
+    if report.get("bytes_per_param"):
         out += ["## Model-state bytes/param at the optimizer step (AdamW)", "",
-                "| recipe | CUDA allocator | storages held | estimate_memory | FP32 params |", "|---|---|---|---|---|"]
-        def allocated(r: dict[str, Any]) -> str:
-            value = r["allocated_bytes_per_param"]
-            return fmt(value, ".2f") if value is not None else NO_CUDA
-
-        out += [f"| {r['recipe']} | {allocated(r)} | {fmt(r['held_bytes_per_param'], '.2f')} | "
-                f"{fmt(r['estimate_bytes_per_param'], '.2f')} | {r['fp32_params']} |"
-                for r in rows]
+                "| recipe | CUDA allocator | estimate_memory | FP32 params |", "|---|---|---|---|"]
+        for r in report["bytes_per_param"]:
+            held = r["allocated_bytes_per_param"]
+            out.append(f"| {r['recipe']} | {NO_CUDA if held is None else fmt(held, '.2f')} | "
+                       f"{fmt(r['estimate_bytes_per_param'], '.2f')} | {r['fp32_params']} |")
         out.append("")
     g = report.get("gpt2")
     if g:
-        out += [f"## {g['model']}", "", f"{g['params']:,} params, batch {g['batch']} x seq {g['seq']}, AdamW, "
-                f"{g['warmup_steps']} warm-up + {g['timed_steps']} timed steps per fit, {g['rounds']} round(s)", "",
-                "| recipe | ours steps/s | native | native steps/s | ours/native step time (min-max) | control | "
-                "ours peak MB | native peak MB |", "|---|---|---|---|---|---|---|---|"]
-        for r in g["rows"]:
-            c = r["control"]
-            ctl = f"{fmt(c['median'])} ({fmt(c['min'])}-{fmt(c['max'])})" if c else "-"
-            out.append(f"| {r['recipe']} | {fmt(r['ours_steps_per_s'], '.2f')} | {r['native']} | "
-                       f"{fmt(r['native_steps_per_s'], '.2f')} | {fmt(r['step_time_ratio'])} ({fmt(r['ratio_min'])}-"
-                       f"{fmt(r['ratio_max'])}) | {ctl} | {fmt(r['ours_peak_mb'], '.0f')} | "
-                       f"{fmt(r['native_peak_mb'], '.0f')} |")
-        out.append("")
+        out += timing_md(f"{g['model']}: {g['params']:,} params, batch {g['batch']} x seq {g['seq']}, AdamW", g)
     lin = report.get("linear_fp8")
     if lin:
-        out += [f"## fp8-mixed vs bf16-mixed: {lin['layers']}, {lin['tokens']} tokens", ""]
-        out += ratio_md(f"Training step ({lin['train_rounds']} round(s)):", lin["train"])
-        out += ratio_md(f"Forward pass alone, no grad ({lin['forward_rounds']} round(s); torch._scaled_mm calls per "
-                        f"forward: {lin['scaled_mm_calls_per_forward']}):", lin["forward"])
+        out += timing_md(f"fp8-mixed vs bf16-mixed, training step: {lin['layers']}, {lin['tokens']} tokens",
+                         lin["train"])
+        out += timing_md(f"Forward pass alone, no grad (torch._scaled_mm per forward: "
+                         f"{lin['forward']['scaled_mm_per_forward']})", lin["forward"])
     for title, key in (("Skipped", "skipped"), ("Notes", "notes")):
         if report.get(key):
             out += [f"## {title}", ""] + [f"- {line}" for line in report[key]] + [""]
     if report.get("errors"):
-        out += ["## Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`"
-                                    for k, v in report["errors"].items()] + [""]
+        out += ["## Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in report["errors"].items()]
     return "\n".join(out)
+
+
+def write(report: dict[str, Any], out: Path) -> str:
+    text = markdown(report)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "gpu_check.md").write_text(text)
+    return text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json / gpu_check.md")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU; CUDA parts skipped")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="wall seconds before no round is added")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="most alternating rounds per timed section (default 5, fewer when the budget "
-                             "runs out; 1 with --cpu-dry-run)")
-    parser.add_argument("--batch", type=int, default=None, help="GPT batch (default 16 on CUDA)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per section (default 3)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per variant per round (default 4)")
+    parser.add_argument("--batch", type=int, default=None, help="GPT batch (default 8)")
     parser.add_argument("--pytest-timeout", type=float, default=150.0)
     parser.add_argument("--no-hf", action="store_true",
                         help="the built-in GPT twin even where transformers is installed")
@@ -340,69 +283,57 @@ def main(argv: list[str] | None = None) -> int:
     """Run the check; 0 when every section ran (test failures are reported, not raised), else 1."""
     args = parse_args(argv)
     start = time.monotonic()
-    end = start + args.budget_s
     device = "cpu" if args.cpu_dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here: run with --cpu-dry-run", file=sys.stderr)
         return 2
-    import logging
-    import warnings
+    CUDA[0] = device == "cuda"
+    import gpu_check_parts as parts
+    import harness
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    if args.rounds is None:
-        args.rounds = 1 if args.cpu_dry_run else 5
-    sizes = DRY_SIZES if args.cpu_dry_run else Sizes(**({"batch": args.batch} if args.batch else {}))
+    harness.quiet()
+    torch.set_num_threads(1 if args.cpu_dry_run else torch.get_num_threads())
+    sizes = parts.DRY_SIZES if args.cpu_dry_run else parts.Sizes()
+    sizes = dataclasses.replace(sizes, **{k: v for k, v in (("rounds", args.rounds), ("steps", args.steps),
+                                                            ("batch", args.batch)) if v})
     args.out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"machine": machine_info(device), "budget_s": args.budget_s, "sizes": vars(sizes),
-                              "skipped": [], "notes": []}
+    report: dict[str, Any] = {"machine": machine_info(device), "sizes": vars(sizes), "skipped": [], "notes": []}
+    if device != "cuda":
+        report["skipped"] += [f"peak memory (torch.cuda.max_memory_allocated): {NO_CUDA}",
+                              f"bytes/param by the CUDA allocator: {NO_CUDA} (the estimate is given)",
+                              f"FP8 tensor cores (torch._scaled_mm): {NO_CUDA} (the FP8 emulation ran)",
+                              f"torch's own sync count (set_sync_debug_mode): {NO_CUDA}",
+                              f"pytest -m cuda: ran, its tests {NO_CUDA}"]
+    elif torch.cuda.get_device_capability(0) < (8, 9):
+        report["skipped"].append("FP8 tensor cores (torch._scaled_mm): compute capability "
+                                 f"{report['machine']['capability']} < 8.9 (the FP8 emulation ran)")
     print(f"gpu_check on {device}: pytest -m cuda ...", flush=True)
-    report["pytest"] = guarded(report, "pytest", lambda: run_pytest(
-        args.out, min(args.pytest_timeout, 0.4 * args.budget_s), list(args.wheels))) or {"status": "failed to run"}
-    print(f"  {report['pytest'].get('status')}: {report['pytest'].get('passed', '-')} passed, "
-          f"{report['pytest'].get('skipped', '-')} skipped", flush=True)
+    report["pytest"] = guarded(report, "pytest", lambda: run_pytest(args.out, args.pytest_timeout, list(args.wheels))
+                               ) or {"status": "failed to run"}
+    write(report, args.out)
+    print("launches and syncs per step ...", flush=True)
+    report["counter"] = guarded(report, "counter", lambda: counter_section(sizes, device))
+    write(report, args.out)
     use_hf = not args.no_hf and importlib.util.find_spec("transformers") is not None and not args.cpu_dry_run
     if not use_hf:
         why = "--cpu-dry-run" if args.cpu_dry_run else "--no-hf" if args.no_hf else "transformers is not installed"
         report["notes"].append(f"GPT model: the built-in TinyGPT twin ({why}), not Hugging Face's GPT2LMHeadModel")
-    if device != "cuda":
-        report["skipped"] += [f"peak memory (torch.cuda.max_memory_allocated): {NO_CUDA}",
-                              f"bytes/param by the CUDA allocator: {NO_CUDA} (the storages held are measured)",
-                              f"FP8 tensor cores (torch._scaled_mm): {NO_CUDA} (the FP8 emulation ran)",
-                              f"pytest -m cuda: ran, its tests {NO_CUDA}"]
-    elif torch.cuda.get_device_capability(0) < (8, 9):
-        report["skipped"].append("FP8 tensor cores (torch._scaled_mm): skipped: compute capability "
-                                 f"{report['machine']['capability']} < 8.9 (the FP8 emulation ran)")
-    report["notes"].append("fp8-mixed runs torch._scaled_mm in the forward pass only; its backward matmuls are "
-                           "float32 matmuls of the dequantized FP8 operands (lightning_ext/fp8_matmul.py), so the "
-                           "training-step ratio includes that cost; the forward-only rows isolate the tensor cores")
-    template = desc = None
-    made = guarded(report, "gpt_template", lambda: gpt_template(sizes, use_hf))
+    made = guarded(report, "gpt_model", lambda: parts.gpt_factory(sizes, use_hf))
     if made is not None:
-        template, desc = made
-
-    if template is not None:
+        make_net, desc = made
         print("bytes/param per recipe ...", flush=True)
-        small = gpt_batches(sizes, 3, sizes.bytes_batch, sizes.bytes_seq)
+        small = parts.gpt_batches(sizes, 3, sizes.bytes_batch)
         report["bytes_per_param"] = guarded(report, "bytes_per_param", lambda: [
-            bytes_per_param_row(r, template, small, device) for r in RECIPES])
-        for row in report["bytes_per_param"] or []:
-            if row["fp8_matmuls"] is not None:  # Hugging Face's GPT-2 computes its blocks with Conv1D, not nn.Linear
-                names = row["fp8_matmuls"]
-                report["notes"].append(f"fp8-mixed on the GPT model: {len(names)} FP8 matmul(s) ({', '.join(names[:4])}"
-                                       f"{', ...' if len(names) > 4 else ''}); every other matmul computes in bf16")
-        print("GPT: ours vs native, alternating ...", flush=True)
-        gpt_end = time.monotonic() + GPT2_SHARE * max(end - time.monotonic(), 0.0)
-        report["gpt2"] = guarded(report, "gpt2", lambda: gpt2_section(template, desc, sizes, device, args.rounds,
-                                                                      gpt_end))
-        del template
+            parts.bytes_per_param_row(r, make_net, small, device) for r in parts.RECIPES])
+        write(report, args.out)
+        print("GPT: ours vs native, in turns ...", flush=True)
+        report["gpt2"] = guarded(report, "gpt2", lambda: gpt_section(make_net, desc, sizes, device))
+        write(report, args.out)
+        parts.release(device)
     print("Linear stack: fp8-mixed vs bf16-mixed ...", flush=True)
-    report["linear_fp8"] = guarded(report, "linear_fp8", lambda: linear_section(sizes, device, args.rounds, end))
+    report["linear_fp8"] = guarded(report, "linear_fp8", lambda: linear_section(sizes, device))
     report["wall_s"] = time.monotonic() - start
-    text = markdown(report)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
-    (args.out / "gpu_check.md").write_text(text)
+    text = write(report, args.out)
     print("\n" + text)
     print(f"written: {args.out / 'gpu_check.json'}, {args.out / 'gpu_check.md'}")
     return 1 if report.get("errors") else 0

@@ -1,14 +1,15 @@
-"""The models of bench_transformer_keras.py: a hand-written GPT-2-style transformer and keras_hub's GPT-2.
+"""The Keras models of the benchmarks: the transformer benchmark model and keras_hub's GPT-2 (the twins of
+``torch_models.py``).
 
 * ``tiny``: token and position ``Embedding``, pre-LayerNorm blocks with causal ``MultiHeadAttention`` and an
   MLP whose activation is a custom layer of plain ops (:class:`NewGELU`, GPT-2's tanh GELU: a layer the op
   policy does not know, so keras_ext runs it in FP32 unless a module rule declares it), a final
   ``LayerNormalization`` and an untied ``Dense`` head; inputs ``[tokens, positions]``.
-* ``keras_hub``: ``keras_hub.models.GPT2Backbone`` built from a config of the same size (random init,
+* ``hf`` (or ``keras_hub``): ``keras_hub.models.GPT2Backbone`` built from a config of the same size (random init,
   ``dropout=0``; nothing downloaded) with the LM head tied to its token embedding, as ``GPT2CausalLM``
   does; inputs ``{"token_ids", "padding_mask"}``.
 
-Both are built under whatever Keras dtype policy is current (the bench sets it).
+Both are built under whatever Keras dtype policy is current (the caller sets it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from keras import ops
 
 __all__ = ["MODELS", "NewGELU", "build_model", "token_data"]
 
-MODELS = ("tiny", "keras_hub")
+MODELS = ("tiny", "hf")
+"""``hf``: keras_hub's GPT-2 (the name the torch side uses for its Hugging Face model)."""
 
 
 @keras.saving.register_keras_serializable(package="bench")
@@ -66,7 +68,7 @@ def build_model(model: str, vocab: int, seq: int, d: int, layers: int, heads: in
     """``model`` (one of :data:`MODELS`) of the given size, under the current Keras dtype policy."""
     if model == "tiny":
         return _tiny(vocab, seq, d, layers, heads)
-    if model == "keras_hub":
+    if model in ("hf", "keras_hub"):
         return _keras_hub(vocab, seq, d, layers, heads)
     raise ValueError(f"model must be one of {MODELS}, not {model!r}")
 
