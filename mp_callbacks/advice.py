@@ -75,8 +75,8 @@ FLOAT16_CPU_SLOWDOWNS: dict[str, float] = {"torch": 47, "keras/tensorflow": 1.1,
                                            "keras/torch": 1.3}
 """Float16 matmul time / float32's on a CPU without :data:`FLOAT16_CPU_FEATURES`, per backend: ``"torch"`` (torch's
 own matmul: the Lightning adapter) and ``"keras/<backend>"`` (``keras.ops.matmul``, what ``Dense`` calls: the
-Keras adapter).  A backend at or above :data:`FLOAT16_CPU_SLOW` gets the notice; the figures and how they were
-taken are in ``benchmarks/README.md``."""
+Keras adapter), as seen on an x86 CPU with AVX2 only.  A backend at or above :data:`FLOAT16_CPU_SLOW` gets
+the notice."""
 
 FLOAT16_CPU_SLOW = 2.0
 """The notice's threshold: a backend whose measured slowdown is below it has nothing to warn about."""

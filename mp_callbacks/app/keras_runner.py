@@ -152,7 +152,7 @@ def graph_options() -> Iterator[None]:
 
     The remapper fuses ``MatMul + BiasAdd (+ Relu)`` into one kernel whose
     float16 version takes a slow path on x86 CPUs, while the unfused float16 ops
-    do not (figures: ``benchmarks/README.md``).  The option is off for every
+    do not.  The option is off for every
     recipe, so all of them run with the same graph optimizations.
     """
     if keras.backend.backend() != "tensorflow":

@@ -9,11 +9,10 @@ the features explain them:
 * ``avx512_bf16`` / ``avx512_fp16``: bf16 dot products / fp16 arithmetic in AVX-512: oneDNN has
   native kernels for that dtype (about FP32 speed, more for memory-bound work).
 * none of them: no native kernel; torch's bf16/fp16 matmul on CPU takes a fallback path that can be
-  tens of times slower than FP32 (seen: ~38-104x on an AMD EPYC with AVX2 only), while TensorFlow's and
-  JAX's run at about FP32's speed there, and Keras' torch backend computes float16 matmuls on CPU in
-  float32 (its bfloat16 ones take torch's slow path): :func:`matmul_slowdown`,
-  ``benchmarks/bench_cpu_float16.py``.  The recipes still
-  give their memory (bytes/param) and their numerics; their speed then describes this CPU only.
+  tens of times slower than FP32, while TensorFlow's and JAX's run at about FP32's speed there, and
+  Keras' torch backend computes float16 matmuls on CPU in float32 (its bfloat16 ones take torch's slow
+  path): :func:`matmul_slowdown` measures it.  The recipes still give their memory (bytes/param) and
+  their numerics; their speed then describes this CPU only.
 """
 
 from __future__ import annotations

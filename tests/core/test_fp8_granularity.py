@@ -162,7 +162,7 @@ def test_settings_refuse_bad_values():
 
 @pytest.mark.parametrize("case,ratio", [("channels", 1e5), ("tokens", 1e5)])
 def test_finer_scales_keep_what_one_scale_per_tensor_loses(case, ratio):
-    """The stress case of benchmarks/bench_fp8_granularity.py: outlier features favour blocks along the
+    """The stress case of benchmarks/fp8_kinds.py: outlier features favour blocks along the
     contraction axis (MXFP8 > blockwise > rowwise > tensorwise); outlier tokens favour a scale per row."""
     x, w = outlier_operands(case, ratio)
     snr = {k: matmul_snr_db(x, w, k) for k in ("tensorwise", "rowwise", "blockwise", "mxfp8")}
