@@ -1,9 +1,8 @@
-"""The step's non-finite check and unscale of a Keras optimizer's gradients (the twin of
-:mod:`lightning_ext.grad_check`).
+"""The step's non-finite check and unscale of a Keras optimizer's gradients.
 
-Rules: :func:`found_inf` is one 0-d flag over every gradient (on TensorFlow's CPU one op,
-:mod:`keras_ext.check_native`; else ``isfinite`` + ``all`` per gradient, one ``all`` over them: no host read,
-traceable by every backend; an ``IndexedSlices`` gradient is checked on its values); :func:`unscale`
+Rules: :func:`found_inf` is one 0-d flag over every gradient (``isfinite`` + ``all`` per gradient, one ``all``
+over them, in ``keras.ops``: no host read, traceable by every backend and by XLA; an ``IndexedSlices``
+gradient is checked on its values); :func:`unscale`
 divides a gradient by the scale in float32 after widening it (an ``IndexedSlices`` stays sparse), or only
 widens it when scaling is off; :func:`scaled_loss` is the loss times the scale, and with scaling off (the
 core's known scale 1, :func:`~mp_callbacks.loss_scale.transition.fixed_scale`) the loss itself, in the dtype
@@ -19,21 +18,15 @@ from typing import Any
 import keras
 from keras import ops
 
-from .check_native import native_check
-from .ops import dtype_name, in_xla_context, is_tf
+from .ops import dtype_name, is_tf
 
 __all__ = ["found_inf", "scaled_loss", "unscale"]
 
 
 def found_inf(grads: Sequence[Any]) -> Any:
-    """A 0-d bool: some gradient holds an inf or NaN (no host read; False for no gradients).  One op
-    (:mod:`keras_ext.check_native`) where it applies and every gradient is a dense float32/bfloat16 tensor,
-    outside XLA; else ``isfinite`` + ``all`` per gradient."""
+    """A 0-d bool: some gradient holds an inf or NaN (no host read; False for no gradients; None entries are
+    ignored)."""
     present = [g for g in grads if g is not None]
-    native = native_check()
-    if (native is not None and not in_xla_context() and not any(map(_is_sparse, present))
-            and all(dtype_name(g) in ("float32", "bfloat16") for g in present)):
-        return native.found_inf(present)
     flags = [ops.all(ops.isfinite(_dense(g))) for g in present]
     if not flags:
         return ops.convert_to_tensor(False)

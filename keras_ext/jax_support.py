@@ -39,9 +39,6 @@ from typing import Any
 import keras
 from keras import ops
 
-from .ops import is_tf
-from .tf_cond import cond as tf_cond
-
 __all__ = ["StepState", "StepStateOwner", "cond", "in_stateless_step", "is_jax", "run_if", "stateless_apply", "sync",
            "tracing", "tree_where"]
 
@@ -93,15 +90,11 @@ def _current(variable: Any) -> Any:
 def run_if(applied: Any, fn: Callable[[], None], variables: Sequence[Any]) -> None:
     """``fn()`` (which writes some of ``variables``) where the 0-d bool ``applied`` holds.
 
-    TensorFlow: :func:`keras_ext.tf_cond.cond` (a traced step runs the branch as one function call);
-    torch: ``ops.cond``.  JAX: ``fn`` runs in a nested ``StatelessScope`` holding the current values,
+    TensorFlow and torch: ``ops.cond``.  JAX: ``fn`` runs in a nested ``StatelessScope`` holding the current values,
     then each written variable is assigned ``where(applied, new, old)``.
     """
     if not is_jax():
-        if is_tf():
-            tf_cond(applied, fn)
-        else:
-            ops.cond(applied, fn, lambda: None)
+        ops.cond(applied, fn, lambda: None)
         return
     from keras.src.backend.common.stateless_scope import StatelessScope
 

@@ -16,22 +16,16 @@ low-precision variable.  Variables kept in FP32 are their own master.  In Keras:
   updates and the gradients it gets (FP32 for a master);
 * :meth:`MasterWeights.write_back` rounds the masters into the variables.
 
-At the step the gradients stay in the storage dtype where the backend allows:
-on TensorFlow, when the inner optimizer hands each gradient untouched to its
-per-variable ``update_step`` (:func:`widens_in_update`), each one is widened to
-FP32 (and unscaled) inside its own variable's update, after the previous
-variable's update (a control dependency), so one FP32 gradient is live at a
-time: AdamW holds 2 + 2 + 4 + 8 = 16 B/param, the core's count with
-``fp32_master_grads=False``.  Otherwise (gradient clipping or accumulation, a
-custom update loop, several replicas, a monitor reading the unscaled gradients,
-other backends) the whole FP32 gradient list exists first: 18 B/param.
+At the step every gradient of a variable with a master is widened to FP32 before the inner optimizer
+runs (the core's count with ``fp32_master_grads=True``: AdamW 18 B/param at the step); under XLA
+(``jit_compile=True``) the compiler fuses the widening into each variable's update.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -40,7 +34,7 @@ from keras import ops
 from .ops import dtype_name, is_tf
 from .rebuild import FP32_SOURCE
 
-__all__ = ["LOW_PRECISION", "MasterWeights", "check_variables", "widened_in_update", "widens_in_update"]
+__all__ = ["LOW_PRECISION", "MasterWeights", "check_variables"]
 
 LOW_PRECISION = ("float16", "bfloat16")
 """Storage dtypes that get an FP32 master."""
@@ -58,7 +52,6 @@ class MasterWeights:
             raise TypeError(f"master_weights must be True or False, not {enabled!r}")
         self.enabled = enabled
         self._masters: list[Any] = []
-        self._written: set[int] = set()  # ids of variables the traced update rounded itself (write_back skips them)
 
     @property
     def variables(self) -> list[Any]:
@@ -91,38 +84,22 @@ class MasterWeights:
         """The master of ``variable`` (None when it is its own); ``index`` is the optimizer's variable index."""
         return self._masters[index(variable)] if self.enabled else None
 
-    def targets(self, grads: Sequence[Any], tvs: Sequence[Any], index: Callable[[Any], int],
-                widen: bool = True) -> tuple[list[Any], list[Any]]:
+    def targets(self, grads: Sequence[Any], tvs: Sequence[Any],
+                index: Callable[[Any], int]) -> tuple[list[Any], list[Any]]:
         """``(grads, targets)`` for the inner optimizer: a variable with a master is updated on the
-        master, with its gradient in FP32 (``widen=False``: as given, :func:`widened_in_update` widens it)."""
+        master, with its gradient widened to FP32."""
         masters = [self.master_of(v, index) for v in tvs]
         targets = [v if m is None else m for v, m in zip(tvs, masters)]
-        if widen:
-            grads = [g if g is None or t is v else ops.cast(g, "float32") for g, t, v in zip(grads, targets, tvs)]
+        grads = [g if g is None or t is v else ops.cast(g, "float32") for g, t, v in zip(grads, targets, tvs)]
         return list(grads), targets
 
-    def widens_in_update(self, optimizer: keras.optimizers.Optimizer) -> bool:
-        """Whether the step may hand ``optimizer`` the low-precision gradients for
-        :func:`widened_in_update`: masters kept, :func:`widens_in_update`, one replica."""
-        if not self.enabled or not widens_in_update(optimizer):
-            return False
-        import tensorflow as tf
-
-        return tf.distribute.get_strategy().num_replicas_in_sync == 1
-
-    def written_in_update(self, variables: set[int]) -> None:
-        """The update just traced also rounded the masters into these variables (ids;
-        :mod:`keras_ext.master_native`): the next :meth:`write_back` leaves them alone."""
-        self._written = set(variables)
-
     def write_back(self, tvs: Sequence[Any], index: Callable[[Any], int]) -> None:
-        """Round the FP32 masters into the low-precision variables (but those the update wrote itself)."""
-        written, self._written = self._written, set()
+        """Round the FP32 masters into the low-precision variables."""
         if not self.enabled:
             return
         for v in tvs:
             master = self.master_of(v, index)
-            if master is not None and id(v) not in written:
+            if master is not None:
                 v.assign(ops.cast(master, v.dtype))
 
 
@@ -142,46 +119,6 @@ def check_variables(variables: Sequence[Any], recipe: Any, masters: bool, roundi
                       "are stored in low precision, so no FP32 master is kept and the model trains with FP32 "
                       "weights; call keras_ext.apply_policy(model) (after keras_ext.set_global_policy) before "
                       "compile", UserWarning, stacklevel=3)
-
-
-def widens_in_update(optimizer: keras.optimizers.Optimizer) -> bool:
-    """Whether :func:`widened_in_update` applies to ``optimizer``: the TensorFlow backend, and Keras'
-    own TF update loop hands each gradient untouched to ``update_step`` (no clipping, gradient
-    accumulation or ``loss_scale_factor``; ``_backend_update_step`` not overridden)."""
-    if not is_tf():
-        return False
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    kind = type(optimizer)
-    return (isinstance(optimizer, TFOptimizer)
-            and kind._backend_update_step is TFOptimizer._backend_update_step
-            and kind._distributed_tf_update_step is TFOptimizer._distributed_tf_update_step
-            and not (optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue)
-            and not optimizer.gradient_accumulation_steps and optimizer.loss_scale_factor is None)
-
-
-@contextlib.contextmanager
-def widened_in_update(optimizer: keras.optimizers.Optimizer, widen: Callable[[Any], Any]) -> Iterator[None]:
-    """Within the block (TensorFlow), each gradient reaching ``optimizer.update_step`` is first
-    ``widen``-ed (cast to FP32, unscaled), after the previous variable's update has run: one FP32
-    gradient is live at a time.  The update itself is the optimizer's own ``update_step``."""
-    import tensorflow as tf
-
-    original = optimizer.update_step
-    previous: list[Any] = []
-
-    def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
-        with tf.control_dependencies(previous):
-            gradient = widen(gradient)
-        result = original(gradient, variable, learning_rate)
-        previous[:] = [tf.identity(variable)]  # read after the update's writes (automatic control deps)
-        return result
-
-    optimizer.update_step = update_step  # instance attribute: shadows the method for this call
-    try:
-        yield
-    finally:
-        del optimizer.update_step
 
 
 class _CopyOf(keras.initializers.Initializer):

@@ -18,7 +18,7 @@ decision comes from the core:
   the update into the bf16 variables instead (:class:`~keras_ext.rounding.UpdateRounding`);
 * :attr:`LossScaleOptimizer.recipe`: the :class:`~mp_callbacks.Recipe` implemented (the monitor reads it);
   the state reads, the scaler record and the Keras config are :class:`~keras_ext.optimizer_record.OptimizerRecord`'s,
-  the step after the check (transition, rule, update: eager, traced, whole-step XLA, per replica)
+  the step after the check (transition, rule, update: eager, traced, per replica)
   :class:`~keras_ext.optimizer_step.OptimizerStep`'s;
 * the core's divergence rule runs inside the step
   (:class:`~keras_ext.divergence.KerasDivergence`): a run that cannot recover
@@ -30,9 +30,8 @@ decision comes from the core:
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import keras
@@ -42,13 +41,12 @@ from mp_callbacks.diagnostics import DivergenceRule, MonitorPort
 from mp_callbacks.loss_scale import ScalerConfig, ScalerCounters, fixed_scale
 from mp_callbacks.recipes import Recipe, get_recipe
 
-from . import master_native
 from .divergence import KerasDivergence
 from .global_policy import coerce_recipe, optimizer_recipe
 from .grad_check import found_inf, scaled_loss, unscale
 from .jax_support import StepStateOwner, stateless_apply
 from .low_bit import eight_bit_inner
-from .masters import MasterWeights, check_variables, widened_in_update
+from .masters import check_variables
 from .ops import is_tf, read_once
 from .optimizer_record import OptimizerRecord
 from .optimizer_step import OptimizerStep
@@ -150,7 +148,6 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
         self._recipe = recipe_obj
         self.count_overflows = count_overflows
         self._grads_already_unscaled = False
-        self.fuse_masters = True  # read when the step is traced (see fuses_whole_step)
 
     # -- configuration ------------------------------------------------------------
     @property
@@ -286,39 +283,14 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
 
     @property
     def fp32_master_grads(self) -> bool:
-        """True when the step holds every master's FP32 gradient at once (AdamW 18 B/param); False when each is
-        widened inside its own update (16, :mod:`keras_ext.masters`; not while a monitor reads them all)."""
-        late = type(self._masters) is MasterWeights and self.monitor is None
-        return self.master_weights and not (late and self._masters.widens_in_update(self.inner_optimizer))
+        """True when the step holds every master's FP32 gradient at once (the widened list the inner optimizer
+        gets; :mod:`keras_ext.masters`): with masters, always."""
+        return self.master_weights
 
-    def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any], widen: Callable[[Any], Any] | None = None) -> None:
-        """The inner optimizer's update (on the masters, or the rounding's FP32 working values);
-        ``widen``: each gradient is widened inside its own variable's update (:func:`widened_in_update`).  Where
-        :mod:`keras_ext.master_native` applies, the update is its one op instead (which also rounds the masters
-        into the bf16 variables)."""
-        grads, targets = self._masters.targets(grads, tvs, self._get_variable_index, widen=widen is None)
-        native = self._native_update() if widen is not None or not self.master_weights else None
-        lows = {id(t): v for t, v in zip(targets, tvs) if t is not v}
-        if native is not None and master_native.applies(self.inner_optimizer, grads, targets,
-                                                        [lows.get(id(t)) for t in targets]):
-            sparse = {id(t) for g, t in zip(grads, targets) if type(g).__name__ == "IndexedSlices"}
-            scale = self._scale_to_divide() if widen is not None else None  # else divided already
-            with master_native.fused_in_update(self.inner_optimizer, native, lows, scale, sparse) as written:
-                self.inner_optimizer.apply(grads, targets)
-            self._masters.written_in_update(written)
-            return
-        with contextlib.nullcontext() if widen is None else widened_in_update(self.inner_optimizer, widen):
-            self.inner_optimizer.apply(grads, targets)
-
-    def _native_update(self) -> Any:
-        """The one-op update (:func:`keras_ext.master_native.native_master_adam`) where its rule holds for this
-        optimizer (no masters, or FP32 masters widened in the update; the inner optimizer an eligible Adam/AdamW);
-        else None.  Read when the step is traced: a masters' update then runs outside XLA (:attr:`fuses_whole_step`)."""
-        if type(self._masters) is not MasterWeights or (self.master_weights and self.fp32_master_grads):
-            return None
-        if not master_native.applies(self.inner_optimizer, (), (), ()):
-            return None
-        return master_native.native_master_adam()
+    def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any]) -> None:
+        """The inner optimizer's update (on the masters, or the rounding's FP32 working values)."""
+        grads, targets = self._masters.targets(grads, tvs, self._get_variable_index)
+        self.inner_optimizer.apply(grads, targets)
 
     def __repr__(self) -> str:
         return (f"keras_ext.LossScaleOptimizer(inner={type(self.inner_optimizer).__name__}, "

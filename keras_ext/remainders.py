@@ -19,7 +19,7 @@ The twin of Lightning's ``MasterWeights(remainders=True)``; the rule is the core
   optimizer's saved record holds the FP32 master in place of each remainder (:func:`fp32_record`): the
   FP32-copy recipe's record, and a load sets the variable and the remainder from it exactly.
 
-The step widens every gradient to FP32 first (``fp32_master_grads``); one replica only.
+The step widens every gradient to FP32 first; one replica only.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class RemainderMasters:
     """The exact FP32 masters of one optimizer as bf16 variable + int16 remainder, aligned with its variables.
 
     The interface of :class:`~keras_ext.masters.MasterWeights` (``build``, ``targets``, ``write_back``,
-    ``variables``, ``master_of``, ``widens_in_update``), which :class:`keras_ext.LossScaleOptimizer` drives.
+    ``variables``, ``master_of``), which :class:`keras_ext.LossScaleOptimizer` drives.
     """
 
     enabled = True
@@ -176,14 +176,10 @@ class RemainderMasters:
         """The master of ``variable`` (None when it is its own); ``index`` is the optimizer's variable index."""
         return self._masters[index(variable)]
 
-    def widens_in_update(self, optimizer: keras.optimizers.Optimizer) -> bool:
-        """False: the step widens every gradient to FP32 before the inner optimizer runs."""
-        return False
-
-    def targets(self, grads: Sequence[Any], tvs: Sequence[Any], index: Callable[[Any], int],
-                widen: bool = True) -> tuple[list[Any], list[Any]]:
+    def targets(self, grads: Sequence[Any], tvs: Sequence[Any],
+                index: Callable[[Any], int]) -> tuple[list[Any], list[Any]]:
         """``(grads, targets)`` for the inner optimizer: each bf16 variable's working variable holding its
-        joined FP32 master for this step, with its gradient in FP32 (always widened here)."""
+        joined FP32 master for this step, with its gradient widened to FP32."""
         out_grads, out_targets = [], []
         for g, v in zip(grads, tvs):
             i = index(v)

@@ -282,13 +282,10 @@ class UpdateRounding:
         return [(b, u, "bfloat16") for b, u in (self._tracked or {}).values()]
 
     # --------------------------------------------------------------- step
-    def targets(self, grads: Sequence[Any], tvs: Sequence[Any], index: Callable[[Any], int],
-                widen: bool = True) -> tuple[list[Any], list[Any]]:
+    def targets(self, grads: Sequence[Any], tvs: Sequence[Any],
+                index: Callable[[Any], int]) -> tuple[list[Any], list[Any]]:
         """``(grads, targets)`` for the inner optimizer: each rounded variable's working variable, holding
-        ``f32(w) + f32(c)`` (Kahan) or ``f32(w)`` (SR) for this step, with its gradient in FP32.
-
-        ``widen``: :meth:`keras_ext.masters.MasterWeights.targets`' signature; the gradients are always
-        widened here (the optimizer widens inside the update only for FP32 masters)."""
+        ``f32(w) + f32(c)`` (Kahan) or ``f32(w)`` (SR) for this step, with its gradient in FP32."""
         out_grads, out_targets = [], []
         for g, v in zip(grads, tvs):
             i = index(v)
