@@ -57,12 +57,11 @@ in the cross-replica context; Keras 3's own optimizer checks per replica.
 
 from .checkpoint import export_fp32, fp32_values, resume, save_model, save_weights
 from .forward_state import restore_on_skip
-from .global_policy import get_global_policy, get_global_recipe, resolve_policy, set_global_policy
+from .global_policy import get_global_policy, get_global_recipe, keras_dtype_policy, resolve_policy, set_global_policy
 from .loading import SavedFileError, load_model, load_weights
 from .monitor import MixedPrecisionMonitor
 from .ops import KERAS_OPS, KerasOps
 from .optimizer import LossScaleOptimizer, master_optimizer
-from .plan import keras_dtype_policy
 from .policy import apply_policy, layer_dtype_policies
 from .report import low_precision_share, policy_report
 

@@ -41,7 +41,7 @@ from mp_callbacks.policy import PolicyError
 from mp_callbacks.recipes import ResumePlan, get_recipe, plan_resume
 from mp_callbacks.settings import StateDictError
 
-from .global_policy import _RECIPE_OF_DTYPES, optimizer_recipe
+from .global_policy import RECIPE_OF_DTYPES, optimizer_recipe
 from .layers import policy_layers, resolved_policy, walk
 from .loading import load_model
 from .optimizer import LossScaleOptimizer
@@ -155,7 +155,7 @@ def _layer_recipe(saved: keras.Model) -> str:
     """The recipe of the saved layers' dtypes (``mixed_float16`` -> ``16-mixed``, ``bfloat16`` -> ``bf16-master``)."""
     low = [(p.variable_dtype, p.compute_dtype) for p in (resolved_policy(layer) for _, layer in policy_layers(saved))
            if p.compute_dtype != "float32"]
-    return _RECIPE_OF_DTYPES.get(low[0], "32-true") if low else "32-true"
+    return RECIPE_OF_DTYPES.get(low[0], "32-true") if low else "32-true"
 
 
 def _saved_recipe(saved: keras.Model, opt: LossScaleOptimizer) -> str:

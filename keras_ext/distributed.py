@@ -21,19 +21,24 @@ TensorFlow backend reduces in the optimizer; on JAX the gradients of a
 
 :func:`multi_worker_fit` lets ``model.fit`` run under ``MultiWorkerMirroredStrategy`` with more than
 one worker (Keras 3 fails there before the first step, with any optimizer: keras-team/keras#20585).
-:class:`CommCounter` counts what is handed to the all-reduce (gradients, on either path, and the flags).
+:class:`CommCounter` counts what the optimizer reduces or hands to Keras' reduction (gradients, on either path,
+and the flags), from its own code path.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from mp_callbacks.dtypes import dtype_bytes
 
-__all__ = ["reduce_gradients", "inner_reduction_off", "reduces_itself", "multi_worker_fit", "CommCounter"]
+from .ops import dtype_name
+
+__all__ = ["CommCounter", "count_reduction", "inner_reduction_off", "multi_worker_fit", "reduce_gradients",
+           "reduces_itself"]
 
 
 def reduces_itself(comm_dtype: str, ctx: Any) -> bool:
@@ -50,22 +55,28 @@ def reduce_gradients(ctx: Any, grads: Sequence[Any], comm_dtype: str) -> list[An
     dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
     sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
     out = list(grads)
-    with _reducing("gradients"):
-        if dense:
-            reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [tf.cast(grads[i], comm_dtype) for i in dense])
-            for i, r in zip(dense, reduced):
-                out[i] = tf.cast(r, "float32")
-        if sparse:
-            for i, r in zip(sparse, ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in sparse])):
-                out[i] = r
+    if dense:
+        narrow = [tf.cast(grads[i], comm_dtype) for i in dense]
+        count_reduction("gradients", narrow)
+        for i, r in zip(dense, ctx.all_reduce(tf.distribute.ReduceOp.SUM, narrow)):
+            out[i] = tf.cast(r, "float32")
+    if sparse:
+        count_reduction("gradients", [grads[i] for i in sparse])
+        for i, r in zip(sparse, ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in sparse])):
+            out[i] = r
     return out
 
 
 @contextlib.contextmanager
 def inner_reduction_off(optimizer: Any) -> Iterator[None]:
     """Within the block, ``optimizer`` (Keras' TF optimizer) applies gradients without all-reducing
-    them first (they were reduced by :func:`reduce_gradients`)."""
-    optimizer._all_reduce_sum_gradients = list  # instance attribute: shadows the method, grads_and_vars as given
+    them first (they were reduced by :func:`reduce_gradients`).
+
+    Keras' TensorFlow optimizer all-reduces inside ``apply``, in the gradients' own dtype, and publishes no
+    switch to take gradients already reduced (tf-keras' ``skip_gradients_aggregation`` is gone); reducing in
+    ``comm_dtype`` before the finite check, so that an overflowing reduction skips the step, needs it off for
+    this call: the method is shadowed on this optimizer instance for the block only."""
+    optimizer._all_reduce_sum_gradients = list  # grads_and_vars as given
     try:
         yield
     finally:
@@ -85,8 +96,10 @@ def multi_worker_fit(model: Any) -> Any:
       scalars: ``model.train_step``/``test_step`` return each scalar log as shape ``(1,)``, so that
       reduction is the mean over replicas (what Keras logs under ``MirroredStrategy``).
 
-    Instance attributes only, nothing global.  Returns ``model``; a no-op unless ``model`` was built
-    under a ``MultiWorkerMirroredStrategy`` of several workers (and Keras has that build step)."""
+    Keras publishes no hook around that build or the logs' reduction, so both are shadowed on this model
+    instance only (``_maybe_symbolic_build``, ``train_step``, ``test_step``), nothing global.  Returns
+    ``model``; a no-op unless ``model`` was built under a ``MultiWorkerMirroredStrategy`` of several workers
+    (and Keras has that build step)."""
     import tensorflow as tf
 
     original = getattr(type(model), "_maybe_symbolic_build", None)
@@ -130,46 +143,35 @@ def _logs_as_vectors(step: Any) -> Any:
 
 
 _COUNTERS: list[CommCounter] = []
-_ORIGINALS: dict[str, Any] = {}
-_LOCAL = threading.local()  # per thread (MirroredStrategy runs each replica in a thread of its own)
 
 
-def _kinds() -> list[str]:
-    """What this thread's all-reduce calls carry now ("gradients" inside a gradient reduction)."""
-    if not hasattr(_LOCAL, "kinds"):
-        _LOCAL.kinds = []
-    return _LOCAL.kinds
-
-
-@contextlib.contextmanager
-def _reducing(kind: str) -> Iterator[None]:
-    _kinds().append(kind)
-    try:
-        yield
-    finally:
-        _kinds().pop()
+def count_reduction(kind: str, values: Sequence[Any]) -> None:
+    """Record one all-reduce call of ``values`` (tensors or ``IndexedSlices``; None skipped) of ``kind``
+    (``"gradients"`` or ``"other"``) in every open :class:`CommCounter`."""
+    if _COUNTERS:
+        record = [(dtype_name(getattr(v, "values", v)), int(np.prod(getattr(v, "values", v).shape)))
+                  for v in values if v is not None]
+        for counter in _COUNTERS:
+            counter.calls.append((kind, record))
 
 
 class CommCounter:
-    """Within ``with CommCounter() as c:``, every replica-context ``all_reduce`` call is recorded when it
-    is traced (one trace of a train step = the calls of one step, per local replica): per call its
-    kind, ``"gradients"`` (:func:`reduce_gradients`, or Keras' own ``_all_reduce_sum_gradients`` under
-    FP32 communication) or ``"other"`` (the overflow/non-finite-loss flags), and the dtype and element
-    count of each value.  Counted, not estimated; TensorFlow backend only."""
+    """Within ``with CommCounter() as c:``, every cross-replica all-reduce of keras_ext's optimizer is recorded
+    when the step is traced (one trace of a train step = the calls of one step, per local replica): the
+    gradients it reduces in the recipe's ``comm_dtype`` (:func:`reduce_gradients`) or hands to Keras' optimizer,
+    which reduces them in their own dtype (FP32 communication), as ``"gradients"``; the overflow and
+    non-finite-loss flags as ``"other"``; per call the dtype and element count of each value.  Counted from
+    what is reduced, not estimated; TensorFlow backend only."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[tuple[str, int]]]] = []
 
     def __enter__(self) -> CommCounter:
-        if not _COUNTERS:
-            _install()
         _COUNTERS.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _COUNTERS.remove(self)
-        if not _COUNTERS:
-            _uninstall()
 
     def bytes_of(self, kind: str = "gradients") -> list[int]:
         """Bytes handed to each recorded call of ``kind``, in order."""
@@ -182,36 +184,3 @@ class CommCounter:
             for dt, n in values if k == kind else ():
                 out[dt] = out.get(dt, 0) + n
         return out
-
-
-def _install() -> None:
-    import numpy as np
-    import tensorflow as tf
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-    from tensorflow.python.distribute import distribute_lib
-
-    base = distribute_lib.ReplicaContextBase
-    all_reduce = _ORIGINALS["all_reduce"] = base.all_reduce
-    sum_grads = _ORIGINALS["sum_grads"] = TFOptimizer._all_reduce_sum_gradients
-
-    def counted_all_reduce(ctx: Any, reduce_op: Any, value: Any, options: Any = None) -> Any:
-        flat = [getattr(t, "values", t) for t in tf.nest.flatten(value, expand_composites=False)]
-        record = [(t.dtype.name, int(np.prod(t.shape))) for t in flat]
-        for counter in _COUNTERS:
-            counter.calls.append((_kinds()[-1] if _kinds() else "other", record))
-        return all_reduce(ctx, reduce_op, value, options)
-
-    def counted_sum_grads(self: Any, grads_and_vars: Any) -> Any:
-        with _reducing("gradients"):
-            return sum_grads(self, grads_and_vars)
-
-    base.all_reduce = counted_all_reduce
-    TFOptimizer._all_reduce_sum_gradients = counted_sum_grads
-
-
-def _uninstall() -> None:
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-    from tensorflow.python.distribute import distribute_lib
-
-    distribute_lib.ReplicaContextBase.all_reduce = _ORIGINALS.pop("all_reduce")
-    TFOptimizer._all_reduce_sum_gradients = _ORIGINALS.pop("sum_grads")

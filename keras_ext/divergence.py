@@ -12,29 +12,31 @@ its pure transition :func:`~mp_callbacks.diagnostics.divergence.next_divergence_
 * :meth:`KerasDivergence.update` (inside the traced step, before the scaler
   state is written) advances the streaks, kept in Keras variables that are
   not saved with the optimizer (as in Lightning they are not checkpointed; on
-  JAX they ride in the optimizer's :class:`~keras_ext.jax_support.StepState`,
-  so the jitted step threads them).  A stop
-  latches ``stop_step``; from then on every step is skipped and the scaler state
-  frozen (:meth:`stopped`), so nothing is applied while the host has not looked;
+  JAX they ride in the optimizer's step state, so the jitted step threads them).
+  A stop latches ``stop_step``; from then on every step is skipped and the scaler
+  state frozen (:meth:`stopped`), so nothing is applied while the host has not looked;
 * :meth:`KerasDivergence.check` is the host side: one scalar read of the latch,
-  and the :class:`~mp_callbacks.diagnostics.meters.DivergenceError` when it is set (the
+  and the :class:`~mp_callbacks.diagnostics.DivergenceError` when it is set (the
   latch is cleared, the streaks stay, as in the core rule).  It runs at the end
-  of every eager ``apply`` (torch backend, ``run_eagerly=True``) and, when the
-  step is a ``tf.function``, after every call of ``model.train_function``
-  (:meth:`watch` wraps it the first time the model's train step is traced); a
-  custom ``tf.function`` loop calls ``optimizer.check_divergence()`` itself.
-  On TensorFlow the latch's value after the step comes back with the step's outputs when it can
-  (:data:`LATCH_KEY`, added to the logs of ``model.compute_metrics`` in the trace of a train step that
-  called ``scale_loss``, one replica, when the train function was watched before that trace began:
-  :meth:`prepare`, which the compile guard of :func:`keras_ext.apply_policy` runs before ``fit`` and
-  ``train_on_batch``; the watched function takes the key out again, so no log shows it): the check is
-  then a read of a returned scalar, and the eager variable reads only run on a stop.  Otherwise (a
-  train function first watched inside its own trace, a custom ``train_step`` returning other logs,
-  several replicas) the variable is read after each call.
-  On JAX :meth:`watch` wraps the JAX trainer's train function the same way:
-  the latch is read from the state it returns, and on a stop that state is
-  synced into the variables first (the error sees the stop step's scaler state,
-  as on TensorFlow).
+  of every eager ``apply`` (torch backend, ``run_eagerly=True``), after every call
+  of a watched ``model.train_function`` (:meth:`watch`), and when ``fit`` ends
+  (the optimizer's ``finalize_variable_values``); a custom ``tf.function`` loop
+  calls ``optimizer.check_divergence()`` itself.
+
+A train function is watched when keras_ext sees the model before it trains:
+:meth:`prepare`, which the compile guard of :func:`keras_ext.apply_policy` and
+:func:`keras_ext.load_model` runs before ``fit`` and ``train_on_batch``, and a
+:class:`keras_ext.MixedPrecisionMonitor`.  A stop then raises at the step where the rule
+fired; in a model keras_ext never saw, the steps after the stop are skipped (the
+scaler frozen) and ``fit`` raises when it ends.  On TensorFlow a train function watched
+before its first trace returns the latch with the step's outputs (:data:`LATCH_KEY`,
+added to the logs of ``model.compute_metrics`` in the trace of a train step that called
+``scale_loss``, one replica; the watched function takes the key out again, so no log
+shows it): the check is then a read of a returned scalar, and the eager variable reads
+only run on a stop.  Otherwise the variable is read after each call.  On JAX the watched
+function reads the latch from the state the JAX trainer's train function returns, and on
+a stop hands that state to the trainer before raising (the error sees the stop step's
+scaler state, as on TensorFlow).
 
 The rule is off (no variables, no reads) when it is turned off or when the
 scaler never skips a step (``ScalerConfig.can_skip`` False): an applied step
@@ -81,6 +83,7 @@ class KerasDivergence:
         self._known_scale = fixed_scale(config)  # the scale of every step when it cannot move (stop_scale unused)
         self._vars: dict[str, Any] = {}
         self._local = threading.local()
+        self.watched = False  # some model's train function checks after each call (watch)
 
     def build(self, optimizer: keras.optimizers.Optimizer) -> None:
         """Create the device state (next to the optimizer's saved variables; JAX: in its step state)."""
@@ -95,19 +98,13 @@ class KerasDivergence:
             optimizer.step_state.register("divergence", list(self._vars.values()))
 
     # ------------------------------------------------------------- the step
-    def record_loss(self, loss: Any, frame: Any = None) -> None:
-        """From ``scale_loss``: remember whether ``loss`` is finite.  ``frame``: the caller's; while a
-        ``tf.function`` is traced, a Keras model calling from its train step is watched (:meth:`watch`)."""
+    def record_loss(self, loss: Any) -> None:
+        """From ``scale_loss``: remember whether ``loss`` is finite (and, while a TensorFlow graph is traced,
+        which graph: :meth:`latch_output` returns the latch from that trace only)."""
         if not self.active:
             return
         self._local.finite = ops.all(ops.isfinite(loss))
-        if frame is not None and (_in_tf_graph() or in_stateless_step()):
-            caller = frame.f_locals.get("self")
-            if isinstance(caller, keras.Model):
-                fn = getattr(caller, "train_function", None)
-                returned = _in_tf_graph() and isinstance(fn, _Checked) and fn.before_first_call
-                self.watch(caller)
-                self._local.step_graph = _graph() if returned else None  # this trace returns the latch
+        self._local.step_graph = _graph() if _in_tf_graph() else None
 
     def loss_finite(self) -> Any:
         """This replica's flag from the ``scale_loss`` of the same step (True when there was none); cleared."""
@@ -160,6 +157,11 @@ class KerasDivergence:
             self.on_stop()
         raise self.rule.error(step, scale, state=state)
 
+    def check_if_unwatched(self) -> None:
+        """:meth:`check`, unless a watched train function checks after each of its calls (when ``fit`` ends)."""
+        if not self.watched:
+            self.check()
+
     def check_if_eager(self) -> None:
         """:meth:`check`, when the step just ran eagerly (torch backend, ``run_eagerly=True``; not inside
         the JAX trainer's stateless step: its train function is watched)."""
@@ -170,18 +172,23 @@ class KerasDivergence:
         """Make ``model.train_function`` call :meth:`check` after each call (once per train function);
         ``before_first_call``: it was never called (its traces may return the latch)."""
         fn = getattr(model, "train_function", None)
-        if fn is not None and not isinstance(fn, (_Checked, _JaxChecked)):
+        if not self.active or fn is None:
+            return
+        self.watched = True
+        if not isinstance(fn, (_Checked, _JaxChecked)):
             model.train_function = _JaxChecked(fn, self, model) if is_jax() else \
                 _Checked(fn, self.check, before_first_call)
         metrics = model.__dict__.get("compute_metrics")
         if is_tf() and not (isinstance(metrics, _WithLatch) and metrics.rule is self):  # once per optimizer
             original = metrics.fn if isinstance(metrics, _WithLatch) else model.compute_metrics
-            object.__setattr__(model, "compute_metrics", _WithLatch(original, self))
+            object.__setattr__(model, "compute_metrics", _WithLatch(original, self, model))
 
     def prepare(self, model: keras.Model) -> None:
-        """Before ``model.fit`` / ``train_on_batch`` (TensorFlow, a traced step): make the train function and
-        :meth:`watch` it, so that its first trace already returns the latch (:data:`LATCH_KEY`)."""
-        if self.active and is_tf() and not model.run_eagerly and getattr(model, "optimizer", None) is not None:
+        """Before ``model.fit`` / ``train_on_batch`` (a traced step; on JAX without a ``keras.distribution``):
+        make the train function and :meth:`watch` it, so that the stop raises at its step (on TensorFlow the
+        function's first trace already returns the latch, :data:`LATCH_KEY`)."""
+        traced = is_tf() or (is_jax() and keras.distribution.distribution() is None)
+        if self.active and traced and not model.run_eagerly and getattr(model, "optimizer", None) is not None:
             fresh = model.train_function is None
             model.make_train_function()
             self.watch(model, before_first_call=fresh)
@@ -226,14 +233,16 @@ class _Checked:
 
 
 class _WithLatch:
-    """``model.compute_metrics``, its logs with the latch added in the train step whose loss the rule saw."""
+    """``model.compute_metrics``, its logs with the latch added in the train step whose loss the rule saw, when
+    the model's train function was watched before its first call (it takes the latch out of the logs)."""
 
-    def __init__(self, fn: Callable[..., Any], rule: KerasDivergence) -> None:
-        self.fn, self.rule = fn, rule
+    def __init__(self, fn: Callable[..., Any], rule: KerasDivergence, model: keras.Model) -> None:
+        self.fn, self.rule, self.model = fn, rule, model
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         logs = self.fn(*args, **kwargs)
-        latch = self.rule.latch_output()
+        train = getattr(self.model, "train_function", None)
+        latch = self.rule.latch_output() if isinstance(train, _Checked) and train.before_first_call else None
         return {**logs, LATCH_KEY: latch} if latch is not None and isinstance(logs, dict) else logs
 
 
@@ -253,6 +262,9 @@ class _JaxChecked:
         position = next((i for i, v in enumerate(self.model.optimizer.variables) if v is latch), None)
         if position is None or int(ops.convert_to_numpy(new_state[2][position])) <= 0:
             return out
+        # Keras' JAX fit keeps each step's state in model._jax_state and syncs it into the variables (also in
+        # its ``finally``); raising here, the only place the stop is seen at its step, would leave the previous
+        # step's state there, and Keras publishes no setter for it: so the stop step's state is handed over.
         self.model._jax_state = dict(zip(self.KEYS, new_state))
         self.model._jax_state_synced = False
         self.model.jax_state_sync()

@@ -109,7 +109,7 @@ def restore(model: Any, recipe: Any = None) -> Any:
     """What Keras cannot rebuild from a config (see the module docstring, step 3); returns ``model``."""
     seen: set[int] = set()
     for path, owner in [("", model), *walk(model)]:
-        saved = getattr(owner, "_dtype_policy", None)
+        saved = owner.dtype_policy
         if not isinstance(saved, PolicyMap) or id(saved) in seen:  # its sublayers share their owner's map
             continue
         seen.add(id(saved))

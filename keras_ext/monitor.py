@@ -272,7 +272,12 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         self._swamp.clear()
 
     def _retrace(self) -> None:
-        getattr(self.model, "make_train_function", lambda force: None)(force=True)
+        """A new train function (the step traced again with or without the monitor), watched by the optimizer's
+        divergence rule (:meth:`keras_ext.divergence.KerasDivergence.watch`)."""
+        if hasattr(self.model, "make_train_function"):
+            self.model.make_train_function(force=True)
+            if self._opt is not None:
+                self._opt._divergence.watch(self.model, before_first_call=True)
 
     # -------------------------------------------------------- the device hook
     def on_optimizer_step(self, found_inf: Any, grads: list[Any], tvs: list[Any], scale_used: Any) -> None:

@@ -30,7 +30,6 @@ decision comes from the core:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +40,7 @@ from mp_callbacks.diagnostics import DivergenceRule, MonitorPort
 from mp_callbacks.loss_scale import ScalerConfig, ScalerCounters, fixed_scale
 from mp_callbacks.recipes import Recipe, get_recipe
 
+from .distributed import count_reduction
 from .divergence import KerasDivergence
 from .global_policy import coerce_recipe, optimizer_recipe
 from .grad_check import found_inf, scaled_loss, unscale
@@ -212,7 +212,7 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
         itself (the core's :func:`~mp_callbacks.loss_scale.transition.fixed_scale` 1: no multiply, the dtype
         of the product, :func:`keras_ext.grad_check.scaled_loss`).  Also records, for the divergence rule,
         whether the loss is finite (Keras' train step calls this)."""
-        self._divergence.record_loss(loss, sys._getframe(1))
+        self._divergence.record_loss(loss)
         known = fixed_scale(self.scaler_config)
         return scaled_loss(loss, None if known == 1.0 else self.dynamic_scale if known is None else known)
 
@@ -223,11 +223,18 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
         return self._divergence.rule
 
     def check_divergence(self) -> None:
-        """Raise :class:`~mp_callbacks.diagnostics.meters.DivergenceError` if the rule stopped the run (one host read).
+        """Raise :class:`~mp_callbacks.diagnostics.DivergenceError` if the rule stopped the run (one host read).
 
-        ``model.fit`` and eager steps check by themselves; call it after each step of a custom
-        ``tf.function`` loop (until then every step is skipped)."""
+        Eager steps and ``model.fit`` check by themselves (``fit`` at the stop step when keras_ext prepared the
+        model, else when it ends); call it after each step of a custom ``tf.function`` loop (until then every
+        step is skipped)."""
         self._divergence.check()
+
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        """Keras' end of ``fit``: the inner optimizer's, then :meth:`check_divergence` unless a watched train
+        function checked after each step."""
+        super().finalize_variable_values(var_list)
+        self._divergence.check_if_unwatched()
 
     def get_scaled_loss(self, loss: Any) -> Any:
         """tf-keras API: ``loss * scale``; a callable loss gives a callable."""
@@ -287,9 +294,13 @@ class LossScaleOptimizer(OptimizerStep, OptimizerRecord, ScalerCounters, Monitor
         gets; :mod:`keras_ext.masters`): with masters, always."""
         return self.master_weights
 
-    def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any]) -> None:
-        """The inner optimizer's update (on the masters, or the rounding's FP32 working values)."""
+    def _apply_inner(self, grads: Sequence[Any], tvs: Sequence[Any], inner_reduces: bool = False) -> None:
+        """The inner optimizer's update (on the masters, or the rounding's FP32 working values);
+        ``inner_reduces``: Keras' optimizer all-reduces the gradients it is handed (counted as such)."""
         grads, targets = self._masters.targets(grads, tvs, self._get_variable_index)
+        if inner_reduces:
+            count_reduction("gradients", [g for g, t in zip(grads, targets)
+                                          if g is not None and not getattr(t, "overwrite_with_gradient", False)])
         self.inner_optimizer.apply(grads, targets)
 
     def __repr__(self) -> str:

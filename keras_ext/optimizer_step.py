@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from .distributed import inner_reduction_off, reduce_gradients, reduces_itself
+from .distributed import count_reduction, inner_reduction_off, reduce_gradients, reduces_itself
 from .jax_support import run_if
 
 __all__ = ["OptimizerStep"]
@@ -68,8 +68,9 @@ class OptimizerStep:
         loss_finite = self._divergence.loss_finite()
         if ctx.num_replicas_in_sync > 1 and self.checks_overflow:
             # The decision is global: sum the per-replica overflow (and non-finite loss) flags first.
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(
-                tf.stack([found_inf, tf.logical_not(loss_finite)]), tf.float32))
+            flags = tf.cast(tf.stack([found_inf, tf.logical_not(loss_finite)]), tf.float32)
+            count_reduction("other", [flags])
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, flags)
             found_inf, loss_finite = tf.greater(total[0], 0.0), tf.equal(total[1], 0.0)
         unscaled = self._unscaled(grads, tvs, unscaled_already)
 
@@ -78,7 +79,7 @@ class OptimizerStep:
 
             def apply_inner(grads: list[Any]) -> None:
                 with inner_reduction_off(self.inner_optimizer) if reduced else contextlib.nullcontext():
-                    distribution.extended.call_for_each_replica(self._apply_inner, args=(grads, tvs))
+                    distribution.extended.call_for_each_replica(self._apply_inner, args=(grads, tvs, not reduced))
 
             scale_used = self._step(found, finite, unscaled, tvs, apply_inner)
             if distribution.num_replicas_in_sync == 1:  # the monitor's device record is per replica

@@ -24,11 +24,12 @@ from typing import Any
 
 import keras
 
-from mp_callbacks.policy import PolicyError, PrecisionPolicy, boundary_cast, class_names
+from mp_callbacks.policy import PrecisionPolicy, boundary_cast, class_names
 
+from .global_policy import keras_dtype_policy
 from .layers import children, is_graph
 
-__all__ = ["MATMUL_LAYERS", "LayerPlan", "keras_dtype_policy", "make_plan", "output_layers"]
+__all__ = ["MATMUL_LAYERS", "LayerPlan", "make_plan", "output_layers"]
 
 MATMUL_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Conv1D, keras.layers.Conv2D,
                  keras.layers.Conv3D)
@@ -57,18 +58,6 @@ class LayerPlan:
     def keras_policy(self) -> keras.DTypePolicy:
         """The Keras dtype policy of this decision."""
         return keras_dtype_policy(self.params, self.compute)
-
-
-def keras_dtype_policy(params: str, compute: str) -> keras.DTypePolicy:
-    """The Keras dtype policy storing variables in ``params`` and computing in ``compute``."""
-    if params == compute:
-        return keras.DTypePolicy(compute)
-    if params == "float32" and compute in ("float16", "bfloat16"):
-        return keras.DTypePolicy(f"mixed_{compute}")
-    raise PolicyError(
-        f"Keras has no dtype policy with variables in {params} and compute in {compute}; "
-        "use params=float32 (mixed) or params equal to compute"
-    )
 
 
 def output_layers(model: Any) -> set[int]:

@@ -41,7 +41,7 @@ from mp_callbacks.recipes import Recipe
 from .casts import install_casts
 from .fp8 import install as install_fp8
 from .fp8 import is_fp8_variable
-from .global_policy import RECIPE_ATTR, core_policy, notice_cpu_float16, resolve_policy
+from .global_policy import core_policy, global_recipe, notice_cpu_float16, resolve_policy
 from .guard import guard_compile
 from .layers import children, is_graph, own_variables, resolved_policy, walk
 from .plan import MATMUL_LAYERS, LayerPlan, make_plan
@@ -58,9 +58,7 @@ def layer_dtype_policies(model: keras.Model, policy: Any = None) -> dict[str, ke
 
 def _recipe_of(policy: Any) -> Recipe | None:
     """The recipe ``policy`` names (the global one when None), or None."""
-    recipe = resolve_policy(policy)[1] if policy is not None else None
-    return recipe if recipe is not None or policy is not None else getattr(keras.config.dtype_policy(),
-                                                                           RECIPE_ATTR, None)
+    return resolve_policy(policy)[1] if policy is not None else global_recipe()
 
 
 def _mismatched(layer: Any, kp: keras.DTypePolicy) -> bool:
@@ -122,8 +120,14 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
 
 
 def _set_own_policy(layer: Any, kp: Any) -> None:
-    """``layer``'s own dtype policy := ``kp`` (replacing a ``DTypePolicyMap`` it holds, not adding an entry)."""
-    if isinstance(layer._dtype_policy, keras.dtype_policies.DTypePolicyMap):
+    """``layer``'s own dtype policy := ``kp``, through Keras' ``dtype_policy`` setter (for a layer holding its
+    owner's :class:`~keras_ext.policy_map.PolicyMap`, the setter sets the layer's entry of that map).  A layer
+    holding a ``DTypePolicyMap`` of its own (an owner's map, or the one a rebuild gave it) has it replaced:
+    Keras' setter would add ``kp`` as an entry of that map, and Keras publishes no way to drop a map from a
+    layer, so ``_dtype_policy`` is assigned on this layer."""
+    held = layer.dtype_policy
+    shared = isinstance(held, PolicyMap) and held.owner is not None and held.owner is not layer
+    if isinstance(held, keras.dtype_policies.DTypePolicyMap) and not shared:
         layer._dtype_policy = kp
     else:
         layer.dtype_policy = kp

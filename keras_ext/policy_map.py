@@ -72,13 +72,14 @@ class PolicyMap(keras.dtype_policies.DTypePolicyMap):
         self.layers = [(p, c, keras.dtype_policies.get(kp), out) for p, c, kp, out in (layers or [])]
         self.outputs = outputs
         self._owner: Any = None
+        self._own: Any = None  # the owner's own policy, once bound and refreshed
 
     @classmethod
     def of(cls, owner: Any) -> PolicyMap:
         """A map holding the current policies of ``owner``'s sublayers, bound to it (not installed)."""
         made = cls(resolved_policy(owner))
         made.bind(owner)
-        made._refresh()
+        made.refresh()
         return made
 
     def bind(self, owner: Any) -> None:
@@ -87,23 +88,33 @@ class PolicyMap(keras.dtype_policies.DTypePolicyMap):
 
     @property
     def owner(self) -> Any:
+        """The layer whose sublayers' policies this map reports (None: not bound)."""
         return self._owner() if self._owner is not None else None
 
-    def _refresh(self) -> None:
+    @property
+    def default_policy(self) -> Any:
+        """The owner's own policy (before a refresh: the one given)."""
+        return self._own if self._own is not None else super().default_policy
+
+    def refresh(self) -> None:
+        """Take the bound owner's current policies (its own, its sublayers', the output casts)."""
         owner = self.owner
         if owner is None:
             return
-        self._default_policy_arg = self._default_policy = _plain(owner)
-        self._policy_map = {layer.path: resolved_policy(layer) for _, layer in walk(owner) if layer.path}
-        self.layers = [(p, type(layer).__name__, resolved_policy(layer), layer.__dict__.get(MODEL_OUTPUT))
-                       for p, layer in walk(owner)]
-        self.outputs = owner.__dict__.get(MODEL_OUTPUT)
+        entries = {layer.path: resolved_policy(layer) for _, layer in walk(owner) if layer.path}
+        rows = [(p, type(layer).__name__, resolved_policy(layer), layer.__dict__.get(MODEL_OUTPUT))
+                for p, layer in walk(owner)]
+        own = _plain(owner)
+        for key in list(self):
+            del self[key]
+        for key, policy in entries.items():
+            self[key] = policy
+        self._own, self.layers, self.outputs = own, rows, owner.__dict__.get(MODEL_OUTPUT)
 
     def get_config(self) -> dict[str, Any]:
-        self._refresh()
+        self.refresh()
         ser = keras.dtype_policies.serialize
-        return {"default_policy": ser(self._default_policy), "policy_map": {k: ser(v) for k, v in
-                                                                             self._policy_map.items()},
+        return {"default_policy": ser(self.default_policy), "policy_map": {k: ser(self[k]) for k in self},
                 "layers": [[p, c, ser(kp), out] for p, c, kp, out in self.layers], "outputs": self.outputs}
 
     @classmethod
@@ -117,7 +128,7 @@ class PolicyMap(keras.dtype_policies.DTypePolicyMap):
 
 def _plain(owner: Any) -> Any:
     """The owner's own policy (its entry in the map it holds, else the map's default)."""
-    policy = owner._dtype_policy
+    policy = owner.dtype_policy
     if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
         return policy[owner.path] if owner.path and owner.path in policy else policy.default_policy
     return policy
