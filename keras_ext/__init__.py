@@ -23,19 +23,15 @@
   they were (installed by ``compile`` with a :class:`LossScaleOptimizer`).
 * :class:`KerasOps`: the core's array-ops protocol over ``keras.ops``.
 
-Modules (the same files as ``lightning_ext`` for the same jobs): ``optimizer``
-(the Keras-facing :class:`LossScaleOptimizer`), ``scaler`` (the scaler state in
-Keras variables), ``divergence`` (the core's divergence rule in the traced step
-and its host check), ``masters`` (FP32 master weights), ``rounding``
-(with ``rounding_ops``: the core's rounding ops in ``keras.ops``), ``global_policy``
-(the recipe on Keras' global policy), ``plan`` (the per-layer decision), ``policy``
-(applying it), ``casts`` (at composite boundaries), ``policy_map`` (nested
-policies and FP8 settings in a saved model), ``rebuild``, ``report``, ``guard``
-(compile under a recipe), ``forward_state`` (skipped steps and BatchNorm),
-``attribution`` (which layer overflowed), ``monitor``, ``memory``, ``ops``,
-``meters``, ``checkpoint`` (saving the masters, resuming across recipes),
-``loading``.  No module keeps global state (one said-once flag aside: the float16-on-CPU
-notice, ``global_policy``): the active policy rides on Keras' own global dtype policy.
+Layout (the same subpackage names as ``lightning_ext`` for the same jobs): :mod:`~keras_ext.optimizer`
+(:class:`LossScaleOptimizer`, :func:`master_optimizer`), :mod:`~keras_ext.loss_scale` (the scaler state, the
+finite check, the divergence rule, what a skipped step restores), :mod:`~keras_ext.weights` (masters,
+remainders, update rounding, 8-bit states), :mod:`~keras_ext.fp8`, :mod:`~keras_ext.policy` (the op policy on
+layers, casts, rebuilds, the report, the compile guard), :mod:`~keras_ext.diagnostics` (the monitor, meters,
+attribution, memory), :mod:`~keras_ext.distributed` (``tf.distribute``), :mod:`~keras_ext.checkpoint` (saving,
+loading, resuming), and three shared modules: :mod:`~keras_ext.ops` (``keras.ops`` under the core),
+:mod:`~keras_ext.layers` (walking a model's layers), :mod:`~keras_ext.global_policy` (the recipe on Keras' global
+dtype policy).  No module keeps global state (one said-once flag aside: the float16-on-CPU notice).
 
 Typical use::
 
@@ -45,25 +41,24 @@ Typical use::
 
     # or, the Keras drop-in (``keras`` preset reproduces keras.optimizers.LossScaleOptimizer):
     model.compile(keras_ext.LossScaleOptimizer(keras.optimizers.Adam(), "torch"), loss)
-
-Design notes: the optimizer subclasses Keras' ``LossScaleOptimizer`` so that
-``compile()`` under ``mixed_float16`` does not wrap it again and Keras
-callbacks that unwrap ``inner_optimizer`` keep working; everything that
-decides (finite check, transition, skip, master weights) is overridden.
-The finite check runs per replica in ``apply`` and its flag is all-reduced
-(SUM over ``tf.distribute`` replicas) before the transition, which runs once
-in the cross-replica context; Keras 3's own optimizer checks per replica.
 """
 
-from .checkpoint import export_fp32, fp32_values, resume, save_model, save_weights
-from .forward_state import restore_on_skip
+from .checkpoint import (
+    SavedFileError,
+    export_fp32,
+    fp32_values,
+    load_model,
+    load_weights,
+    resume,
+    save_model,
+    save_weights,
+)
+from .diagnostics import MixedPrecisionMonitor
 from .global_policy import get_global_policy, get_global_recipe, keras_dtype_policy, resolve_policy, set_global_policy
-from .loading import SavedFileError, load_model, load_weights
-from .monitor import MixedPrecisionMonitor
+from .loss_scale import restore_on_skip
 from .ops import KERAS_OPS, KerasOps
 from .optimizer import LossScaleOptimizer, master_optimizer
-from .policy import apply_policy, layer_dtype_policies
-from .report import low_precision_share, policy_report
+from .policy import apply_policy, layer_dtype_policies, low_precision_share, policy_report
 
 __all__ = [
     "KERAS_OPS",

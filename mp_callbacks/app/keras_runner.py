@@ -48,10 +48,10 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_ext.diagnostics import nbytes
 from keras_ext.fp8 import host_metrics as fp8_host_metrics
 from keras_ext.fp8 import is_fp8_variable
 from keras_ext.global_policy import set_global_policy
-from keras_ext.memory import nbytes
 from keras_ext.optimizer import LossScaleOptimizer, master_optimizer
 from keras_ext.policy import apply_policy
 

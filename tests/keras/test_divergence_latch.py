@@ -1,7 +1,7 @@
-"""keras_ext/divergence.py on TensorFlow: the latch comes back with the train step's outputs.
+"""keras_ext/loss_scale/divergence.py on TensorFlow: the latch comes back with the train step's outputs.
 
 A model set up by ``keras_ext.apply_policy`` (its compile guard watches the train function before ``fit``
-traces it) reads the divergence latch from the step's returned logs (:data:`keras_ext.divergence.LATCH_KEY`,
+traces it) reads the divergence latch from the step's returned logs (:data:`keras_ext.loss_scale.LATCH_KEY`,
 taken out again before ``fit`` or a callback sees them) instead of an eager variable read per step: on a
 clean run the host's variable reads never run, the logs are those of the same model under a plain Keras
 optimizer, and the stop still raises at the step where the rule fires (the core's message, nothing applied).
@@ -16,7 +16,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.divergence import LATCH_KEY
+from keras_ext.loss_scale import LATCH_KEY
 from mp_callbacks.diagnostics import DivergenceError
 from tests.keras.helpers.util import requires_tf_backend
 

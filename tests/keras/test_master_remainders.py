@@ -1,6 +1,6 @@
-"""``master_remainders`` in Keras (keras_ext.remainders): the keras.ops join/split are the core's NumPy reference
-bit for bit; given the same gradients (inf steps skipped) the FP32 masters, slots and scaler state are the FP32-copy
-``bf16-master``'s bit for bit; save/load resumes exactly (ties included); the masters hold 2 B/param."""
+"""``master_remainders`` in Keras (keras_ext.weights.remainders): the keras.ops join/split are the core's NumPy
+reference bit for bit; given the same gradients (inf steps skipped) the FP32 masters, slots and scaler state are the
+FP32-copy ``bf16-master``'s bit for bit; save/load resumes exactly (ties included); the masters hold 2 B/param."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.memory import memory_report
-from keras_ext.remainders import RemainderMaster, join, split
+from keras_ext.diagnostics import memory_report
+from keras_ext.weights import RemainderMaster, join, split
 from mp_callbacks.recipes import get_recipe
 from mp_callbacks.weights import bf16_bits, join_master, split_master, ties_differ
 

@@ -1,4 +1,4 @@
-"""keras_ext/masters.py: FP32 master copies and FP32 slots around low-precision variables (*-master recipes)."""
+"""keras_ext/weights/masters.py: FP32 master copies and FP32 slots around low-precision variables (*-master recipes)."""
 
 import keras
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.masters import MasterWeights
+from keras_ext.weights import MasterWeights
 
 BF16_HALF_ULP_BELOW_ONE = 2.0**-9  # bf16 spacing just below 1.0 is 2**-8
 LR, STEPS = 1e-3, 100  # each update (1e-3) is below half a bf16 ulp of weights near 1.0
@@ -176,7 +176,7 @@ def test_the_masters_step_is_keras_own_optimizer_on_fp32_copies():
 def test_memory_report_counts_fp32_gradients_for_the_masters():
     """The step widens the whole gradient list before the inner optimizer: FP32 gradients for every variable
     with a master (the core's count with fp32_master_grads=True, 18 B/param for AdamW)."""
-    from keras_ext.memory import memory_report
+    from keras_ext.diagnostics import memory_report
     from mp_callbacks.memory import estimate_memory
     from mp_callbacks.recipes import get_recipe
 

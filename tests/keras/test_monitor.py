@@ -1,4 +1,4 @@
-"""keras_ext/monitor.py: shared names in Keras logs / History / CSVLogger / TensorBoard, scaler
+"""keras_ext/diagnostics/monitor.py: shared names in Keras logs / History / CSVLogger / TensorBoard, scaler
 series, meters in training, auto-fallback, divergence guard, memory report, state and history export
 (the twin of tests/lightning/test_monitor.py)."""
 

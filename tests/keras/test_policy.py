@@ -1,5 +1,5 @@
-"""keras_ext/policy.py: the core's recipes and op policy as Keras dtype policies, kept on Keras' own
-global dtype policy (no state in keras_ext); layers resolve through their base classes; the policy
+"""keras_ext/policy/ and keras_ext/global_policy.py: the core's recipes and op policy as Keras dtype policies,
+kept on Keras' own global dtype policy (no state in keras_ext); layers resolve through their base classes; the policy
 report (also printed by the monitor)."""
 
 import importlib

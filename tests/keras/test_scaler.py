@@ -1,4 +1,5 @@
-"""keras_ext/scaler.py: the scaler state in Keras variables (KerasLossScaler) and the step's gradient checks.
+"""keras_ext/loss_scale/ (scaler.py, check.py): the scaler state in Keras variables (KerasLossScaler) and the
+step's gradient checks.
 
 The transition itself is the core's, compared with the NumPy reference branch by branch in
 test_keras_ops.py; here: the variables, the counters, the floor reaction, checkpoints, and the
@@ -13,8 +14,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.grad_check import found_inf, unscale
-from keras_ext.scaler import KerasLossScaler, scaler_config
+from keras_ext.loss_scale import KerasLossScaler, found_inf, scaler_config, unscale
 from mp_callbacks import DynamicLossScaler, ScaleFloorError, ScaleFloorWarning, ScalerConfig, get_recipe
 from mp_callbacks.loss_scale import STATE_FIELDS
 from mp_callbacks.settings import StateDictError

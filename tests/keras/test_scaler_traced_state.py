@@ -14,7 +14,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.scaler import VARIABLE_NAMES
+from keras_ext.loss_scale import VARIABLE_NAMES
 from mp_callbacks.diagnostics import DivergenceError, DivergenceRule
 from tests.keras.helpers.util import requires_tf_backend
 
@@ -145,7 +145,7 @@ def test_scaled_loss_without_a_scale_has_the_products_dtype(dtype):
     """``loss * float32 scale`` was float32 for a low-precision loss: so is the loss without the multiply."""
     import tensorflow as tf
 
-    from keras_ext.grad_check import scaled_loss
+    from keras_ext.loss_scale import scaled_loss
 
     loss = tf.constant(1.5, dtype)
     out = scaled_loss(loss, None)

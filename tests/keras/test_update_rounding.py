@@ -1,4 +1,4 @@
-"""bf16-kahan and bf16-sr in Keras (keras_ext.rounding): the keras.ops rules are the core's bit for bit,
+"""bf16-kahan and bf16-sr in Keras (keras_ext.weights.rounding): the keras.ops rules are the core's bit for bit,
 the wrapped optimizer is the same optimizer on FP32 copies, skipped steps change nothing, save/load resumes bit
 for bit, the variables held at the step are the estimator's bytes, and both beat swamping like bf16-master."""
 
@@ -10,9 +10,8 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.rounding import WorkingVariable
-from keras_ext.rounding_ops import KERAS_ROUNDING_OPS as K
-from keras_ext.rounding_ops import canonical_perm, element_index
+from keras_ext.weights import KERAS_ROUNDING_OPS as K
+from keras_ext.weights import WorkingVariable, canonical_perm, element_index
 from mp_callbacks import get_recipe
 from mp_callbacks.memory import estimate_memory
 from mp_callbacks.weights import NUMPY_ROUNDING_OPS as N
@@ -107,13 +106,13 @@ def test_kernels_are_indexed_in_torch_layout():
 
 @pytest.mark.skipif(not TF, reason="the fused kernels are TensorFlow's (XLA)")
 def test_fused_kernels_equal_the_rules_op_by_op():
-    """keras_ext.rounding_step (each rule one XLA kernel, what the optimizer runs on TensorFlow): the NumPy
+    """keras_ext.weights.rounding_ops (each rule one XLA kernel, what the optimizer runs on TensorFlow): the NumPy
     reference's numbers, NaN and inf included, from a graph that is not itself compiled."""
     import gc
 
     import tensorflow as tf
 
-    from keras_ext import rounding_step as fused
+    from keras_ext import weights as fused
 
     r = np.random.default_rng(5)
     f = (r.standard_normal((40, 30)) * np.exp2(r.integers(-60, 60, (40, 30)))).astype(np.float32)

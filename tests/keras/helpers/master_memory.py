@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_ext  # noqa: E402
-from keras_ext.memory import memory_report  # noqa: E402
+from keras_ext.diagnostics import memory_report  # noqa: E402
 from mp_callbacks.recipes import get_recipe  # noqa: E402
 
 
