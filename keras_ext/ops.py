@@ -243,7 +243,7 @@ class KerasOps:
         b = _tensor(b, ops.dtype(a))
         if is_tf() and _constant_ones(a):
             # TensorFlow's graph optimizer turns 1 / x into Reciprocal, whose vectorized CPU kernel is
-            # not correctly rounded (1 ulp off on ~30% of the elements of 8+ element tensors).  2 / x
+            # not correctly rounded (1 ulp off on some elements of 8+ element tensors).  2 / x
             # stays a division, and * 0.5 is exact: the same IEEE value (TensorFlow flushes the
             # subnormal results where the two could differ).
             return ops.multiply(ops.divide(_tensor(2.0, ops.dtype(a)), b), _tensor(0.5, ops.dtype(a)))

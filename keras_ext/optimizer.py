@@ -1,10 +1,10 @@
-"""``keras_ext.LossScaleOptimizer``: Keras' ``LossScaleOptimizer`` driven by the core's decisions.
+"""``keras_ext.LossScaleOptimizer`` (Keras' ``LossScaleOptimizer`` driven by the core's decisions) and
+:func:`master_optimizer` (the optimizer a recipe asks for).
 
 A step: the finite check over every gradient (summed over ``tf.distribute`` replicas before the decision: any
 replica overflows => every replica skips), the core's scaler transition (:mod:`keras_ext.loss_scale`), the
 divergence rule, and on an applied step the inner optimizer's own ``apply`` on what the weight store gives it
-(:mod:`keras_ext.weights`: FP32 masters, remainders, update rounding), then the store's write-back.  A skipped
-step writes nothing the model learns from.  :func:`master_optimizer` builds the optimizer a recipe asks for.
+(:mod:`keras_ext.weights`), then the store's write-back.  A skipped step writes nothing the model learns from.
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tra
 class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScaleOptimizer):
     """Dynamic loss scaling (and the recipe's weight store) around any Keras optimizer.
 
-    A subclass of ``keras.optimizers.LossScaleOptimizer``, so that ``compile`` under ``mixed_float16`` does not
-    wrap it again and Keras callbacks that unwrap ``inner_optimizer`` keep working; every decision is overridden.
-    The two other bases are the core's shared protocol, which the Lightning plugin implements too:
-    ``ScalerCounters`` (``steps``, ``overflows``, ``skipped``, ``growths``, ``floor_hits`` from one host read each)
-    and ``MonitorPort`` (``attach_monitor``, ``detach_monitor``, ``monitor``, ``count_overflows``,
-    ``checks_overflow``: the rule of when a step looks for inf/NaN).
+    Bases: ``keras.optimizers.LossScaleOptimizer``, so that ``compile`` under ``mixed_float16`` does not wrap it
+    again and Keras callbacks that unwrap ``inner_optimizer`` keep working (every decision is overridden); and the
+    core's protocol the Lightning plugin implements too: ``ScalerCounters`` (``steps``, ``overflows``,
+    ``skipped``, ``growths``, ``floor_hits``, one host read each), ``MonitorPort`` (``attach_monitor``,
+    ``detach_monitor``, ``monitor``, ``count_overflows``, ``checks_overflow``: when a step looks for inf/NaN).
 
     Args:
       inner_optimizer: the ``keras.optimizers.Optimizer`` to wrap.
@@ -285,8 +284,8 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         return keras.optimizers.Optimizer.stateless_apply(self, optimizer_variables, grads, trainable_variables)
 
     def _tf_apply(self, grads: list[Any], tvs: list[Any], unscaled_already: bool) -> None:
-        """TensorFlow: the gradients reduced here when ``comm_dtype`` asks, the per-replica flags summed, the
-        decision taken once in the cross-replica context, the update per replica."""
+        """TensorFlow: the gradients reduced here in ``comm_dtype``, the flags summed over replicas, the decision
+        once in the cross-replica context, the update per replica."""
         import tensorflow as tf
 
         if tf.distribute.in_cross_replica_context():

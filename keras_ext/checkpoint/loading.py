@@ -3,10 +3,10 @@
 :func:`load_model` is ``keras.models.load_model`` with keras_ext's steps between building and loading:
 
 1. the archive is checked (:class:`SavedFileError`: missing, truncated, not a Keras archive);
-2. the model is built from its config (:func:`keras_ext.policy_map.loading_scope`);
-3. :func:`restore`: each sublayer gets its saved policy (:class:`~keras_ext.policy_map.PolicyMap`), FP8
-   layers their FP8 calls and variables (:func:`keras_ext.fp8.restore`), composites the casts at their
-   boundaries (:func:`keras_ext.casts.install_casts`), and ``compile`` its recipe check (:mod:`keras_ext.guard`);
+2. the model is built from its config (:func:`keras_ext.layers.loading_scope`);
+3. :func:`restore`: each sublayer gets its saved policy (:class:`~keras_ext.policy.PolicyMap`), FP8 layers
+   their FP8 calls and variables (:func:`keras_ext.fp8.restore`), composites the casts at their boundaries
+   (:func:`keras_ext.policy.install_casts`), and ``compile`` its recipe check (:mod:`keras_ext.policy.guard`);
 4. it is compiled from the saved compile config (also for models whose ``compile`` is their own, such as
    keras_hub tasks, which Keras then leaves uncompiled) and the optimizer is built on every variable,
    FP8 state included;

@@ -91,7 +91,7 @@ def resume(model: keras.Model, source: keras.Model | str | os.PathLike[str],
     opted in: its scaler state is Keras'.  The divergence streaks start at 0.  The model's architecture and
     the inner optimizer's class must be the saved ones; ``model``'s dtype policies are its own (apply the
     recipe's before).  A path is loaded with :func:`keras_ext.load_model` (a second copy of the model while
-    resuming; a truncated or foreign file is a :class:`~keras_ext.loading.SavedFileError`).
+    resuming; a truncated or foreign file is a :class:`~keras_ext.checkpoint.loading.SavedFileError`).
     """
     opt = getattr(model, "optimizer", None)
     if not isinstance(opt, LossScaleOptimizer):

@@ -1,6 +1,6 @@
 """Overflow attribution for Keras: which layer made a step's gradients non-finite.
 
-The twin of :mod:`lightning_ext.attribution`.  :class:`LayerAttribution`
+:class:`LayerAttribution`
 names the culprit on the device, in the same step (same batch, weights,
 dropout masks; no eager re-run):
 

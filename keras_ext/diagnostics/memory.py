@@ -1,11 +1,9 @@
 """What a Keras model and its :class:`~keras_ext.LossScaleOptimizer` hold, next to the core's estimate.
 
-The Keras twin of the Lightning monitor's memory report: the bytes are counted
-from the variables that exist (Keras keeps no gradients between steps, so they
-are counted as the step holds them: the variable's dtype, or FP32 for a variable
-with a master when the optimizer widens the whole list first,
-:attr:`~keras_ext.LossScaleOptimizer.fp32_master_grads`); the estimate and the
-report's layout are the core's :func:`mp_callbacks.memory.estimate.memory_report`.
+The Keras twin of the Lightning monitor's memory report: the bytes are counted from the variables that exist
+(Keras keeps no gradients between steps, so they are counted as the step holds them: the variable's dtype, or
+FP32 for a variable with a master, :attr:`~keras_ext.LossScaleOptimizer.fp32_master_grads`); the estimate and
+the report's layout are the core's :func:`mp_callbacks.memory.memory_report`.
 """
 
 from __future__ import annotations

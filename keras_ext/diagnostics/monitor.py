@@ -1,6 +1,6 @@
 """``keras_ext.MixedPrecisionMonitor``: the core's diagnostics as a Keras callback.
 
-The Keras twin of :class:`lightning_ext.MixedPrecisionMonitor`:
+The Keras twin of ``lightning_ext.MixedPrecisionMonitor``:
 :class:`~mp_callbacks.diagnostics.monitor.MonitorCore` decides the cadence, keeps the
 :class:`~mp_callbacks.diagnostics.metrics.History`, runs the divergence guard and the
 auto-fallback tracker; this callback gathers the numbers from
@@ -18,20 +18,20 @@ totals after the step.
 Host syncs: none between logging steps.  The monitor attaches to the
 optimizer (:class:`~mp_callbacks.diagnostics.monitor.MonitorPort`), which calls
 :meth:`MixedPrecisionMonitor.on_optimizer_step` inside the traced step; it only
-writes the :class:`~keras_ext.device_record.DeviceRecord` (the step's scale and
+writes the :class:`~keras_ext.diagnostics.DeviceRecord` (the step's scale and
 flag, the meters when a device flag asks for them, one row per overflow step).
 Logging steps and epoch / train end read it in one host read; the swamping
-meter (:class:`~keras_ext.meters.SwampMeter`) snapshots the sampled
+meter (:class:`~keras_ext.diagnostics.meters.SwampMeter`) snapshots the sampled
 elements of the updated variables (FP32 masters under ``*-master``) before a
 logging step.  Overflow steps between two reads are recorded (exact step,
 scale, counters, culprit) at the next read, where the guard and the fallback
 act; beyond ``overflow_buffer`` rows the oldest are dropped (a ``"dropped"``
-event; counters stay exact).  Attribution: :mod:`keras_ext.attribution`.
+event; counters stay exact).  Attribution: :mod:`keras_ext.diagnostics.attribution`.
 Under a multi-replica ``tf.distribute`` strategy the optimizer does not call
 the monitor: meters, attribution and overflow rows are off, and a record takes
 the optimizer's variables at the read (``mp/scale`` after the step,
 ``mp/overflow``: an overflow since the previous record).  JAX: the record
-rides in the optimizer's step state (:mod:`keras_ext.jax_support`), the
+rides in the optimizer's step state (:class:`keras_ext.loss_scale.StepState`), the
 trainer's state is synced into the variables on logging steps only, and
 attribution (so the auto-fallback) is TensorFlow/torch only.
 
@@ -97,7 +97,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         it warns that the layer must be rebuilt with
         ``apply_policy(model, policy.with_fp32_modules(path))``.
       attribute_overflows: name the first non-finite layer of overflow steps
-        (:class:`~keras_ext.attribution.LayerAttribution`: one in-graph
+        (:class:`~keras_ext.diagnostics.attribution.LayerAttribution`: one in-graph
         reduction per layer output and input gradient every step).
         Default None: on exactly when ``auto_fallback_after`` is set.
       measure_grads: ``mp/grad_norm`` and ``mp/grad_underflow_frac`` on logging steps.
@@ -272,7 +272,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
 
     def _retrace(self) -> None:
         """A new train function (the step traced again with or without the monitor), watched by the optimizer's
-        divergence rule (:meth:`keras_ext.divergence.KerasDivergence.watch`)."""
+        divergence rule (:meth:`keras_ext.loss_scale.divergence.KerasDivergence.watch`)."""
         if hasattr(self.model, "make_train_function"):
             self.model.make_train_function(force=True)
             if self._opt is not None:
@@ -359,7 +359,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
 
     # ------------------------------------------------------------ fallback
     def _move_to_fp32(self, path: str, announce: bool = True, step: int | None = None) -> bool:
-        """Give layer ``path`` and its sub-layers the float32 policy (:func:`keras_ext.fallback.move_layer_to_fp32`)."""
+        """Give layer ``path`` and its sub-layers the float32 policy (:func:`.fallback.move_layer_to_fp32`)."""
         low = move_layer_to_fp32(self.model, path)
         if low is None:
             logger.info("MixedPrecisionMonitor: no layer %r to keep in FP32 in this model; skipped.", path)
@@ -377,7 +377,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
 
     # --------------------------------------------------------------- memory
     def memory_report(self) -> dict[str, Any]:
-        """What the model and optimizer hold next to the core's estimate: :func:`keras_ext.memory.memory_report`."""
+        """What the model and optimizer hold next to the core's estimate (:func:`.memory.memory_report`)."""
         return memory_report(self.model, self._opt or self._optimizer())
 
     def _log_memory(self, when: str, logs: dict | None) -> None:

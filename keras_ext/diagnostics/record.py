@@ -93,7 +93,7 @@ class DeviceRecord:
         """A step's writes (inside the traced step; ``scale_used``: the scale the gradients were produced
         with): ``stats`` with the gradient meters when ``request`` asks and ``measure_grads`` (FP8 states
         have no gradients), and on an overflow a row with ``scaler``'s counters after the step and the
-        first non-finite layer when ``attribution`` (a :class:`~keras_ext.attribution.LayerAttribution`)."""
+        first non-finite layer when ``attribution`` (a :class:`~keras_ext.diagnostics.attribution.LayerAttribution`)."""
         found = ops.convert_to_tensor(found_inf)
         dense = [g for g, v in zip(grads, tvs) if g is not None and not is_fp8_variable(v)]
         nan = ops.convert_to_tensor(float("nan"), dtype=self.dtype)

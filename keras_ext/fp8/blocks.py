@@ -5,7 +5,7 @@ The rule of each kind is :mod:`mp_callbacks.fp8.granularity`; :func:`block_qdq` 
 TensorFlow; JAX without 64-bit floats divides in float32), returned dequantized, as the rest of
 :mod:`keras_ext.fp8` works with dequantized float32 values.  :func:`block_matmul` is the FP8
 matmul at such a granularity: every matmul casts its operands along its own contraction axis,
-as :mod:`lightning_ext.fp8_matmul` does (``x`` and the kernel along ``in`` for the output; the
+as the Lightning adapter's FP8 matmul does (``x`` and the kernel along ``in`` for the output; the
 output gradient along ``out`` and the kernel along ``out`` for ``dx``; ``x`` and the output
 gradient along the tokens for the kernel gradient, or high precision with ``weight_grad_hp``).
 """

@@ -1,38 +1,24 @@
-"""``fp8-mixed`` in Keras: FP8 ``Dense`` / ``EinsumDense`` with the core's per-tensor scaling.
+"""FP8 ``Dense`` / ``EinsumDense``: the FP8 call, its variables, installing it on a model and saving it.
 
-:func:`install` (called by :func:`keras_ext.apply_policy` when the recipe is
-``fp8-mixed``) gives every ``Dense`` and ``EinsumDense`` layer that computes
-in low precision (so not the FP32 output layers, norms or custom layers;
+:func:`install` (called by :func:`keras_ext.apply_policy` under ``fp8-mixed``) gives every ``Dense`` and
+``EinsumDense`` layer that computes in low precision (not the FP32 output layers, norms or custom layers;
 ``MultiHeadAttention``'s projections are ``EinsumDense`` layers) an FP8 call:
 
     y = cast(qdq_g(qdq_x(x) @ qdq_w(kernel)) + bias, compute dtype)
 
-``qdq_x`` / ``qdq_w`` quantize-dequantize to e4m3 with their own scales,
-``qdq_g`` is the identity forward and quantize-dequantizes the output
-gradient to e5m2 in the backward (so the kernel and input gradients use it,
-the bias gradient does not), the matmul runs in float32 on the dequantized
-values: the arithmetic of :mod:`mp_callbacks.fp8.recipe`, the same as
-:mod:`lightning_ext.fp8`.  This is the structure of Keras's own float8 layers
-(``layer.quantize("float8")``), whose variables it mirrors, with the core's
-transition (:func:`mp_callbacks.fp8.scaling.next_fp8_state` evaluated with
-:class:`~keras_ext.ops.KerasOps`) instead of Keras's rule.
+``qdq_x`` / ``qdq_w`` quantize-dequantize to e4m3 with their own scales, ``qdq_g`` is the identity forward and
+quantize-dequantizes the output gradient to e5m2 backward (:mod:`.scaling`; a finer granularity: the matmul of
+:mod:`.blocks`), the matmul runs in float32 on the dequantized values: the core's arithmetic
+(:mod:`mp_callbacks.fp8`), the structure of Keras' own float8 layers (``layer.quantize("float8")``) with the
+core's scaling rule.  Each role's state is layer variables that the optimizer writes on applied steps only
+(use the recipe's optimizer, ``keras_ext.master_optimizer(inner, "fp8-mixed")``: a plain Keras optimizer
+would train through a step whose amax was not finite).  The layer's policy becomes an :class:`FP8Policy`, so
+``.keras`` files carry the settings and :func:`restore` gives the call back after loading.
 
-Per tensor role (``inputs``, ``weights``, ``grad_outputs``) a layer gets four
-float32 variables with ``overwrite_with_gradient=True`` (as Keras's float8
-layers): ``fp8_<role>_amax_history``, ``fp8_<role>_scale``,
-``fp8_<role>_scale_inv`` and ``fp8_<role>_nonfinite``.  Their "gradients"
-are the next state, so the optimizer writes them, and only on applied steps:
-under :class:`keras_ext.LossScaleOptimizer` a skipped step writes nothing, so
-the states keep their values, exactly like :func:`~mp_callbacks.fp8.scaling.select_fp8_state`.
-The ``nonfinite`` variable's "gradient" is NaN when the role's amax was not
-finite: the optimizer's finite check then skips the step like any overflow
-(the state itself stays clean: the core rule does not record the amax).  Use
-the recipe's optimizer (``keras_ext.master_optimizer(inner, "fp8-mixed")``);
-a plain Keras optimizer would train through such a step.
-
-Amaxes are recorded in training calls only (``training=True``); inference
-quantizes with the current scales.  A layer called more than once per step
-would sum its state "gradients" (as Keras's float8 layers): not supported.
+Amaxes are recorded in training calls only (``training=True``); inference quantizes with the current scales.
+A layer called more than once per step would sum its state "gradients" (as Keras' float8 layers): not supported.
+The FP8 call, build and (de)serialization are set on the layer instance (Keras publishes no hook to replace a
+layer's matmul).
 """
 
 from __future__ import annotations
@@ -45,19 +31,16 @@ import keras
 import numpy as np
 from keras import ops
 
-from mp_callbacks.fp8 import FP8_ROLES, FP8ConfigError, FP8Recipe, FP8State, next_fp8_state
+from mp_callbacks.fp8 import FP8_ROLES, FP8ConfigError, FP8Recipe, FP8State
 from mp_callbacks.policy import PolicyError
 
 from ..layers import HOW_TO_LOAD, loading_permitted, policy_layers, resolved_policy
-from ..ops import KERAS_OPS, is_tf
 from .blocks import block_matmul, block_qdq, contracted_axes
+from .scaling import FP8_VARIABLE_FIELDS, backward_qdq, forward_qdq
 
 __all__ = ["FP8_VARIABLE_FIELDS", "FP8Policy", "enable_fp8", "fp8_layers", "fp8_recipe_of", "fp8_state", "host_metrics",
            "install", "is_fp8_variable", "restore"]
 
-FP8_VARIABLE_FIELDS = ("amax_history", "scale", "scale_inv", "nonfinite", "stats")
-"""The variables of one tensor role, ``fp8_<role>_<field>``: the state, the non-finite flag, and the
-last applied step's ``stats`` (amax, saturated, flushed, elements) that the monitor reads."""
 
 @keras.saving.register_keras_serializable(package="keras_ext")
 class FP8Policy(keras.DTypePolicy):
@@ -149,7 +132,7 @@ def enable_fp8(layer: Any, recipe: FP8Recipe) -> Any:
 
 def restore(model: Any) -> list[str]:
     """Give the FP8 call back to every layer of a loaded ``model`` whose policy is an
-    :class:`~keras_ext.policy_map.FP8Policy` (:func:`keras_ext.load_model`); returns their paths."""
+    :class:`~keras_ext.fp8.FP8Policy` (:func:`keras_ext.load_model`); returns their paths."""
     paths = []
     for path, layer in policy_layers(model):
         policy = resolved_policy(layer)
@@ -227,112 +210,6 @@ def fp8_state(layer: Any, role: str) -> FP8State:
                     zero, zero)
 
 
-# -- the arithmetic --------------------------------------------------------------------------
-
-
-def _amax(x: Any) -> Any:
-    """max |x| as float32; NaN when any element is NaN (whatever the backend's max does with NaN)."""
-    x = ops.cast(x, "float32")
-    amax = ops.max(ops.abs(x))
-    return ops.where(ops.any(ops.isnan(x)), ops.convert_to_tensor(np.float32(np.nan)), amax)
-
-
-def _qdq(x32: Any, config: Any, scale: Any, scale_inv: Any, amax: Any = None) -> Any:
-    """The float32 value after the FP8 round trip (the core's :func:`~mp_callbacks.fp8.recipe.fp8_qdq`);
-    with ``amax``, also the stats vector ``[amax, saturated, flushed, elements]``."""
-    fmax = float(config.fmt.max)
-    y = ops.divide(x32, scale_inv) if config.stored == "scale_inv" else ops.multiply(x32, scale)
-    q = ops.cast(ops.cast(ops.clip(y, -fmax, fmax), config.format), "float32")
-    out = ops.multiply(q, scale_inv)
-    if amax is None:
-        return out
-    saturated = ops.sum(ops.cast(ops.greater(ops.abs(y), fmax), "float32"))
-    flushed = ops.sum(ops.cast(ops.logical_and(ops.not_equal(x32, 0.0), ops.equal(q, 0.0)), "float32"))
-    size = ops.cast(ops.size(x32), "float32")
-    return out, ops.stack([ops.cast(amax, "float32"), saturated, flushed, size])
-
-
-def _read(variable: Any) -> Any:
-    """The variable's value as a tensor read outside the custom-gradient function (eager TensorFlow
-    would otherwise see the variable used inside it and ask for variable gradients)."""
-    value = ops.convert_to_tensor(variable)
-    if is_tf():
-        import tensorflow as tf
-
-        value = tf.convert_to_tensor(value)
-    return value
-
-
-def _state_of(values: list[Any]) -> FP8State:
-    zero = ops.convert_to_tensor(0, dtype="int32")
-    return FP8State(values[0], values[1], values[2], zero, zero)
-
-
-def _step(config: Any, values: list[Any], x: Any) -> tuple[FP8State, FP8State, Any, Any]:
-    """``(state to quantize with, state to write, nonfinite flag value, amax)`` for the tensor ``x``."""
-    state = _state_of(values)
-    amax = _amax(x)
-    new, ok = next_fp8_state(config, state, amax, KERAS_OPS)
-    flag = ops.where(ok, ops.convert_to_tensor(np.float32(0)), ops.convert_to_tensor(np.float32(np.nan)))
-    return (new if config.mode == "current" else state), new, flag, amax
-
-
-def _forward_qdq(config: Any, x32: Any, variables: dict[str, Any], training: bool, cast: Any = None) -> Any:
-    """qdq of an input or weight; while training, the next state is the variables' "gradient".
-
-    ``cast``: a finer granularity's cast (``x -> (qdq(x), stats)``): the value passes unchanged (the matmul
-    casts it, :mod:`keras_ext.fp8_blocks`) and the cast gives the stats; the state keeps the tensor's amax."""
-    values = [_read(variables[f]) for f in FP8_VARIABLE_FIELDS]
-    if not training and cast is not None:
-        return x32
-    if not training:
-        if config.mode == "current":
-            use = _step(config, values, x32)[0]
-        else:
-            use = _state_of(values)
-        return _qdq(x32, config, use.scale, use.scale_inv)
-
-    @ops.custom_gradient
-    def qdq(x, history, scale, scale_inv, nonfinite, stats):
-        use, new, flag, amax = _step(config, [history, scale, scale_inv], x)
-        if cast is None:
-            out, seen = _qdq(x, config, use.scale, use.scale_inv, amax)
-        else:
-            out, seen = x, cast(x)[1]
-
-        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
-            if upstream is None:
-                (upstream,) = args
-            return upstream, new.amax_history, new.scale, new.scale_inv, flag, seen
-
-        return out, grad
-
-    return qdq(x32, *values)
-
-
-def _backward_qdq(config: Any, y32: Any, variables: dict[str, Any], cast: Any = None) -> Any:
-    """Identity forward; the output gradient quantize-dequantizes (e5m2) in the backward (``cast``: a finer
-    granularity's, whose matmul casts the gradient itself: here it passes unchanged, for the state and stats)."""
-    values = [_read(variables[f]) for f in FP8_VARIABLE_FIELDS]
-
-    @ops.custom_gradient
-    def qdq(y, history, scale, scale_inv, nonfinite, stats):
-        def grad(*args: Any, upstream: Any = None, variables: Any = None) -> Any:
-            if upstream is None:
-                (upstream,) = args
-            g32 = ops.cast(upstream, "float32")
-            use, new, flag, amax = _step(config, [history, scale, scale_inv], g32)
-            if cast is None:
-                out, seen = _qdq(g32, config, use.scale, use.scale_inv, amax)
-            else:
-                out, seen = g32, cast(g32)[1]
-            return ops.cast(out, upstream.dtype), new.amax_history, new.scale, new.scale_inv, flag, seen
-
-        return y, grad
-
-    return qdq(y32, *values)
-
-
 def _fp8_call(layer: Any, inputs: Any, training: Any = None) -> Any:
     """The FP8 call of a ``Dense`` or ``EinsumDense`` (see the module docstring)."""
     fp8 = getattr(layer, _ATTR)
@@ -341,14 +218,14 @@ def _fp8_call(layer: Any, inputs: Any, training: Any = None) -> Any:
     if fp8.recipe.granularity.kind != "tensorwise":
         y = _fine_grained_matmul(layer, fp8, ops.cast(inputs, "float32"), training)
         return _finish(layer, y)
-    x = _forward_qdq(cfg["inputs"], ops.cast(inputs, "float32"), v["inputs"], training)
-    k = _forward_qdq(cfg["weights"], ops.cast(layer.kernel, "float32"), v["weights"], training)
+    x = forward_qdq(cfg["inputs"], ops.cast(inputs, "float32"), v["inputs"], training)
+    k = forward_qdq(cfg["weights"], ops.cast(layer.kernel, "float32"), v["weights"], training)
     if isinstance(layer, keras.layers.EinsumDense):
         y = ops.einsum(layer.equation, x, k)
     else:
         y = ops.matmul(x, k)
     if training:
-        y = _backward_qdq(cfg["grad_outputs"], y, v["grad_outputs"])
+        y = backward_qdq(cfg["grad_outputs"], y, v["grad_outputs"])
     return _finish(layer, y)
 
 
@@ -363,7 +240,7 @@ def _finish(layer: Any, y: Any) -> Any:
 
 
 def _fine_grained_matmul(layer: Any, fp8: _LayerFP8, x32: Any, training: bool) -> Any:
-    """The FP8 matmul at a rowwise, blockwise or MX granularity (:func:`keras_ext.fp8_blocks.block_matmul`);
+    """The FP8 matmul at a rowwise, blockwise or MX granularity (:func:`keras_ext.fp8.blocks.block_matmul`);
     the per-tensor variables still record the amaxes (a non-finite one skips the step) and the stats."""
     granularity, v, cfg = fp8.recipe.granularity, fp8.variables, fp8.configs
     contracted = 1 if not isinstance(layer, keras.layers.EinsumDense) else contracted_axes(layer.equation)
@@ -375,14 +252,14 @@ def _fine_grained_matmul(layer: Any, fp8: _LayerFP8, x32: Any, training: bool) -
     k_shape = tuple(int(n) for n in layer.kernel.shape)
     k_in = int(np.prod(k_shape[:contracted]))
     kernel = ops.reshape(ops.cast(layer.kernel, "float32"), (k_in, -1))
-    x = _forward_qdq(cfg["inputs"], x32, v["inputs"], training,
+    x = forward_qdq(cfg["inputs"], x32, v["inputs"], training,
                      lambda t: block_qdq(ops.reshape(t, (-1, k_in)), granularity, formats["inputs"]))
-    k = _forward_qdq(cfg["weights"], kernel, v["weights"], training,
+    k = forward_qdq(cfg["weights"], kernel, v["weights"], training,
                      lambda t: block_qdq(t, granularity, formats["weights"], axis=0, weight=True))
     y = block_matmul(x, ops.reshape(k, k_shape), granularity, formats, contracted)
     if training:
         out = int(np.prod(k_shape[contracted:]))
-        y = _backward_qdq(cfg["grad_outputs"], y, v["grad_outputs"],
+        y = backward_qdq(cfg["grad_outputs"], y, v["grad_outputs"],
                           lambda t: block_qdq(ops.reshape(t, (-1, out)), granularity, formats["grad_outputs"]))
     return y
 

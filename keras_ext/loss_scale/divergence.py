@@ -1,7 +1,6 @@
 """``KerasDivergence``: the core's divergence rule inside the Keras optimizer's step.
 
-The twin of the divergence part of :class:`lightning_ext.scaler.TorchLossScaler`,
-with the same rule (:class:`mp_callbacks.diagnostics.divergence.DivergenceRule`, evaluated by
+The Lightning adapter's rule (:class:`mp_callbacks.diagnostics.divergence.DivergenceRule`, evaluated by
 its pure transition :func:`~mp_callbacks.diagnostics.divergence.next_divergence_state` with
 ``keras.ops``) and the same message (:meth:`DivergenceRule.error`).  In Keras:
 

@@ -1,22 +1,17 @@
 """A skipped step leaves the state the forward pass wrote as it was: BatchNorm's moving statistics.
 
-The optimizer skips a step whose gradients are not finite (:class:`keras_ext.LossScaleOptimizer`), so
-weights, masters and slots stay clean; but ``BatchNormalization`` updated its moving mean and variance in
-the forward pass of that step already, from the inf/NaN batch: the next eval would read them.
+The optimizer skips a step whose gradients are not finite, so weights, masters and slots stay clean; but
+``BatchNormalization`` updated its moving mean and variance in the forward pass of that step already, from the
+inf/NaN batch.  :func:`restore_on_skip` wraps ``model.train_step`` (on this model instance): before the step it
+copies the model's non-trainable floating variables (:func:`forward_state`); after it, when the inner
+optimizer's step count did not move (the step was skipped), it assigns them back inside a ``cond`` that writes
+only on skipped steps.  A skipped step then leaves them equal to a run that never saw the batch.  On JAX the
+trainer's ``train_step(state, data)`` is functional: the wrap compares the inner optimizer's step count in the
+state it was given and the state it returns, and where it did not move returns the given values of those
+variables (``where``, no host read).
 
-:func:`restore_on_skip` wraps ``model.train_step``: before the step it takes a snapshot (``ops.copy``) of the
-model's non-trainable floating variables (moving statistics, and anything else the forward may write);
-after it, when the inner optimizer's step count did not move (the step was skipped), it assigns them
-back.  A skipped step then leaves them equal to a run that never saw the batch.  The cost per step: the
-snapshot (TensorFlow shares the buffer until the forward writes the variable, so only the written ones,
-the moving statistics, a few floats per channel, are copied) and a ``cond`` that writes only on skipped
-steps (``benchmarks/bench_keras_bn_skip.py`` measures it).  On JAX the trainer's ``train_step(state, data)``
-is functional: the wrap compares the inner optimizer's step count in the state it was given and the state
-it returns, and where it did not move returns the given values of those variables (``where``, no host read).
-
-:func:`keras_ext.apply_policy` / :func:`keras_ext.load_model` install it when the model is compiled with
-a :class:`keras_ext.LossScaleOptimizer` (the guard in :mod:`keras_ext.guard`).
-"""
+:func:`keras_ext.apply_policy` / :func:`keras_ext.load_model` install it when the model is compiled with a
+:class:`keras_ext.LossScaleOptimizer` (the compile guard, :mod:`keras_ext.policy.guard`)."""
 
 from __future__ import annotations
 

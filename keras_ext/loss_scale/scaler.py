@@ -1,6 +1,6 @@
 """``KerasLossScaler``: the core's loss-scaler state in Keras variables.
 
-The twin of :class:`lightning_ext.scaler.TorchLossScaler`.  The state
+The state
 (:class:`~mp_callbacks.loss_scale.scaler.ScalerState`: scale, growth tracker,
 hysteresis, counters) lives in non-trainable scalar variables created on the
 optimizer that owns this object (so they are saved, restored and mirrored
@@ -20,7 +20,7 @@ step).  Rules:
 * before :meth:`build` the counters read as the initial state.
 
 :func:`scaler_config` turns ``LossScaleOptimizer``'s arguments into a config; the step's gradient
-check and unscale are :mod:`keras_ext.grad_check`.
+check and unscale are :mod:`keras_ext.loss_scale.check`.
 """
 
 from __future__ import annotations

@@ -15,14 +15,14 @@ module translates:
   compute.  Stock Keras runs e.g. ``Softmax`` in the global compute dtype;
 * a layer that holds sublayers (keras_hub's transformer blocks) computes what
   they compute, the FP32 ones inside it hand their outputs back cast
-  (:mod:`keras_ext.plan`, :mod:`keras_ext.casts`), and its sublayers' policies
-  are saved with it (:mod:`keras_ext.policy_map`).
+  (:mod:`keras_ext.policy.plan`, :mod:`keras_ext.policy.casts`), and its sublayers' policies
+  are saved with it (:mod:`keras_ext.policy.maps`).
 
 :func:`set_global_policy` sets Keras' global policy (what new layers get: FP32
 variables, so that every recipe draws the same initial values as FP32 and
 ``mixed_bfloat16``; :func:`apply_policy` stores them in the recipe's ``params``
 dtype); :func:`apply_policy` applies the per-layer rules to a model;
-:func:`policy_report` (:mod:`keras_ext.report`) says per layer what was decided and why.
+:func:`policy_report` (:mod:`keras_ext.policy.report`) says per layer what was decided and why.
 
 The global state is Keras' own (:mod:`keras_ext.global_policy`).
 """
@@ -76,7 +76,7 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     When a built layer must change its variable dtype (the low-precision layers
     of a ``*-master`` recipe, built with FP32 variables; a ``LayerNormalization``
     built under Keras' ``bfloat16`` policy that the recipe keeps in FP32), the
-    model is rebuilt (:mod:`keras_ext.rebuild`: a Sequential or Functional model
+    model is rebuilt (:mod:`keras_ext.policy.rebuild`: a Sequential or Functional model
     layer by layer, a keras_hub backbone from its config, keeping its class) and
     its weights are copied (cast); a subclassed model raises :class:`PolicyError`:
     apply the policy before building it.  Returns the model to use (call it before
@@ -85,8 +85,8 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
     Module rules of the policy match a layer's class name (or one of its base
     classes') or its dotted path relative to ``model`` (``"encoder.dense_1"``;
     layer names joined by dots).  A layer holding sublayers computes what they
-    compute (:mod:`keras_ext.plan`); where a sublayer computes in another dtype, its
-    outputs are cast back (:mod:`keras_ext.casts`).
+    compute (:mod:`keras_ext.policy.plan`); where a sublayer computes in another dtype, its
+    outputs are cast back (:mod:`keras_ext.policy.casts`).
 
     Under ``fp8-mixed`` (the recipe given, or the global one) the low-precision
     ``Dense`` / ``EinsumDense`` layers then compute with FP8 matmuls
@@ -121,7 +121,7 @@ def apply_policy(model: keras.Model, policy: Any = None) -> keras.Model:
 
 def _set_own_policy(layer: Any, kp: Any) -> None:
     """``layer``'s own dtype policy := ``kp``, through Keras' ``dtype_policy`` setter (for a layer holding its
-    owner's :class:`~keras_ext.policy_map.PolicyMap`, the setter sets the layer's entry of that map).  A layer
+    owner's :class:`~keras_ext.policy.maps.PolicyMap`, the setter sets the layer's entry of that map).  A layer
     holding a ``DTypePolicyMap`` of its own (an owner's map, or the one a rebuild gave it) has it replaced:
     Keras' setter would add ``kp`` as an entry of that map, and Keras publishes no way to drop a map from a
     layer, so ``_dtype_policy`` is assigned on this layer."""
@@ -160,7 +160,7 @@ def _set_model_output(layer: Any, dtype: str | None) -> None:
 
 def _install_owner_maps(model: Any) -> None:
     """Each owner whose sublayers compute otherwise than it (or cast their outputs) holds a live
-    :class:`~keras_ext.policy_map.PolicyMap`; Keras saves its sublayers' policies with it."""
+    :class:`~keras_ext.policy.maps.PolicyMap`; Keras saves its sublayers' policies with it."""
     for owner in owners(model):
         own = resolved_policy(owner)
         subtree = [owner] + [sub for _, sub in walk(owner)]

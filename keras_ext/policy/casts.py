@@ -5,7 +5,7 @@ A layer's own ``call`` casts its inputs to its compute dtype (Keras does that); 
 computes in another dtype than its composite hands its floating outputs back in the composite's dtype:
 an FP32 ``LayerNormalization`` inside a bf16 ``TransformerEncoder`` returns bf16, a bf16 ``Dense``
 inside an FP32 block returns FP32.  A composite producing a model output casts its outputs to
-``output=`` (:data:`~keras_ext.policy_map.MODEL_OUTPUT`, saved in its owner's map).
+``output=`` (:data:`~keras_ext.policy.maps.MODEL_OUTPUT`, saved in its owner's map).
 
 :func:`install_casts` derives the casts from the layers' current policies, so it gives the same
 result after :func:`keras_ext.apply_policy` and after :func:`keras_ext.load_model`; installing again
@@ -97,7 +97,7 @@ def set_output_cast(layer: Any, dtype: str | None) -> None:
 
 def install_casts(model: Any) -> dict[str, str]:
     """Cast the outputs of every sublayer that computes in another dtype than its composite, and of every
-    composite producing a model output (:data:`~keras_ext.policy_map.MODEL_OUTPUT`); returns ``{path: dtype}``."""
+    composite producing a model output (:data:`~keras_ext.policy.maps.MODEL_OUTPUT`); returns ``{path: dtype}``."""
     casts = {}
     for path, layer, parent in walk_tree(model):
         target = layer.__dict__.get(MODEL_OUTPUT)

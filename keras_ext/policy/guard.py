@@ -16,11 +16,11 @@ model: ``model.compile(optimizer=...)`` then checks the optimizer against the re
   again then is what the warning asks, so ``apply_policy`` itself says nothing).
 
 After compiling with a :class:`keras_ext.LossScaleOptimizer` it installs
-:func:`keras_ext.forward_state.restore_on_skip` (BatchNorm statistics survive a skipped step); before
+:func:`keras_ext.restore_on_skip` (BatchNorm statistics survive a skipped step); before
 ``fit`` / ``train_on_batch`` the optimizer's divergence rule watches the train function ahead of its
 first trace, so the step returns the rule's latch instead of a variable read after each step.
 
-The optimizer itself checks at build what no guard sees (:func:`keras_ext.masters.check_variables`):
+The optimizer itself checks at build what no guard sees (:func:`keras_ext.weights.check_variables`):
 low-precision variables it neither masters nor rounds, and a master recipe over a model stored in FP32
 (warned, with counts).
 """
@@ -130,7 +130,7 @@ _TRAINING = ("fit", "train_on_batch")
 def _checked(model: Any, train: Any) -> Any:
     """``train`` (a bound ``fit`` / ``train_on_batch``) after :func:`check_compiled` for the guarded recipe; with
     a :class:`keras_ext.LossScaleOptimizer`, its divergence rule watches the train function before it is traced
-    (:meth:`keras_ext.divergence.KerasDivergence.prepare`: the step returns the latch)."""
+    (:meth:`keras_ext.loss_scale.divergence.KerasDivergence.prepare`: the step returns the latch)."""
 
     @functools.wraps(train)
     def checked(*args: Any, **kwargs: Any) -> Any:

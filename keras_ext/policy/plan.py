@@ -33,7 +33,7 @@ __all__ = ["MATMUL_LAYERS", "LayerPlan", "make_plan", "output_layers"]
 
 MATMUL_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Conv1D, keras.layers.Conv2D,
                  keras.layers.Conv3D)
-"""The matmul layer classes (what :func:`keras_ext.report.low_precision_share` counts)."""
+"""The matmul layer classes (what :func:`keras_ext.policy.report.low_precision_share` counts)."""
 
 # Activation names that the core treats as FP32 ops when used as a layer.
 _ACTIVATION_OPS = {"softmax": "softmax", "log_softmax": "log_softmax", "exponential": "exp", "softplus": "softplus"}

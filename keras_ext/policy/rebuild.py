@@ -2,10 +2,10 @@
 
 A Sequential or Functional model is cloned layer by layer; a graph model with a constructor of its own
 (a keras_hub backbone: it builds every layer itself from its ``dtype``) is built again from its config
-with a :class:`~keras_ext.policy_map.PolicyMap` as ``dtype``, which keeps its class; so is a layer
+with a :class:`~keras_ext.policy.maps.PolicyMap` as ``dtype``, which keeps its class; so is a layer
 that builds its sublayers (its config carries the map).  The weights are then copied, cast; the FP32
 value of each variable stored in low precision is kept on it (:data:`FP32_SOURCE`) for the FP32
-master the optimizer creates (:mod:`keras_ext.masters`): masters start from the same values as an
+master the optimizer creates (:mod:`keras_ext.weights.masters`): masters start from the same values as an
 FP32 run, not from their rounding.
 """
 

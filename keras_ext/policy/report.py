@@ -17,7 +17,7 @@ __all__ = ["MATMUL_LAYERS", "low_precision_share", "matmul_layers", "policy_repo
 def policy_report(model: keras.Model, policy: Any = None) -> list[dict[str, str]]:
     """What the policy decides for every layer of ``model``: ``{"path", "class", "compute", "storage", "why"}``.
 
-    The rows of :func:`lightning_ext.policy.policy_report` (format them with
+    The rows of the Lightning adapter's ``policy_report`` (format them with
     :func:`mp_callbacks.policy.format_report`): ``compute`` is the dtype the
     policy gives the layer (``policy``: anything :func:`keras_ext.resolve_policy` takes;
     default: the global one, as :func:`keras_ext.apply_policy`), ``storage`` the dtype of

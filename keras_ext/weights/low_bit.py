@@ -184,7 +184,7 @@ def eight_bit_inner(inner: keras.optimizers.Optimizer, plan: MasterPlan) -> kera
         return inner
     if type(inner) not in (keras.optimizers.Adam, keras.optimizers.AdamW):
         raise ValueError(f"state_dtype='8bit' block-quantizes Adam's m and v: the inner optimizer must be "
-                         f"keras.optimizers.Adam or AdamW (or keras_ext.low_bit.AdamW8bit), not "
+                         f"keras.optimizers.Adam or AdamW (or keras_ext.weights.low_bit.AdamW8bit), not "
                          f"{type(inner).__name__}")
     config = inner.get_config()
     if config.get("amsgrad") or config.get("use_ema"):

@@ -1,6 +1,6 @@
 """FP32 master weights inside a Keras optimizer (the ``*-master`` recipes).
 
-The twin of :class:`lightning_ext.masters.MasterWeights`.  The core's rule
+The core's rule
 (:mod:`mp_callbacks.memory.estimate`): a variable stored in float16/bfloat16 gets an
 FP32 master; the inner optimizer is built on (and updates) the master, so its
 slots are FP32; after every *applied* step the master is rounded back into the

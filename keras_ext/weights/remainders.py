@@ -4,13 +4,13 @@ The twin of Lightning's ``MasterWeights(remainders=True)``; the rule is the core
 (:mod:`mp_callbacks.weights.remainders`: :func:`~mp_callbacks.weights.remainders.forward_half` /
 :func:`~mp_callbacks.weights.remainders.upper_half`, evaluated here on int16 ``keras.ops`` tensors;
 :func:`join` / :func:`split` equal the core's NumPy reference bit for bit).
-:class:`RemainderMasters` takes the place of :class:`~keras_ext.masters.MasterWeights` inside
+:class:`RemainderMasters` takes the place of :class:`~keras_ext.weights.masters.MasterWeights` inside
 :class:`keras_ext.LossScaleOptimizer` (same interface):
 
 * :meth:`RemainderMasters.build` creates one int16 remainder per bfloat16 variable on the optimizer
   (saved, restored), from the FP32 value the variable was rounded from when
   :func:`keras_ext.apply_policy` kept it (the variable then takes the split's forward weight), and builds
-  the inner optimizer on a :class:`~keras_ext.rounding.WorkingVariable` per bf16 variable (FP32 slots);
+  the inner optimizer on a :class:`~keras_ext.weights.rounding.WorkingVariable` per bf16 variable (FP32 slots);
 * at each applied step the working variable holds the joined FP32 master, the inner optimizer's own
   ``apply`` updates it, and :meth:`RemainderMasters.write_back` splits the result into the bf16 variable
   and its remainder: the masters, slots and scaler are the FP32-copy ``bf16-master``'s bit for bit;
@@ -131,7 +131,7 @@ def held_storage(master: Any) -> Any:
 class RemainderMasters:
     """The exact FP32 masters of one optimizer as bf16 variable + int16 remainder, aligned with its variables.
 
-    The interface of :class:`~keras_ext.masters.MasterWeights` (``build``, ``targets``, ``write_back``,
+    The interface of :class:`~keras_ext.weights.masters.MasterWeights` (``build``, ``targets``, ``write_back``,
     ``variables``, ``master_of``), which :class:`keras_ext.LossScaleOptimizer` drives.
     """
 

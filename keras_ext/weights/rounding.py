@@ -1,9 +1,9 @@
 """``bf16-kahan`` and ``bf16-sr`` in Keras: the user's optimizer, bf16 variables, no FP32 masters.
 
-The twin of :mod:`lightning_ext.rounding`.  The core's rules
+The core's rules
 (:mod:`mp_callbacks.weights`) decide how an update is written into a bf16
 variable; :class:`UpdateRounding` takes the place of
-:class:`~keras_ext.masters.MasterWeights` inside :class:`keras_ext.LossScaleOptimizer`
+:class:`~keras_ext.weights.masters.MasterWeights` inside :class:`keras_ext.LossScaleOptimizer`
 so that the wrapped optimizer (AdamW, SGD with momentum, any Keras optimizer
 whose ``update_step`` writes through ``self.assign*``) computes each update in
 FP32 with FP32 slots:
@@ -32,9 +32,8 @@ FP32 with FP32 slots:
   is the variable's position in the optimizer's variable list, the element
   index the canonical (torch) layout's (kernels through
   :func:`~mp_callbacks.weights.random_source.keras_kernel_to_canonical`), so Lightning and
-  Keras draw the same number for corresponding elements; the rules run on
-  :class:`~keras_ext.rounding_ops.KerasRoundingOps` (:mod:`keras_ext.rounding_ops`); on TensorFlow each
-  variable's rule is one XLA kernel (:mod:`keras_ext.rounding_step`: the same numbers, one pass).
+  Keras draw the same number for corresponding elements; each variable's rule is one compiled kernel over
+  :class:`~keras_ext.weights.KerasRoundingOps` (:mod:`keras_ext.weights.rounding_ops`).
 
 The optimizer calls :meth:`UpdateRounding.write_back` only on applied steps
 (inside its ``ops.cond``): a skipped step leaves weights, compensation,
@@ -141,7 +140,7 @@ if is_tf():
 class UpdateRounding:
     """Kahan-compensated or stochastically rounded updates of bf16 variables, around the inner optimizer.
 
-    The same interface as :class:`~keras_ext.masters.MasterWeights` (``build``, ``targets``,
+    The same interface as :class:`~keras_ext.weights.masters.MasterWeights` (``build``, ``targets``,
     ``write_back``, ``variables``, ``enabled``: False, there are no masters), which
     :class:`keras_ext.LossScaleOptimizer` drives.
 
@@ -256,7 +255,7 @@ class UpdateRounding:
 
     def track_updates(self, on: bool, samples: int | None = None) -> None:
         """Keep (``on``), at every applied step, each rounded variable's FP32 value before the step and the FP32
-        update on the elements :func:`~keras_ext.meters.sample` reads (``samples``): the swamping meter's
+        update on the elements :func:`~keras_ext.diagnostics.meters.sample` reads (``samples``): the swamping meter's
         input (:meth:`tracked_updates`).  Retrace the step after switching."""
         if not on:
             self._tracked = None
