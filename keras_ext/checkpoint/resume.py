@@ -83,7 +83,7 @@ def resume(model: keras.Model, source: keras.Model | str | os.PathLike[str],
     :class:`~mp_callbacks.recipes.ResumePlan`.
 
     The same recipe: weights, masters, optimizer slots and step count, scaler state, exactly.  Another
-    recipe, with ``allow_recipe_change=True`` (else :class:`~mp_callbacks.loss_scale.scaler.StateDictError` naming
+    recipe, with ``allow_recipe_change=True`` (else :class:`~mp_callbacks.settings.StateDictError` naming
     both): the weights from the saved FP32 values (masters where the saved run kept them), this
     optimizer's masters from those values, the inner optimizer's variables (slots, step count, learning
     rate) carried over, the scaler restarted from its config (a warning says so).  A checkpoint of Keras'

@@ -86,7 +86,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     Args:
       log_every_n_steps: write a full record (all shared metrics) every N
         steps; overflow steps are always recorded (at the next read).
-      divergence_patience: raise :class:`~mp_callbacks.diagnostics.meters.DivergenceError`
+      divergence_patience: raise :class:`~mp_callbacks.diagnostics.DivergenceError`
         after this many consecutive overflows with the scale at its floor
         (None: never); the message names the scale, the step, the first
         non-finite layer and a checklist.
@@ -116,7 +116,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
         (:func:`keras_ext.policy_report`; kept as a ``"policy"`` history event).
 
     While attached, the optimizer's per-step overflow check runs even where no
-    step is skipped (``skip_nonfinite=False``; :func:`mp_callbacks.loss_scale.scaler.checks_overflow`).
+    step is skipped (``skip_nonfinite=False``; :func:`mp_callbacks.loss_scale.checks_overflow`).
     Put the monitor *before* ``TensorBoard``/``CSVLogger`` in ``callbacks`` so
     that they see the names it adds to ``logs``.  With ``steps_per_execution=k``
     a logging record is the last step of an execution that contains a logging
@@ -257,7 +257,7 @@ class MixedPrecisionMonitor(MonitorFacade, keras.callbacks.Callback):
     # ---------------------------------------------------------- installing
     def uninstall(self) -> None:
         """Detach from the optimizer and remove the attribution wrappers (idempotent).  Runs at train end,
-        before a :class:`~mp_callbacks.diagnostics.meters.DivergenceError` (the guard's or the optimizer's) propagates
+        before a :class:`~mp_callbacks.diagnostics.DivergenceError` (the guard's or the optimizer's) propagates
         and at the next train start; after a ``fit`` that raised otherwise, call it to restore the model."""
         self._logging_now = False
         self.attribution.uninstall()

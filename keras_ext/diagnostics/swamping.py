@@ -2,7 +2,7 @@
 
 :func:`swamp_targets` names, for the snapshot before a logging step, each
 variable the optimizer updates and the dtype its update is measured against
-(:func:`~mp_callbacks.diagnostics.attribution.swamp_storage_dtype`): the FP32 master
+(:func:`~mp_callbacks.diagnostics.swamp_storage_dtype`): the FP32 master
 under ``*-master``, else the variable; a variable counts as kept in FP32 when
 its layer computes in float32 (by policy or fallback).  Under
 ``bf16-kahan``/``bf16-sr`` the rounded variables are metered on the FP32

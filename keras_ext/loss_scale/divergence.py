@@ -142,7 +142,7 @@ class KerasDivergence:
 
     # ------------------------------------------------------------- the host
     def check(self) -> None:
-        """Raise :class:`~mp_callbacks.diagnostics.meters.DivergenceError` when a stop is latched (one scalar read)."""
+        """Raise :class:`~mp_callbacks.diagnostics.DivergenceError` when a stop is latched (one scalar read)."""
         if not self._vars:
             return
         step = int(_read(self._vars["stop_step"]))  # the one read of a step without a stop

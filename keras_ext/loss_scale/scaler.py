@@ -92,7 +92,7 @@ class KerasLossScaler(ScalerCounters):
         return bool(self._vars)
 
     def build(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """Create the state variables on ``optimizer`` (in :data:`~mp_callbacks.loss_scale.scaler.STATE_FIELDS`
+        """Create the state variables on ``optimizer`` (in :data:`~mp_callbacks.loss_scale.STATE_FIELDS`
         order)."""
         init = initial_state(self.config)
         self._vars = {
