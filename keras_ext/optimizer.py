@@ -20,7 +20,7 @@ from mp_callbacks.diagnostics import OVERFLOW, DivergenceRule, MonitorPort, Step
 from mp_callbacks.loss_scale import ScalerConfig, ScalerCounters, ScalerState, fixed_scale
 from mp_callbacks.recipes import Recipe, get_recipe
 
-from .distributed import count_reduction, inner_reduction_off, reduce_gradients, reduces_itself
+from .distributed import count_reduction, inner_reduction_off, reduce_gradients, reduces_itself, sum_flags
 from .global_policy import coerce_recipe, optimizer_recipe
 from .loss_scale import KerasDivergence, KerasLossScaler, StepState, found_inf, scaled_loss, scaler_config, unscale
 from .ops import is_tf, read_once, run_if
@@ -61,6 +61,12 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         a dict of its limits; None: the default rule, False: never).
       seed: ``bf16-sr``'s stochastic-rounding seed (an integer >= 0).
       name: the optimizer's name.
+      **kwargs: what Keras' own ``LossScaleOptimizer`` takes besides (base-optimizer arguments of older
+        configs, at their defaults).
+
+    Attributes:
+      step_state: the step-written variables that are not saved (the divergence streaks, a monitor's record),
+        :class:`~keras_ext.loss_scale.StepState`.
 
     ``apply`` / ``apply_gradients`` take gradients of the *scaled* loss (what ``model.fit`` gives).  The tf-keras
     custom-loop protocol works too: after :meth:`get_unscaled_gradients` the next ``apply`` does not divide again.
@@ -295,10 +301,7 @@ class LossScaleOptimizer(ScalerCounters, MonitorPort, keras.optimizers.LossScale
         grads = reduce_gradients(ctx, grads, self._recipe.comm_dtype) if reduced else grads
         found, loss_finite = self._found_inf(grads), self._divergence.loss_finite()
         if ctx.num_replicas_in_sync > 1 and self.checks_overflow:
-            flags = tf.cast(tf.stack([found, tf.logical_not(loss_finite)]), tf.float32)
-            count_reduction("other", [flags])
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, flags)
-            found, loss_finite = tf.greater(total[0], 0.0), tf.equal(total[1], 0.0)
+            found, loss_finite = sum_flags(ctx, found, loss_finite)
         unscaled = self._unscaled(grads, tvs, unscaled_already)
 
         def cross_replica(distribution: Any, found: Any, loss_finite: Any, unscaled: list[Any]) -> None:

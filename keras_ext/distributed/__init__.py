@@ -9,8 +9,8 @@ reduced.  :func:`multi_worker_fit` lets ``model.fit`` run under ``MultiWorkerMir
 ``keras.distribution`` data-parallel step is reduced by XLA's partitioner.
 """
 
-from .comm import CommCounter, count_reduction, inner_reduction_off, reduce_gradients, reduces_itself
+from .comm import CommCounter, count_reduction, inner_reduction_off, reduce_gradients, reduces_itself, sum_flags
 from .multi_worker import multi_worker_fit
 
 __all__ = ["CommCounter", "count_reduction", "inner_reduction_off", "multi_worker_fit", "reduce_gradients",
-           "reduces_itself"]
+           "reduces_itself", "sum_flags"]

@@ -35,13 +35,24 @@ from mp_callbacks.dtypes import dtype_bytes
 
 from ..ops import dtype_name
 
-__all__ = ["CommCounter", "count_reduction", "inner_reduction_off", "reduce_gradients", "reduces_itself"]
+__all__ = ["CommCounter", "count_reduction", "inner_reduction_off", "reduce_gradients", "reduces_itself", "sum_flags"]
 
 
 def reduces_itself(comm_dtype: str, ctx: Any) -> bool:
     """True when the optimizer reduces the gradients itself: ``comm_dtype`` is not float32 and the
     replica context ``ctx`` has more than one replica."""
     return comm_dtype != "float32" and ctx is not None and ctx.num_replicas_in_sync > 1
+
+
+def sum_flags(ctx: Any, found_inf: Any, loss_finite: Any) -> tuple[Any, Any]:
+    """The global decision's inputs: this replica's overflow flag and non-finite-loss flag summed over the
+    replicas of ``ctx`` in one all-reduce (any replica overflows => every replica's ``found_inf`` is True)."""
+    import tensorflow as tf
+
+    flags = tf.cast(tf.stack([found_inf, tf.logical_not(loss_finite)]), tf.float32)
+    count_reduction("other", [flags])
+    total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, flags)
+    return tf.greater(total[0], 0.0), tf.equal(total[1], 0.0)
 
 
 def reduce_gradients(ctx: Any, grads: Sequence[Any], comm_dtype: str) -> list[Any]:

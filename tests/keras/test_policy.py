@@ -134,11 +134,11 @@ def test_the_global_policy_rides_on_keras_own_policy_object():
 
 def test_keras_ext_modules_keep_no_mutable_state():
     """Module globals hold functions, classes and constants only (constants are UPPER_CASE)."""
-    for info in pkgutil.iter_modules(keras_ext.__path__):
-        module = importlib.import_module(f"keras_ext.{info.name}")
+    for info in pkgutil.walk_packages(keras_ext.__path__, "keras_ext."):
+        module = importlib.import_module(info.name)
         for name, value in vars(module).items():
             if isinstance(value, (dict, list, set)) and not name.startswith("__"):
-                assert name.lstrip("_").isupper(), f"keras_ext.{info.name}.{name}"
+                assert name.lstrip("_").isupper(), f"{info.name}.{name}"
 
 
 def test_a_model_built_under_the_global_policy_saves_and_loads_in_safe_mode(tmp_path):
