@@ -1,70 +1,50 @@
 """keras_ext: the Keras adapter of the mp_callbacks mixed-precision core.
 
-* :class:`LossScaleOptimizer`: a drop-in for ``keras.optimizers.LossScaleOptimizer``
-  whose decisions come from the core's loss-scaler transition (evaluated with
-  ``keras.ops``), with a cross-replica overflow check, tf-keras'
-  ``get_scaled_loss``/``get_unscaled_gradients``, and optional FP32 master
-  weights (``master_weights=True`` or :func:`master_optimizer`).
-* :func:`set_global_policy` / :func:`apply_policy`: the core's recipes and op
-  policy as Keras dtype policies (softmax, norms, output and custom layers in FP32;
-  a layer holding sublayers, such as keras_hub's transformer blocks, computes what
-  they compute, and the FP32 ones inside hand their outputs back cast); new layers
-  draw FP32 initial values under every recipe; :func:`policy_report`: what was
-  decided per layer, and why; :func:`low_precision_share`: how much of the
-  matmul work runs in low precision.  ``compile`` then wraps (with a warning) an
-  optimizer that cannot honour the recipe, or refuses one that lacks its masters.
-* :class:`MixedPrecisionMonitor`: the shared diagnostics as a Keras callback.
-* :func:`save_model` / :func:`save_weights` (the FP32 masters as the saved weights),
-  :func:`load_model` / :func:`load_weights` (nested policies, FP8 state and the
-  optimizer state back, any number of round trips; :class:`SavedFileError` for
-  missing, truncated or foreign files), :func:`export_fp32`, :func:`resume`
-  (continue a saved run, also under another recipe or from Keras' own optimizers).
-* :func:`restore_on_skip`: a skipped step leaves BatchNorm's moving statistics as
-  they were (installed by ``compile`` with a :class:`LossScaleOptimizer`).
-* :class:`KerasOps`: the core's array-ops protocol over ``keras.ops``.
+The same recipes, loss-scaler decisions, op policy, master-weight rules and diagnostics as ``lightning_ext``,
+decided by the core and evaluated with ``keras.ops``.  Its face:
 
-Modules (the same files as ``lightning_ext`` for the same jobs): ``optimizer``
-(the Keras-facing :class:`LossScaleOptimizer`), ``scaler`` (the scaler state in
-Keras variables), ``divergence`` (the core's divergence rule in the traced step
-and its host check), ``masters`` (FP32 master weights), ``rounding``
-(with ``rounding_ops``: the core's rounding ops in ``keras.ops``), ``global_policy``
-(the recipe on Keras' global policy), ``plan`` (the per-layer decision), ``policy``
-(applying it), ``casts`` (at composite boundaries), ``policy_map`` (nested
-policies and FP8 settings in a saved model), ``rebuild``, ``report``, ``guard``
-(compile under a recipe), ``forward_state`` (skipped steps and BatchNorm),
-``attribution`` (which layer overflowed), ``monitor``, ``memory``, ``ops``,
-``meters``, ``checkpoint`` (saving the masters, resuming across recipes),
-``loading``.  No module keeps global state (one said-once flag aside: the float16-on-CPU
-notice, ``global_policy``): the active policy rides on Keras' own global dtype policy.
+* :class:`LossScaleOptimizer` (a drop-in for ``keras.optimizers.LossScaleOptimizer``) and
+  :func:`master_optimizer` (the optimizer a recipe asks for: loss scaling, FP32 masters, update rounding);
+* :func:`set_global_policy` / :func:`apply_policy`: the recipe's op policy as Keras dtype policies;
+  :func:`policy_report`, :func:`low_precision_share`, :func:`layer_dtype_policies`;
+* :class:`MixedPrecisionMonitor`: the shared ``mp/*`` diagnostics as a Keras callback;
+* :func:`save_model`, :func:`save_weights`, :func:`load_model`, :func:`load_weights`, :func:`export_fp32`,
+  :func:`fp32_values`, :func:`resume`, :class:`SavedFileError`;
+* :func:`restore_on_skip` (a skipped step leaves BatchNorm's statistics), :class:`KerasOps`.
+
+Layout (the subpackage names of ``lightning_ext`` for the same jobs): :mod:`~keras_ext.optimizer`,
+:mod:`~keras_ext.loss_scale`, :mod:`~keras_ext.weights`, :mod:`~keras_ext.fp8`, :mod:`~keras_ext.policy`,
+:mod:`~keras_ext.diagnostics`, :mod:`~keras_ext.distributed`, :mod:`~keras_ext.checkpoint`, and three shared
+modules: :mod:`~keras_ext.ops` (``keras.ops`` under the core), :mod:`~keras_ext.layers` (a model's layer tree),
+:mod:`~keras_ext.global_policy` (the recipe on Keras' global dtype policy).  No module keeps global state (one
+said-once flag aside: the float16-on-CPU notice).
 
 Typical use::
 
-    keras_ext.set_global_policy("bf16-master")          # Keras' global policy, carrying the core's
+    keras_ext.set_global_policy("bf16-master")          # Keras' global policy, carrying the recipe
     model = keras_ext.apply_policy(build_model())       # softmax/norm/output/custom -> FP32
     model.compile(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-3), "bf16-master"), loss)
 
-    # or, the Keras drop-in (``keras`` preset reproduces keras.optimizers.LossScaleOptimizer):
+    # or, the Keras drop-in (the "keras" preset reproduces keras.optimizers.LossScaleOptimizer):
     model.compile(keras_ext.LossScaleOptimizer(keras.optimizers.Adam(), "torch"), loss)
-
-Design notes: the optimizer subclasses Keras' ``LossScaleOptimizer`` so that
-``compile()`` under ``mixed_float16`` does not wrap it again and Keras
-callbacks that unwrap ``inner_optimizer`` keep working; everything that
-decides (finite check, transition, skip, master weights) is overridden.
-The finite check runs per replica in ``apply`` and its flag is all-reduced
-(SUM over ``tf.distribute`` replicas) before the transition, which runs once
-in the cross-replica context; Keras 3's own optimizer checks per replica.
 """
 
-from .checkpoint import export_fp32, fp32_values, resume, save_model, save_weights
-from .forward_state import restore_on_skip
-from .global_policy import get_global_policy, get_global_recipe, resolve_policy, set_global_policy
-from .loading import SavedFileError, load_model, load_weights
-from .monitor import MixedPrecisionMonitor
+from .checkpoint import (
+    SavedFileError,
+    export_fp32,
+    fp32_values,
+    load_model,
+    load_weights,
+    resume,
+    save_model,
+    save_weights,
+)
+from .diagnostics import MixedPrecisionMonitor
+from .global_policy import get_global_policy, get_global_recipe, keras_dtype_policy, resolve_policy, set_global_policy
+from .loss_scale import restore_on_skip
 from .ops import KERAS_OPS, KerasOps
 from .optimizer import LossScaleOptimizer, master_optimizer
-from .plan import keras_dtype_policy
-from .policy import apply_policy, layer_dtype_policies
-from .report import low_precision_share, policy_report
+from .policy import apply_policy, layer_dtype_policies, low_precision_share, policy_report
 
 __all__ = [
     "KERAS_OPS",

@@ -1,14 +1,14 @@
-"""keras_ext's global state, which is Keras' own: the core policy and recipe ride on Keras' global dtype policy.
+"""keras_ext's global state, which is Keras' own: the recipe rides on Keras' global dtype policy.
 
-:func:`set_global_policy` sets Keras' global policy (what new layers get: FP32 variables, so that every
-recipe draws the same initial values as Keras' ``float32`` and ``mixed_*`` policies; the low-precision
-compute dtype) and keeps the core :class:`~mp_callbacks.PrecisionPolicy` and the recipe on that
-``keras.DTypePolicy`` object (attributes :data:`POLICY_ATTR` / :data:`RECIPE_ATTR`; the object stays
-a plain ``DTypePolicy``, so saved models keep loading with ``safe_mode=True``).
-:func:`get_global_policy` / :func:`get_global_recipe` read them back from ``keras.config.dtype_policy()``,
-or derive them from its dtypes when another policy was set since.  This module keeps no state of its own
-but one flag: :func:`notice_cpu_float16` (float16 computing on a CPU without native float16 matmuls, which
-:func:`set_global_policy` and :func:`keras_ext.apply_policy` report) is said once per process.
+:func:`set_global_policy` sets Keras' global policy to a :class:`RecipePolicy`: a ``keras.DTypePolicy`` with
+Keras' dtypes (FP32 variables, so that every recipe draws the same initial values as Keras' ``float32`` and
+``mixed_*`` policies; the recipe's compute dtype) that carries the core :class:`~mp_callbacks.PrecisionPolicy`
+and the :class:`~mp_callbacks.Recipe` it was set from.  It is registered with Keras' serialization
+(``keras_ext>RecipePolicy``): a layer built under it saves it and loads it back where keras_ext is imported.
+:func:`get_global_policy` / :func:`get_global_recipe` read them back from ``keras.config.dtype_policy()``, or
+derive them from its dtypes when another policy was set since; :func:`optimizer_recipe` is the recipe a
+:class:`keras_ext.LossScaleOptimizer` implements.  This module keeps no state of its own but one flag:
+:func:`notice_cpu_float16` (float16 computing on a CPU without native float16 matmuls) is said once per process.
 """
 
 from __future__ import annotations
@@ -24,23 +24,53 @@ from mp_callbacks.loss_scale import ScalerConfig
 from mp_callbacks.policy import PolicyError, PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
 
-from .plan import keras_dtype_policy
+__all__ = ["RECIPE_OF_DTYPES", "RecipePolicy", "coerce_recipe", "compute_device", "core_policy",
+           "get_global_policy", "get_global_recipe", "keep_layer_in_fp32", "keras_dtype_policy",
+           "notice_cpu_float16", "optimizer_recipe", "resolve_policy", "set_global_policy"]
 
-__all__ = ["POLICY_ATTR", "RECIPE_ATTR", "coerce_recipe", "compute_device", "core_policy", "get_global_policy",
-           "get_global_recipe", "keep_layer_in_fp32", "notice_cpu_float16", "optimizer_recipe", "resolve_policy",
-           "set_global_policy"]
-
-POLICY_ATTR = "mp_policy"
-"""Attribute of Keras' global ``DTypePolicy`` holding the core :class:`PrecisionPolicy` it was set from."""
-RECIPE_ATTR = "mp_recipe"
-"""Attribute of Keras' global ``DTypePolicy`` holding the :class:`~mp_callbacks.Recipe` it was set from (or None)."""
-
-# Keras' (variable dtype, compute dtype) -> the recipe that stores and computes so.
-_RECIPE_OF_DTYPES = {
+RECIPE_OF_DTYPES = {
     ("float32", "float32"): "32-true", ("float32", "float16"): "16-mixed", ("float32", "bfloat16"): "bf16-mixed",
     ("float16", "float16"): "16-master", ("bfloat16", "bfloat16"): "bf16-master",
 }
+"""Keras' (variable dtype, compute dtype) -> the recipe that stores and computes so."""
 
+
+def keras_dtype_policy(params: str, compute: str) -> keras.DTypePolicy:
+    """The Keras dtype policy storing variables in ``params`` and computing in ``compute``
+    (``params`` float32 with a low ``compute``: Keras' ``mixed_*``; equal dtypes: that dtype)."""
+    if params == compute:
+        return keras.DTypePolicy(compute)
+    if params == "float32" and compute in ("float16", "bfloat16"):
+        return keras.DTypePolicy(f"mixed_{compute}")
+    raise PolicyError(
+        f"Keras has no dtype policy with variables in {params} and compute in {compute}; "
+        "use params=float32 (mixed) or params equal to compute"
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_ext")
+class RecipePolicy(keras.DTypePolicy):
+    """A Keras dtype policy (``name``: Keras' ``"float32"``, ``"mixed_float16"``, ``"mixed_bfloat16"``...) that
+    carries the core ``policy`` it was made from and the ``recipe`` that named it (None: a policy without one).
+
+    It equals a plain ``keras.DTypePolicy`` of the same name (Keras compares policies by name).
+    """
+
+    def __init__(self, name: str | None = None, policy: PrecisionPolicy | Mapping[str, Any] | None = None,
+                 recipe: Recipe | str | Mapping[str, Any] | None = None) -> None:
+        super().__init__(name)
+        self.policy = PrecisionPolicy.from_dict(policy) if isinstance(policy, Mapping) else policy
+        self.recipe = coerce_recipe(recipe)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, keras.DTypePolicy) and type(other) in (keras.DTypePolicy, RecipePolicy) and \
+            self.name == other.name
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.name, "policy": None if self.policy is None else self.policy.to_dict(),
+                "recipe": None if self.recipe is None else self.recipe.to_dict()}
 
 
 def resolve_policy(recipe_or_policy: Any) -> tuple[PrecisionPolicy, Recipe | None]:
@@ -52,6 +82,8 @@ def resolve_policy(recipe_or_policy: Any) -> tuple[PrecisionPolicy, Recipe | Non
         return recipe_or_policy.policy, recipe_or_policy
     if isinstance(recipe_or_policy, PrecisionPolicy):
         return recipe_or_policy, None
+    if isinstance(recipe_or_policy, RecipePolicy) and recipe_or_policy.policy is not None:
+        return recipe_or_policy.policy, recipe_or_policy.recipe
     if isinstance(recipe_or_policy, keras.DTypePolicy):
         return PrecisionPolicy(params=recipe_or_policy.variable_dtype, compute=recipe_or_policy.compute_dtype,
                                output="float32"), None
@@ -69,16 +101,16 @@ def resolve_policy(recipe_or_policy: Any) -> tuple[PrecisionPolicy, Recipe | Non
 
 
 def set_global_policy(recipe_or_policy: Any) -> PrecisionPolicy:
-    """Set Keras' global dtype policy from a recipe or op policy; return the core policy.
+    """Set Keras' global dtype policy from a recipe or op policy (anything :func:`resolve_policy` takes);
+    return the core policy.
 
     New layers get FP32 variables and the policy's compute dtype (``"bf16-master"``,
     ``"bf16-mixed"`` -> Keras ``mixed_bfloat16``, ``"16-mixed"``/``"16-master"`` -> Keras
     ``mixed_float16``, ``"32-true"`` -> ``float32``): the initial values are drawn in FP32 under
     every recipe, as Keras' own ``float32``/``mixed_*`` policies draw them.  A float16 policy on a CPU
-    without native float16 matmuls warns (:func:`notice_cpu_float16`).  :func:`apply_policy`
+    without native float16 matmuls warns (:func:`notice_cpu_float16`).  :func:`keras_ext.apply_policy`
     (which uses this policy when given none) stores the low-precision layers' variables in the
-    recipe's ``params`` dtype and applies the per-layer rules (softmax, norms, output layers,
-    custom layers, composite layers).
+    recipe's ``params`` dtype and applies the per-layer rules.
     """
     policy, recipe = resolve_policy(recipe_or_policy)
     _install(policy, recipe)
@@ -111,10 +143,8 @@ def compute_device() -> str:
 
 def notice_cpu_float16(policy: PrecisionPolicy, recipe: Recipe | None, stacklevel: int = 3) -> None:
     """Warn when ``policy`` computes in float16 on a CPU whose float16 matmuls are slow in the active backend;
-    the core decides (:func:`mp_callbacks.advice.cpu_float16_notice`, backend ``"keras/<backend>"``, with its
-    measured slowdown).  Said once per process (the CPU and the backend do not change in it): the first
-    float16 policy set up on such a CPU warns, later ones do not.  With the measured figures Keras' three
-    backends compute float16 matmuls on CPU at about float32's speed, and this says nothing."""
+    the core decides (:func:`mp_callbacks.advice.cpu_float16_notice`, backend ``"keras/<backend>"``).  Said once
+    per process (the CPU and the backend do not change in it)."""
     if _NOTICED or policy.compute != "float16":
         return
     name = recipe.name if recipe is not None else "the dtype policy"
@@ -125,32 +155,35 @@ def notice_cpu_float16(policy: PrecisionPolicy, recipe: Recipe | None, stackleve
 
 
 def _install(policy: PrecisionPolicy, recipe: Recipe | None) -> None:
-    """Make a Keras policy for ``policy`` carrying it (and ``recipe``) Keras' global policy."""
-    kp = keras_dtype_policy("float32", policy.compute)
-    setattr(kp, POLICY_ATTR, policy)
-    setattr(kp, RECIPE_ATTR, recipe)
-    keras.config.set_dtype_policy(kp)
+    """Keras' global policy := a :class:`RecipePolicy` for ``policy`` (and ``recipe``)."""
+    name = keras_dtype_policy("float32", policy.compute).name
+    keras.config.set_dtype_policy(RecipePolicy(name, policy, recipe))
 
 
 def get_global_policy() -> PrecisionPolicy:
     """The core policy of Keras' global dtype policy: the one :func:`set_global_policy` set,
     else one with its dtypes (and FP32 outputs)."""
     kp = keras.config.dtype_policy()
-    policy = getattr(kp, POLICY_ATTR, None)
-    if policy is not None:
-        return policy
+    if isinstance(kp, RecipePolicy) and kp.policy is not None:
+        return kp.policy
     return PrecisionPolicy(params=kp.variable_dtype, compute=kp.compute_dtype, output="float32")
+
+
+def global_recipe() -> Recipe | None:
+    """The recipe :func:`set_global_policy` named on Keras' global policy, or None."""
+    kp = keras.config.dtype_policy()
+    return kp.recipe if isinstance(kp, RecipePolicy) else None
 
 
 def get_global_recipe() -> Recipe:
     """The recipe of Keras' global dtype policy: the one :func:`set_global_policy` named, else the
     recipe with its storage and compute dtypes (``mixed_bfloat16`` -> ``bf16-mixed``, ``bfloat16``
     -> ``bf16-master``, ``float32`` -> ``32-true``) carrying :func:`get_global_policy`."""
-    recipe = getattr(keras.config.dtype_policy(), RECIPE_ATTR, None)
+    recipe = global_recipe()
     if recipe is not None:
         return recipe
     policy = get_global_policy()
-    name = _RECIPE_OF_DTYPES.get((policy.params, policy.compute))
+    name = RECIPE_OF_DTYPES.get((policy.params, policy.compute))
     if name is None:
         raise PolicyError(f"no recipe stores variables in {policy.params} and computes in {policy.compute}")
     return get_recipe(name, policy=policy)
@@ -158,9 +191,7 @@ def get_global_recipe() -> Recipe:
 
 def coerce_recipe(recipe: Recipe | str | Mapping[str, Any] | None) -> Recipe | None:
     """A :class:`~mp_callbacks.Recipe` from a recipe, a name or its dict (None stays None)."""
-    if recipe is None:
-        return recipe
-    if isinstance(recipe, Recipe):
+    if recipe is None or isinstance(recipe, Recipe):
         return recipe
     if isinstance(recipe, str):
         return get_recipe(recipe)
@@ -190,18 +221,15 @@ def optimizer_recipe(given: Recipe | None, scaler: ScalerConfig, master_weights:
 
 
 def keep_layer_in_fp32(path: str) -> None:
-    """Add an FP32 rule for layer ``path`` to the global policy (what :func:`apply_policy` uses next).
+    """Add an FP32 rule for layer ``path`` to the global policy (what :func:`keras_ext.apply_policy` uses next).
 
-    Only when the global policy was set by :func:`set_global_policy`; a plain
-    Keras policy has no rules to extend.
-    """
+    Only when the global policy was set by :func:`set_global_policy`; a plain Keras policy has no rules to
+    extend."""
     kp = keras.config.dtype_policy()
-    policy = getattr(kp, POLICY_ATTR, None)
-    if policy is None:
+    if not isinstance(kp, RecipePolicy) or kp.policy is None:
         return
-    policy = policy.with_fp32_modules(path)
-    recipe = getattr(kp, RECIPE_ATTR, None)
-    _install(policy, recipe.with_policy(policy) if recipe is not None else None)
+    policy = kp.policy.with_fp32_modules(path)
+    _install(policy, kp.recipe.with_policy(policy) if kp.recipe is not None else None)
 
 
 def core_policy(policy: Any) -> PrecisionPolicy:

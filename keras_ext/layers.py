@@ -8,18 +8,25 @@
 * :func:`own_variables`: the variables a layer holds itself (not those of its sublayers);
 * :func:`is_container`: a nested model (its layers carry the policies, not the model itself);
 * :func:`is_graph`: a Functional or Sequential model (its layers are connected by their calls);
-* :func:`resolved_policy`: a layer's own dtype policy (its entry when it holds a ``DTypePolicyMap``).
+* :func:`resolved_policy`: a layer's own dtype policy (its entry when it holds a ``DTypePolicyMap``);
+* :func:`loading_scope` / :func:`loading_permitted`: keras_ext is deserializing (its registered policies, which
+  only its loaders can complete, refuse to load otherwise).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import keras
 
-__all__ = ["children", "is_container", "is_graph", "own_variables", "policy_layers", "resolved_policy", "walk",
-           "walk_tree"]
+__all__ = ["HOW_TO_LOAD", "children", "is_container", "is_graph", "loading_permitted", "loading_scope", "own_variables",
+           "policy_layers", "resolved_policy", "walk", "walk_tree"]
+
+HOW_TO_LOAD = ("load it with keras_ext.load_model(path) (keras_ext installs the casts between FP32 regions and "
+               "low-precision layers and the FP8 matmuls, which Keras cannot rebuild)")
+"""What a refused load says to do."""
 
 
 def children(layer: Any) -> list[Any]:
@@ -83,3 +90,27 @@ def resolved_policy(layer: Any) -> Any:
     if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
         return policy.default_policy
     return policy
+
+
+_LOADING = "keras_ext_loading"  # Keras' global_state attribute: keras_ext is deserializing
+
+
+def loading_permitted() -> bool:
+    """True within :func:`loading_scope`."""
+    from keras.src.backend.common import global_state
+
+    return bool(global_state.get_global_attribute(_LOADING, False))
+
+
+@contextlib.contextmanager
+def loading_scope() -> Iterator[None]:
+    """Within the block Keras deserializes keras_ext's registered policies (``PolicyMap``, ``FP8Policy``: keras_ext's
+    loaders and clones use it; the flag lives in Keras' own thread-local global state, not in this module)."""
+    from keras.src.backend.common import global_state
+
+    before = global_state.get_global_attribute(_LOADING, False)
+    global_state.set_global_attribute(_LOADING, True)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute(_LOADING, before)

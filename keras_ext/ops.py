@@ -1,30 +1,55 @@
-"""``keras.ops`` backend of the core's :class:`mp_callbacks.ops.ArrayOps` protocol.
+"""``keras.ops`` under the core: the array-ops protocol, the backend questions, the step's control flow.
 
-Every method is a plain ``keras.ops`` call, so the core transition
-(:func:`mp_callbacks.loss_scale.scaler.next_state`) traces inside ``tf.function``, under
-XLA (``jit_compile=True``), inside ``tf.distribute`` merge calls, and runs
-eagerly on the torch backend.  No method converts to a Python value.
-The five vector ops of :class:`mp_callbacks.fp8.scaling.FP8ArrayOps` (``divide``,
-``reduce_max``, ``roll_left``, ``set_first``, ``zeros``) let the FP8 scaling
-transition (:func:`mp_callbacks.fp8.scaling.next_fp8_state`) run the same way, for one
-state or a batch (leading axes; a condition with fewer axes selects along them).
-:func:`is_tf`, :func:`in_xla_context` and :func:`dtype_name` are the backend questions the other
-modules ask.
+* :class:`KerasOps` (:data:`KERAS_OPS`): the core's :class:`mp_callbacks.ops.ArrayOps` protocol.  Every method is
+  a plain ``keras.ops`` call, so the core transitions (the loss scaler's
+  :func:`~mp_callbacks.loss_scale.next_state`, the FP8 scaling's :func:`~mp_callbacks.fp8.next_fp8_state` with
+  its five vector ops, for one state or a batch along leading axes) trace inside ``tf.function``, under XLA
+  (``jit_compile=True``), inside ``tf.distribute`` merge calls and Keras' JAX ``jit``, and run eagerly on the
+  torch backend.  No method converts to a Python value.
+* The backend questions the other modules ask: :func:`is_tf`, :func:`is_jax`, :func:`tracing`,
+  :func:`in_xla_context`, :func:`in_stateless_step`, :func:`dtype_name`, :func:`read_once`.
+* The step's control flow: :func:`run_if` (a skippable update that writes variables), :func:`cond` and
+  :func:`tree_where` (branches that return values), :func:`sync` (the JAX trainer's state into the variables),
+  :func:`sample` (the elements a meter reads).
+
+On JAX a branch of ``jax.lax.cond`` cannot write variables (its values would leak out of the branch), so
+:func:`run_if` runs the update in a nested ``StatelessScope`` and each written variable takes the new value only
+where the step is applied (``where(applied, new, old)``: what a skipped step computed is discarded, bit for bit
+as a skip).  Keras' JAX trainer keeps the state between steps to itself: the variables hold it only after
+``model.jax_state_sync()`` (:func:`sync`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 from keras import ops
 
-__all__ = ["KerasOps", "KERAS_OPS", "dtype_name", "in_xla_context", "is_tf", "read_once"]
+from mp_callbacks.diagnostics import sample_stride
+
+__all__ = ["KERAS_OPS", "KerasOps", "cond", "dtype_name", "in_stateless_step", "in_xla_context", "is_jax", "is_tf",
+           "read_once", "run_if", "sample", "sync", "tracing", "tree_where"]
 
 
 def is_tf() -> bool:
     """True on Keras' TensorFlow backend."""
     return keras.backend.backend() == "tensorflow"
+
+
+def is_jax() -> bool:
+    """True on Keras' JAX backend."""
+    return keras.backend.backend() == "jax"
+
+
+def tracing(x: Any) -> bool:
+    """True when ``x`` is a JAX tracer (inside ``jit``/``grad``: no host reads)."""
+    if not is_jax():
+        return False
+    import jax
+
+    return isinstance(x, jax.core.Tracer)
 
 
 def in_xla_context() -> bool:
@@ -40,6 +65,15 @@ def in_xla_context() -> bool:
         return False
 
 
+def in_stateless_step() -> bool:
+    """True inside a ``StatelessScope`` on JAX (the JAX trainer's step, traced or not: no host reads)."""
+    if not is_jax():
+        return False
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    return in_stateless_scope()
+
+
 def read_once(variable: Any) -> Any:
     """A Keras variable's value as one tensor: on TensorFlow each use of the variable itself (``.value`` is
     the ``tf.Variable``) is a read op of its own inside a traced step; other backends: ``.value``."""
@@ -53,6 +87,59 @@ def read_once(variable: Any) -> Any:
 def dtype_name(x: Any) -> str:
     """The standardized dtype name of a tensor or variable."""
     return keras.backend.standardize_dtype(getattr(x, "dtype", None) or ops.dtype(x))
+
+
+def sample(t: Any, samples: int | None = None) -> Any:
+    """The elements a meter reads from ``t`` (an ``IndexedSlices``: its values): every
+    :func:`~mp_callbacks.diagnostics.sample_stride`-th element of the flattened tensor (``samples=None``: all).
+    Needs a static size."""
+    flat = ops.reshape(getattr(t, "values", t) if type(t).__name__ == "IndexedSlices" else t, (-1,))
+    stride = sample_stride(int(flat.shape[0]), samples)
+    return flat if stride == 1 else flat[::stride]
+
+
+def cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+    """``ops.cond`` over branches that return values (no writes).  On JAX outside a trace (an eager step,
+    ``jit_compile=False``) both branches run and ``where`` picks: ``jax.lax.cond`` would compile them on
+    every call, and a Python ``if`` would read ``pred`` on the host; keep such branches cheap."""
+    if is_jax() and not tracing(pred):
+        return tree_where(pred, true_fn(), false_fn())
+    return ops.cond(pred, true_fn, false_fn)
+
+
+def tree_where(pred: Any, a: Any, b: Any) -> Any:
+    """``where(pred, a, b)`` leaf by leaf over matching tuples/lists (or two tensors)."""
+    if isinstance(a, (tuple, list)):
+        return type(a)(tree_where(pred, x, y) for x, y in zip(a, b))
+    return ops.where(pred, a, b)
+
+
+def run_if(applied: Any, fn: Callable[[], None], variables: Sequence[Any]) -> None:
+    """``fn()`` (which writes some of ``variables``) where the 0-d bool ``applied`` holds: ``ops.cond`` on
+    TensorFlow and torch; on JAX ``fn`` runs in a nested ``StatelessScope`` holding the current values, then
+    each written variable is assigned ``where(applied, new, old)``."""
+    if not is_jax():
+        ops.cond(applied, fn, lambda: None)
+        return
+    from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
+
+    outer = get_stateless_scope()
+    variables = list({id(v): v for v in variables}.values())
+    old = [(outer.get_current_value(v) if outer is not None else None) for v in variables]
+    old = [v.value if o is None else o for v, o in zip(variables, old)]
+    with StatelessScope(state_mapping=list(zip(variables, old))) as scope:
+        fn()
+    for v, before in zip(variables, old):
+        after = scope.get_current_value(v)
+        if after is not before:
+            v.assign(ops.where(applied, after, before))
+
+
+def sync(model: Any) -> None:
+    """JAX: write the trainer's current state into the model's and optimizer's variables (Keras'
+    ``jax_state_sync``; the next step reads it back from them).  Elsewhere: nothing."""
+    if is_jax() and hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()
 
 
 def _tensor(value: Any, dtype: str) -> Any:
@@ -156,7 +243,7 @@ class KerasOps:
         b = _tensor(b, ops.dtype(a))
         if is_tf() and _constant_ones(a):
             # TensorFlow's graph optimizer turns 1 / x into Reciprocal, whose vectorized CPU kernel is
-            # not correctly rounded (1 ulp off on ~30% of the elements of 8+ element tensors).  2 / x
+            # not correctly rounded (1 ulp off on some elements of 8+ element tensors).  2 / x
             # stays a division, and * 0.5 is exact: the same IEEE value (TensorFlow flushes the
             # subnormal results where the two could differ).
             return ops.multiply(ops.divide(_tensor(2.0, ops.dtype(a)), b), _tensor(0.5, ops.dtype(a)))

@@ -48,10 +48,10 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_ext.diagnostics import nbytes
 from keras_ext.fp8 import host_metrics as fp8_host_metrics
 from keras_ext.fp8 import is_fp8_variable
 from keras_ext.global_policy import set_global_policy
-from keras_ext.memory import nbytes
 from keras_ext.optimizer import LossScaleOptimizer, master_optimizer
 from keras_ext.policy import apply_policy
 
@@ -102,7 +102,7 @@ def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> in
             add(v)
     masters = [m for m in optimizer.master_variables if m is not None] if isinstance(optimizer, LossScaleOptimizer) \
         else []
-    fp32_grads = bool(masters) and optimizer.fp32_master_grads  # else each is widened inside its own update
+    fp32_grads = bool(masters) and optimizer.fp32_master_grads  # the widened list the inner optimizer gets
     for v in (v for v in model.trainable_variables if not is_fp8_variable(v)):  # the gradients
         numel = int(np.prod(v.shape, dtype=np.int64))
         total += 4 * numel if (fp32_grads and _is_low(v)) else nbytes(v)

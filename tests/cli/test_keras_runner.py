@@ -69,10 +69,10 @@ def test_state_bytes_counts_masters_and_slots():
     out = 8 * 10 + 10
     assert [v.dtype for v in model.trainable_variables] == ["bfloat16", "bfloat16", "float32", "float32"]
     assert sum(m is not None for m in opt.master_variables) == 2
-    # On TensorFlow each bf16 gradient is widened inside its own update (keras_ext.masters): at the step the model
-    # holds bf16 weight + bf16 grad + FP32 master + m, v (16 B/param); widening the whole list first holds FP32 grads.
-    assert opt.fp32_master_grads == (keras.backend.backend() != "tensorflow")
-    grad = 4 if opt.fp32_master_grads else 2
+    # The step widens every bf16 gradient to FP32 before the inner optimizer runs: at the step the model holds
+    # bf16 weight + FP32 grad + FP32 master + m, v (18 B/param).
+    assert opt.fp32_master_grads
+    grad = 4
     expected = hidden * (2 + grad + 4 + 8) + out * (4 + 4 + 8)
     assert kc.state_bytes(model, opt) == expected
 

@@ -1,4 +1,4 @@
-"""keras_ext/attribution.py: the first non-finite layer of an overflow step, named on the device
+"""keras_ext/diagnostics/attribution.py: the first non-finite layer of an overflow step, named on the device
 (forward output, loss, or gradient), and wrappers that leave nothing behind."""
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from keras_ext import MixedPrecisionMonitor
-from keras_ext.attribution import LayerAttribution
+from keras_ext.diagnostics import LayerAttribution
 from tests.keras.helpers.models import Amplify, GradBoost, compile_scaled, fit, tiny_regressor
 from tests.keras.helpers.util import requires_tf_backend
 

@@ -1,4 +1,4 @@
-"""keras_ext/casts.py: a boundary cast that would undo a widening cast takes the narrow tensor instead.
+"""keras_ext/policy/casts.py: a boundary cast that would undo a widening cast takes the narrow tensor instead.
 
 An FP32 ``LayerNormalization`` inside a bf16 composite gets a bf16 input; Keras' op computes in FP32 and
 returns bf16, the layer casts that to FP32, and the boundary cast took it back to bf16: a round trip that
@@ -10,7 +10,7 @@ import keras
 import numpy as np
 
 import keras_ext
-from keras_ext import casts
+from keras_ext.policy import casts
 from tests.keras.helpers.util import requires_tf_backend
 
 pytestmark = requires_tf_backend

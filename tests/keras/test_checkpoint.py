@@ -1,4 +1,4 @@
-"""keras_ext/checkpoint.py: the FP32 masters as the saved weights, FP32 exports, and resuming a saved run
+"""keras_ext/checkpoint/ (saving, resume): the FP32 masters as the saved weights, FP32 exports, and resuming a saved run
 under the same recipe (bit for bit) or, opted in, under another one (every ordered pair of the five)."""
 
 import itertools

@@ -1,4 +1,4 @@
-"""Configurations that cannot silently do nothing (keras_ext/guard.py; fit and train_on_batch alike), and the
+"""Configurations that cannot silently do nothing (keras_ext/policy/guard.py; fit and train_on_batch alike), and the
 same initial weights as Keras' own policies under every recipe and seed (set_global_policy draws FP32;
 apply_policy casts)."""
 

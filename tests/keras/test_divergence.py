@@ -1,4 +1,4 @@
-"""keras_ext/divergence.py: the core's divergence rule inside the Keras optimizer's step.
+"""keras_ext/loss_scale/divergence.py: the core's divergence rule inside the Keras optimizer's step.
 
 A run whose loss is NaN on every step stops within 10 steps in every recipe, with nothing applied
 and the core's message; a gradient overflow at a finite loss below scale 1 stops too; the stop

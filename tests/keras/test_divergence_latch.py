@@ -1,12 +1,13 @@
-"""keras_ext/divergence.py on TensorFlow: the latch comes back with the train step's outputs.
+"""keras_ext/loss_scale/divergence.py on TensorFlow: the latch comes back with the train step's outputs.
 
 A model set up by ``keras_ext.apply_policy`` (its compile guard watches the train function before ``fit``
-traces it) reads the divergence latch from the step's returned logs (:data:`keras_ext.divergence.LATCH_KEY`,
+traces it) reads the divergence latch from the step's returned logs (:data:`keras_ext.loss_scale.LATCH_KEY`,
 taken out again before ``fit`` or a callback sees them) instead of an eager variable read per step: on a
 clean run the host's variable reads never run, the logs are those of the same model under a plain Keras
 optimizer, and the stop still raises at the step where the rule fires (the core's message, nothing applied).
-A model compiled without the guard, or a train step that returns logs of its own, falls back to the
-variable read, with the same logs and the same stop.
+A train step that returns logs of its own falls back to the variable read, with the same logs and the same
+stop.  A model keras_ext never saw (compiled without the guard) skips every step after the stop, with the
+scaler frozen, and ``fit`` raises when it ends (the optimizer's ``finalize_variable_values``).
 """
 
 import keras
@@ -15,7 +16,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.divergence import LATCH_KEY
+from keras_ext.loss_scale import LATCH_KEY
 from mp_callbacks.diagnostics import DivergenceError
 from tests.keras.helpers.util import requires_tf_backend
 
@@ -105,14 +106,28 @@ class OwnLogs(keras.Sequential):
         return {"own_loss": logs["loss"]}
 
 
-@pytest.mark.parametrize("cls, guarded", [(OwnLogs, True), (keras.Sequential, False)], ids=["own_logs", "no_guard"])
-def test_otherwise_the_variable_is_read_and_the_stop_is_the_same(cls, guarded):
-    model = _model(cls, guarded)
+def test_a_train_step_with_logs_of_its_own_reads_the_variable_and_stops_the_same():
+    model = _model(OwnLogs)
     opt = keras_ext.LossScaleOptimizer(keras.optimizers.Adam(1e-2), recipe="bf16-mixed")
     model.compile(opt, "mse")
     calls, batches = _counted(opt), Batches()
     x, y = _data(12, np.nan)
     with pytest.raises(DivergenceError, match=LOSS_MESSAGE):
         model.fit(x, y, batch_size=2, verbose=0, shuffle=False, callbacks=[batches])
-    assert batches.began == 5 and batches.keys == [["own_loss" if cls is OwnLogs else "loss"]] * 4
-    assert len(calls) == (5 if guarded else 4) and opt.steps == opt.skipped == 5  # unguarded: watched in step 1
+    assert batches.began == 5 and batches.keys == [["own_loss"]] * 4
+    assert len(calls) == 5 and opt.steps == opt.skipped == 5
+
+
+def test_an_unprepared_model_skips_after_the_stop_and_fit_raises_when_it_ends():
+    model = _model(guarded=False)
+    opt = keras_ext.LossScaleOptimizer(keras.optimizers.Adam(1e-2), recipe="bf16-mixed")
+    model.compile(opt, "mse")
+    calls, batches = _counted(opt), Batches()
+    x, y = _data(12, np.nan)
+    before = [np.array(v) for v in model.weights]
+    with pytest.raises(DivergenceError, match=LOSS_MESSAGE):
+        model.fit(x, y, batch_size=2, verbose=0, shuffle=False, callbacks=[batches])
+    assert batches.began == 12 and batches.keys == [["loss"]] * 12  # every batch ran, skipped after the stop
+    assert calls == [1] and opt.steps == opt.skipped == 5  # frozen at the stop; one read, when fit ended
+    assert all(np.array_equal(a, np.array(v)) for a, v in zip(before, model.weights))
+    assert int(ops.convert_to_numpy(opt.iterations)) == 0

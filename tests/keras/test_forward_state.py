@@ -1,4 +1,4 @@
-"""keras_ext/forward_state.py: a skipped step leaves BatchNorm's moving statistics as they were: after an inf
+"""keras_ext/loss_scale/forward_state.py: a skipped step leaves BatchNorm's moving statistics as they were: after an inf
 batch the eval output is finite and the statistics equal a run that never saw that batch."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_without_the_restore_the_skipped_batch_poisons_the_statistics():
 
 
 def test_the_forward_state_is_every_non_trainable_floating_variable():
-    from keras_ext.forward_state import forward_state
+    from keras_ext.loss_scale import forward_state
 
     model = _model("bf16-mixed", eager=True)
     model.get_layer("d").trainable = False  # a frozen layer's weights are read (no copy: never written) too

@@ -1,6 +1,6 @@
 """``fp8-mixed`` at a finer granularity in Keras (``get_recipe("fp8-mixed", fp8={"granularity": ...})``).
 
-* The ``keras.ops`` cast (keras_ext.fp8_blocks) equals the core's NumPy reference for every kind, format,
+* The ``keras.ops`` cast (keras_ext.fp8.blocks) equals the core's NumPy reference for every kind, format,
   axis and rounding (inputs without float32 subnormals, which TensorFlow flushes to zero).
 * One FP8 Dense / EinsumDense: output and both gradients equal the NumPy model in which every matmul
   casts its operands along its own contraction axis (the model of tests/lightning/test_fp8_granularity.py,
@@ -18,7 +18,7 @@ keras = pytest.importorskip("keras")
 from keras import ops  # noqa: E402
 
 import keras_ext  # noqa: E402
-from keras_ext.fp8_blocks import block_qdq, contracted_axes  # noqa: E402
+from keras_ext.fp8 import block_qdq, contracted_axes  # noqa: E402
 from mp_callbacks.fp8 import FP8Granularity, block_shape, dequantize, quantize  # noqa: E402
 from tests.keras.test_fp8 import build_mlp, data, fit_steps  # noqa: E402
 

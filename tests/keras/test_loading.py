@@ -1,4 +1,4 @@
-"""keras_ext/loading.py: errors that say what happened (missing, truncated, foreign files; another model's
+"""keras_ext/checkpoint/loading.py: errors that say what happened (missing, truncated, foreign files; another model's
 weights), the save_weights route keeping the optimizer state, and checkpoints of Keras' own optimizers
 resumed under a keras_ext recipe (opted in, like any recipe change)."""
 

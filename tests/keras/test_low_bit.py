@@ -1,4 +1,4 @@
-"""keras_ext.low_bit: Adam's m and v held 8-bit block-quantized (state_dtype="8bit") against the core's NumPy
+"""keras_ext.weights.low_bit: Adam's m and v held 8-bit block-quantized (state_dtype="8bit") against the core's NumPy
 reference, step by step on the same gradients; under bf16-master and bf16-sr on a small classifier against FP32
 states; a save/load round trip resumes bit for bit and stores the 8-bit bytes; the knob's errors."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import keras_ext
-from keras_ext.low_bit import AdamW8bit, eight_bit_inner
-from keras_ext.memory import memory_report
+from keras_ext.diagnostics import memory_report
+from keras_ext.weights import AdamW8bit, eight_bit_inner
 from mp_callbacks import get_recipe
 from mp_callbacks.weights import NUMPY_QUANT_OPS as Q
 from mp_callbacks.weights import (

@@ -1,6 +1,6 @@
-"""``master_remainders`` in Keras (keras_ext.remainders): the keras.ops join/split are the core's NumPy reference
-bit for bit; given the same gradients (inf steps skipped) the FP32 masters, slots and scaler state are the FP32-copy
-``bf16-master``'s bit for bit; save/load resumes exactly (ties included); the masters hold 2 B/param."""
+"""``master_remainders`` in Keras (keras_ext.weights.remainders): the keras.ops join/split are the core's NumPy
+reference bit for bit; given the same gradients (inf steps skipped) the FP32 masters, slots and scaler state are the
+FP32-copy ``bf16-master``'s bit for bit; save/load resumes exactly (ties included); the masters hold 2 B/param."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.memory import memory_report
-from keras_ext.remainders import RemainderMaster, join, split
+from keras_ext.diagnostics import memory_report
+from keras_ext.weights import RemainderMaster, join, split
 from mp_callbacks.recipes import get_recipe
 from mp_callbacks.weights import bf16_bits, join_master, split_master, ties_differ
 
@@ -86,14 +86,6 @@ def _stepper(opt, tvs):
     return lambda grads: opt.apply(grads, tvs)
 
 
-def _graph_update(opt):
-    """The FP32-copy optimizer with its traced update in the step's graph (``fuse_masters`` off), as the
-    remainder masters' update runs: the fused XLA update contracts ``a * b + c`` into FMAs (last-bit
-    differences in the FP32 masters), so the bit-for-bit reference is the same arithmetic as the graph's."""
-    opt.fuse_masters = False
-    return opt
-
-
 # Every optimizer eagerly (its arithmetic); traced, one (the same code under tf.function: what a trace changes is
 # the step's control flow, not the optimizer's update).
 @pytest.mark.parametrize(("mode", "name"), [*(("eager", n) for n in sorted(OPTIMIZERS)), *([("graph", "adamw")] if TF
@@ -105,7 +97,7 @@ def test_same_gradients_give_the_fp32_copy_masters_bit_for_bit(name, mode):
     runs = []
     for recipe in ("bf16-master", REMAINDERS):
         model = _model()
-        opt = _graph_update(keras_ext.master_optimizer(OPTIMIZERS[name](), recipe, scaler=SCALER))
+        opt = keras_ext.master_optimizer(OPTIMIZERS[name](), recipe, scaler=SCALER)
         opt.build(model.trainable_variables)
         runs.append((model.trainable_variables, opt, _compiled(_stepper(opt, model.trainable_variables), mode)))
     (tv0, copy, _), (tv1, rem, _) = runs
@@ -217,7 +209,7 @@ def test_fit_follows_the_fp32_copy_run_bit_for_bit(jit_compile):
     models = []
     for recipe in ("bf16-master", REMAINDERS):
         model = _model()
-        model.compile(_graph_update(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), recipe, scaler=SCALER)),
+        model.compile(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), recipe, scaler=SCALER),
                       "mse",
                       jit_compile=jit_compile)
         _fit(model, epochs=2)
@@ -265,7 +257,7 @@ def test_monitor_meters_memory_report_and_export_read_the_joined_masters():
     history, reports, held = {}, {}, {}
     for recipe in ("bf16-master", REMAINDERS):
         model = _model()
-        model.compile(_graph_update(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), recipe, scaler=SCALER)),
+        model.compile(keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), recipe, scaler=SCALER),
                       "mse",
                       jit_compile=False)
         monitor = MixedPrecisionMonitor(log_every_n_steps=1)

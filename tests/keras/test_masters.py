@@ -1,4 +1,4 @@
-"""keras_ext/masters.py: FP32 master copies and FP32 slots around low-precision variables (*-master recipes)."""
+"""keras_ext/weights/masters.py: FP32 master copies and FP32 slots around low-precision variables (*-master recipes)."""
 
 import keras
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.masters import MasterWeights
+from keras_ext.weights import MasterWeights
 
 BF16_HALF_ULP_BELOW_ONE = 2.0**-9  # bf16 spacing just below 1.0 is 2**-8
 LR, STEPS = 1e-3, 100  # each update (1e-3) is below half a bf16 ulp of weights near 1.0
@@ -115,59 +115,94 @@ def test_master_weights_only_for_low_precision_variables_and_write_back_rounds()
         MasterWeights("yes")
 
 
-def _bf16_master_run(fp32_list, steps=4, **inner_kwargs):
-    """Dense + LayerNorm (FP32) + Dense under bf16-master with loss scaling on; ``fp32_list``: the step
-    widens the whole gradient list first (the path taken with a monitor attached) instead of each
-    gradient inside its own update."""
+def _bf16_master_model():
+    """Dense + LayerNorm (FP32) + Dense (the FP32 output) under bf16-master, seeded."""
     keras.utils.set_random_seed(0)
     keras_ext.set_global_policy("bf16-master")
-    model = keras_ext.apply_policy(keras.Sequential([
+    return keras_ext.apply_policy(keras.Sequential([
         keras.Input((6,)), keras.layers.Dense(8), keras.layers.LayerNormalization(), keras.layers.Dense(3)]))
-    opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2, **inner_kwargs), "bf16-master", scaler="keras")
-    if fp32_list:
-        opt._masters.widens_in_update = lambda optimizer: False
-    opt.fuse_masters = False  # no XLA: the one op (keras_ext.master_native) or Keras' update in the graph, same bits
-    model.compile(opt, "mse", jit_compile=False)
-    x = np.random.default_rng(1).normal(size=(4 * steps, 6)).astype("float32")
-    model.fit(x, x[:, :3] * 0.5, batch_size=4, shuffle=False, verbose=0)
-    return model, opt
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="per-variable widening: TensorFlow backend")
-def test_gradients_widened_in_their_own_update_match_the_fp32_list_bit_for_bit():
-    late_model, late = _bf16_master_run(fp32_list=False)
-    list_model, listed = _bf16_master_run(fp32_list=True)
-    assert late.fp32_master_grads is False and listed.fp32_master_grads is True
-    assert late.current_scale == listed.current_scale and late.steps == listed.steps == 4
-    for a, b in zip([*late_model.weights, *late.variables], [*list_model.weights, *listed.variables]):
-        np.testing.assert_array_equal(ops.convert_to_numpy(ops.cast(a, "float32")),
-                                      ops.convert_to_numpy(ops.cast(b, "float32")), err_msg=a.path)
-    clipped = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2, clipnorm=1.0), "bf16-master")
-    assert clipped.fp32_master_grads  # clipping reads the whole list: it is widened first
+def _traced(fn):
+    """``fn`` as a ``tf.function`` on TensorFlow (the step as ``model.fit`` traces it); as it is elsewhere."""
+    if keras.backend.backend() != "tensorflow":
+        return fn
+    import tensorflow as tf
+
+    return tf.function(fn)
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="per-variable widening: TensorFlow backend")
-def test_memory_report_counts_low_precision_gradients_when_widened_in_the_update():
-    from keras_ext.memory import memory_report
+def test_the_masters_step_is_keras_own_optimizer_on_fp32_copies():
+    """bf16-master with loss scaling, the same bf16 gradients (an inf on step 2): after each applied step the
+    FP32 masters and slots are Keras' own AdamW applied to FP32 variables holding the masters (the gradients
+    widened and divided by the scale), the bf16 variables the masters rounded to nearest even; the inf step
+    changes nothing the model learns from and the scale backs off."""
+    model = _bf16_master_model()
+    tvs = model.trainable_variables
+    scaler = {"enabled": True, "init_scale": 2.0**10, "growth_interval": 1000}
+    opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2, weight_decay=0.1), "bf16-master", scaler=scaler)
+    opt.build(tvs)
+    masters = opt.master_variables
+    assert [m is not None for m in masters] == [True, True, False, False, False, False]
+    ref = keras.optimizers.AdamW(1e-2, weight_decay=0.1)
+    shadow = [keras.Variable(ops.convert_to_numpy(ops.cast(v if m is None else m, "float32")), name=v.name)
+              for v, m in zip(tvs, masters)]
+    ref.build(shadow)
+    step, ref_step = _traced(lambda g: opt.apply(g, tvs)), _traced(lambda g: ref.apply(g, shadow))
+    r = np.random.default_rng(1)
+    for i in range(5):
+        grads = [ops.cast(r.standard_normal(v.shape).astype("float32") * 50.0, v.dtype) for v in tvs]
+        if i == 2:
+            grads[0] = ops.cast(ops.full(tvs[0].shape, np.inf), "bfloat16")
+        scale = opt.current_scale
+        before = [np.array(ops.convert_to_numpy(ops.cast(v, "float32"))) for v in [*tvs, *opt.variables]]
+        step(grads)
+        if i == 2:  # skipped
+            after = [np.array(ops.convert_to_numpy(ops.cast(v, "float32"))) for v in [*tvs, *opt.variables]]
+            changed = [v.path for v, a, b in zip([*tvs, *opt.variables], before, after) if not np.array_equal(a, b)]
+            assert opt.current_scale == scale / 2 and all("scale" in p or "scaler" in p for p in changed), changed
+            continue
+        ref_step([ops.divide(ops.cast(g, "float32"), scale) for g in grads])
+        for v, m, s in zip(tvs, masters, shadow):
+            want = np.array(ops.convert_to_numpy(s))
+            np.testing.assert_array_equal(ops.convert_to_numpy(v if m is None else m), want, err_msg=v.path)
+            np.testing.assert_array_equal(ops.convert_to_numpy(ops.cast(v, "float32")),
+                                          ops.convert_to_numpy(ops.cast(ops.cast(want, v.dtype), "float32")))
+        for a, b in zip(opt.inner_optimizer.variables, ref.variables, strict=True):
+            np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b), err_msg=a.path)
+    assert opt.skipped == 1 and int(ops.convert_to_numpy(opt.iterations)) == 4
+
+
+def test_memory_report_counts_fp32_gradients_for_the_masters():
+    """The step widens the whole gradient list before the inner optimizer: FP32 gradients for every variable
+    with a master (the core's count with fp32_master_grads=True, 18 B/param for AdamW)."""
+    from keras_ext.diagnostics import memory_report
     from mp_callbacks.memory import estimate_memory
     from mp_callbacks.recipes import get_recipe
 
-    model, opt = _bf16_master_run(fp32_list=False, steps=1)
+    model = _bf16_master_model()
+    opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), "bf16-master")
+    model.compile(opt, "mse")
+    x = np.random.default_rng(1).normal(size=(4, 6)).astype("float32")
+    model.fit(x, x[:, :3], batch_size=4, verbose=0)
     report = memory_report(model, opt)
     storage = [(int(np.prod(v.shape)), v.dtype) for v in model.trainable_variables]
     plan = get_recipe("bf16-master").master
-    assert report["estimate"] == estimate_memory(plan, "adamw", storage, fp32_master_grads=False).to_dict()
-    assert report["actual"]["grads"] == sum(n * (2 if d == "bfloat16" else 4) for n, d in storage)
+    assert opt.fp32_master_grads
+    assert report["estimate"] == estimate_memory(plan, "adamw", storage, fp32_master_grads=True).to_dict()
+    assert report["actual"]["grads"] == sum(n * 4 for n, _ in storage)
     assert report["actual"]["total"] == report["estimate"]["total"]
-    assert estimate_memory(plan, "adamw", 1, fp32_master_grads=False).bytes_per_param == 16.0  # the core's count
+    assert estimate_memory(plan, "adamw", 1, fp32_master_grads=True).bytes_per_param == 18.0  # the core's count
 
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's BFC allocator")
 def test_bf16_master_memory_measured_by_the_allocator_matches_the_estimate():
     """Measured (TF's BFC allocator, a subprocess): between steps the weights, masters and states only
-    (masters built inside the traced first step leave no FP32 initial value behind), and the peak
-    during a step below what the whole FP32 gradient list would take (the core's fp32_master_grads)."""
+    (masters built inside the traced first step leave no FP32 initial value behind), and the peak during a
+    step at least the core's estimate at the step (the widened FP32 gradient list); above it only the step's
+    temporaries (the bf16 gradients beside their widening, the update's FP32 arithmetic, which TensorFlow may
+    run for several variables at once), below two more FP32 copies of the parameters."""
     import json
     import subprocess
     import sys
@@ -177,15 +212,15 @@ def test_bf16_master_memory_measured_by_the_allocator_matches_the_estimate():
     from mp_callbacks.recipes import get_recipe
 
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.keras.helpers.master_memory", "256", "16", "late"],
+    proc = subprocess.run([sys.executable, "-m", "tests.keras.helpers.master_memory", "256", "16", "copy"],
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     n, plan = got["params"], get_recipe("bf16-master").master
-    assert not got["fp32_master_grads"] and got["actual"] == got["estimate"]
+    assert got["fp32_master_grads"] and got["actual"] == got["estimate"]
     assert got["between"] <= got["held"] < got["between"] + n  # (an FP32 copy left behind: + 4 n)
     wide = estimate_memory(plan, "adam", [(n - 256, "bfloat16"), (256, "float32")], fp32_master_grads=True).total
-    assert got["estimate"] <= got["peak"] < wide
+    assert got["estimate"] == wide <= got["peak"] < wide + 8 * n
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow builds an unbuilt model in the trace")

@@ -1,4 +1,4 @@
-"""keras_ext/meters.py: the core's meter rules with keras.ops equal the NumPy references
+"""keras_ext/diagnostics/meters.py: the core's meter rules with keras.ops equal the NumPy references
 (exactly, on the same sampled elements), and the swamping meter around a step (SwampMeter)."""
 
 import keras
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_ext.meters import SwampMeter, grad_underflow_fraction, update_swamped_fraction
+from keras_ext.diagnostics import SwampMeter, grad_underflow_fraction, update_swamped_fraction
 from mp_callbacks.diagnostics import meters as ref
 
 

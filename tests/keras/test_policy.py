@@ -1,5 +1,5 @@
-"""keras_ext/policy.py: the core's recipes and op policy as Keras dtype policies, kept on Keras' own
-global dtype policy (no state in keras_ext); layers resolve through their base classes; the policy
+"""keras_ext/policy/ and keras_ext/global_policy.py: the core's recipes and op policy as Keras dtype policies,
+kept on Keras' own global dtype policy (no state in keras_ext); layers resolve through their base classes; the policy
 report (also printed by the monitor)."""
 
 import importlib
@@ -11,7 +11,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.global_policy import POLICY_ATTR, RECIPE_ATTR
+from keras_ext.global_policy import RecipePolicy
 from keras_ext.layers import walk
 from mp_callbacks import PolicyError, PrecisionPolicy, get_recipe
 from mp_callbacks.policy import format_report
@@ -118,8 +118,11 @@ def test_policy_errors():
 def test_the_global_policy_rides_on_keras_own_policy_object():
     policy = keras_ext.set_global_policy("bf16-master")
     kp = keras.config.dtype_policy()
-    assert type(kp) is keras.DTypePolicy and kp.name == "mixed_bfloat16"
-    assert getattr(kp, POLICY_ATTR) is policy and getattr(kp, RECIPE_ATTR) == get_recipe("bf16-master")
+    assert isinstance(kp, keras.DTypePolicy) and kp.name == "mixed_bfloat16"
+    assert kp == keras.DTypePolicy("mixed_bfloat16") and keras.DTypePolicy("mixed_bfloat16") == kp
+    again = keras.dtype_policies.deserialize(keras.dtype_policies.serialize(kp))  # what a saved layer holds
+    assert isinstance(again, RecipePolicy) and again.policy == policy and again.recipe == kp.recipe
+    assert isinstance(kp, RecipePolicy) and kp.policy is policy and kp.recipe == get_recipe("bf16-master")
     assert keras_ext.get_global_policy() is policy and keras_ext.get_global_recipe().name == "bf16-master"
     keras.config.set_dtype_policy("mixed_float16")  # Keras' own call replaces ours: derived from its dtypes
     assert (keras_ext.get_global_policy().params, keras_ext.get_global_policy().compute) == ("float32", "float16")
@@ -131,11 +134,11 @@ def test_the_global_policy_rides_on_keras_own_policy_object():
 
 def test_keras_ext_modules_keep_no_mutable_state():
     """Module globals hold functions, classes and constants only (constants are UPPER_CASE)."""
-    for info in pkgutil.iter_modules(keras_ext.__path__):
-        module = importlib.import_module(f"keras_ext.{info.name}")
+    for info in pkgutil.walk_packages(keras_ext.__path__, "keras_ext."):
+        module = importlib.import_module(info.name)
         for name, value in vars(module).items():
             if isinstance(value, (dict, list, set)) and not name.startswith("__"):
-                assert name.lstrip("_").isupper(), f"keras_ext.{info.name}.{name}"
+                assert name.lstrip("_").isupper(), f"{info.name}.{name}"
 
 
 def test_a_model_built_under_the_global_policy_saves_and_loads_in_safe_mode(tmp_path):

@@ -1,4 +1,4 @@
-"""keras_ext/rebuild.py: a built model rebuilt with new variable dtypes keeps a tied embedding tied (the LM head
+"""keras_ext/policy/rebuild.py: a built model rebuilt with new variable dtypes keeps a tied embedding tied (the LM head
 is the encoder's own ``ReversibleEmbedding``, called by the graph), whichever of the two the graph calls first;
 the reference is the same model built under the recipe from the start (no rebuild)."""
 
@@ -11,7 +11,7 @@ from keras import ops
 
 import keras_ext
 from keras_ext.global_policy import core_policy
-from keras_ext.plan import make_plan
+from keras_ext.policy import make_plan
 
 VOCAB, WIDTH, SEQ = 11, 8, 5
 

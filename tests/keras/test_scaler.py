@@ -1,4 +1,5 @@
-"""keras_ext/scaler.py: the scaler state in Keras variables (KerasLossScaler) and the step's gradient checks.
+"""keras_ext/loss_scale/ (scaler.py, check.py): the scaler state in Keras variables (KerasLossScaler) and the
+step's gradient checks.
 
 The transition itself is the core's, compared with the NumPy reference branch by branch in
 test_keras_ops.py; here: the variables, the counters, the floor reaction, checkpoints, and the
@@ -13,8 +14,7 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.grad_check import found_inf, unscale
-from keras_ext.scaler import KerasLossScaler, scaler_config
+from keras_ext.loss_scale import KerasLossScaler, found_inf, scaler_config, unscale
 from mp_callbacks import DynamicLossScaler, ScaleFloorError, ScaleFloorWarning, ScalerConfig, get_recipe
 from mp_callbacks.loss_scale import STATE_FIELDS
 from mp_callbacks.settings import StateDictError
@@ -114,3 +114,40 @@ def test_found_inf_and_unscale():
     out = unscale(ops.convert_to_tensor(np.full(3, 4.0, "float16")), ops.convert_to_tensor(2.0))
     assert keras.backend.standardize_dtype(out.dtype) == "float32"
     np.testing.assert_array_equal(ops.convert_to_numpy(out), [2.0, 2.0, 2.0])
+
+
+def _grads(special=None, where=(1, 7)):
+    """float32 and bfloat16 gradients of several sizes, one element replaced by ``special``."""
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(33), rng.standard_normal((8, 130)), rng.standard_normal(5), rng.standard_normal(1000)]
+    if special is not None:
+        values[where[0]].reshape(-1)[where[1]] = special
+    dtypes = ["float32", "bfloat16", "float32", "bfloat16"]
+    return [ops.cast(ops.convert_to_tensor(v.astype(np.float32)), d) for v, d in zip(values, dtypes)]
+
+
+def _isfinite_reference(grads):
+    return not all(np.isfinite(np.asarray(ops.convert_to_numpy(ops.cast(g, "float32")))).all() for g in grads)
+
+
+@pytest.mark.parametrize("special", [None, np.inf, -np.inf, np.nan, 3e38, 1e-40, -0.0])
+@pytest.mark.parametrize("where", [(0, 0), (1, 1039), (2, 4), (3, 999)])
+def test_found_inf_decides_as_numpy_isfinite(special, where):
+    """One flag over every gradient: True exactly when NumPy's isfinite finds an inf or NaN (the largest
+    finite bf16-rounded value, subnormals and -0 are finite); None entries are ignored."""
+    grads = _grads(special, where)
+    assert bool(ops.convert_to_numpy(found_inf(grads))) == _isfinite_reference(grads)
+    assert bool(ops.convert_to_numpy(found_inf([None, *grads]))) == _isfinite_reference(grads)
+    assert not bool(ops.convert_to_numpy(found_inf([])))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="IndexedSlices and XLA: TensorFlow")
+def test_found_inf_on_sparse_and_float16_gradients_and_under_xla():
+    import tensorflow as tf
+
+    half = [*_grads()[:3], tf.constant([1.0, np.inf], tf.float16)]
+    assert bool(found_inf(half)) and not bool(found_inf(_grads()))
+    sparse = tf.IndexedSlices(tf.constant([[1.0, np.nan]]), tf.constant([0]), tf.constant([3, 2]))
+    assert bool(found_inf([_grads()[1], sparse]))
+    xla = tf.function(lambda gs: found_inf(gs), jit_compile=True)
+    assert bool(xla(_grads(np.inf, (0, 3)))) and not bool(xla(_grads()))

@@ -1,4 +1,4 @@
-"""bf16-kahan and bf16-sr in Keras (keras_ext.rounding): the keras.ops rules are the core's bit for bit,
+"""bf16-kahan and bf16-sr in Keras (keras_ext.weights.rounding): the keras.ops rules are the core's bit for bit,
 the wrapped optimizer is the same optimizer on FP32 copies, skipped steps change nothing, save/load resumes bit
 for bit, the variables held at the step are the estimator's bytes, and both beat swamping like bf16-master."""
 
@@ -10,9 +10,8 @@ import pytest
 from keras import ops
 
 import keras_ext
-from keras_ext.rounding import WorkingVariable
-from keras_ext.rounding_ops import KERAS_ROUNDING_OPS as K
-from keras_ext.rounding_ops import canonical_perm, element_index
+from keras_ext.weights import KERAS_ROUNDING_OPS as K
+from keras_ext.weights import WorkingVariable, canonical_perm, element_index
 from mp_callbacks import get_recipe
 from mp_callbacks.memory import estimate_memory
 from mp_callbacks.weights import NUMPY_ROUNDING_OPS as N
@@ -107,13 +106,13 @@ def test_kernels_are_indexed_in_torch_layout():
 
 @pytest.mark.skipif(not TF, reason="the fused kernels are TensorFlow's (XLA)")
 def test_fused_kernels_equal_the_rules_op_by_op():
-    """keras_ext.rounding_step (each rule one XLA kernel, what the optimizer runs on TensorFlow): the NumPy
+    """keras_ext.weights.rounding_ops (each rule one XLA kernel, what the optimizer runs on TensorFlow): the NumPy
     reference's numbers, NaN and inf included, from a graph that is not itself compiled."""
     import gc
 
     import tensorflow as tf
 
-    from keras_ext import rounding_step as fused
+    from keras_ext import weights as fused
 
     r = np.random.default_rng(5)
     f = (r.standard_normal((40, 30)) * np.exp2(r.integers(-60, 60, (40, 30)))).astype(np.float32)
@@ -132,55 +131,6 @@ def test_fused_kernels_equal_the_rules_op_by_op():
         assert np.array_equal(bits(got[3]), stochastic_round(t_new, sr_key(9, 3, 4), N, index=index))
         del step
         gc.collect()
-
-
-@pytest.mark.skipif(not TF, reason="the whole step is TensorFlow's (XLA)")
-def test_the_whole_step_arrangement_of_kahan_is_the_rule():
-    """Inside a whole step (keras_ext.rounding_step.whole_step) Kahan's write-back is arranged for XLA's CPU
-    fusion (c' first, w' in place after it): the NumPy reference's numbers, NaN, inf and zeros included."""
-    import tensorflow as tf
-
-    from keras_ext import rounding_step as fused
-
-    r = np.random.default_rng(6)
-    f = (r.standard_normal((50, 40)) * np.exp2(r.integers(-60, 60, (50, 40)))).astype(np.float32)
-    wb, cb = bf16_bits(f), bf16_bits(f * np.float32(2.0**-9) * r.uniform(-1, 1, f.shape).astype(np.float32))
-    t_new = bf16_to_f32(wb) + bf16_to_f32(cb) + (f * np.float32(1e-3) * r.standard_normal(f.shape)).astype(np.float32)
-    t_new.flat[:5] = [np.nan, np.inf, -np.inf, 0.0, -0.0]
-    wb.flat[5:8] = bf16_bits(np.array([0.0, -0.0, np.inf], np.float32))
-
-    def step(w, c, t):
-        with fused._inside():
-            return fused.kahan(w, c, t)
-
-    for jit in (True, False):
-        got = tf.function(step, jit_compile=jit)(from_bits(wb), from_bits(cb), ops.convert_to_tensor(t_new))
-        want_w, want_c = kahan_apply(wb, cb, t_new, N)
-        assert np.array_equal(bits(got[0]), want_w) and np.array_equal(bits(got[1]), want_c), jit
-
-
-@pytest.mark.skipif(not TF, reason="XLA's optimized HLO")
-def test_the_whole_step_reads_bf16_gradients_and_writes_kahan_in_place():
-    """The bf16-kahan update compiled (XLA on CPU): no FP32 copy of a bf16 gradient and no copy of a weight
-    or compensation is materialised; per bf16 kernel five loops (m, v, y, c', w')."""
-    import re
-
-    import tensorflow as tf
-
-    model = _model("bf16-kahan")
-    tvs = model.trainable_variables
-    opt = keras_ext.master_optimizer(keras.optimizers.AdamW(1e-2), "bf16-kahan")
-    opt.build(tvs)
-    grads = _grads(tvs, 0, np.random.default_rng(0))
-    hlo = tf.function(lambda g: opt.apply(g, tvs), jit_compile=True).experimental_get_compiler_ir(grads)(
-        stage="optimized_hlo")
-    kernel = tvs[4]  # the second Dense's bf16 kernel (8, 5)
-    assert kernel.dtype == "bfloat16" and tuple(kernel.shape) == (8, 5)
-    entry = hlo[hlo.index("\nENTRY"):]
-    applied = re.search(r"\n%cond_true[^\n]*\n(.*?)\n}", hlo, re.S).group(1)  # the applied step's branch
-    assert not re.search(r"= f32\[8,5\]\S* (fusion|convert)\(", entry)  # the gradient, widened before the update
-    assert not re.search(r"= bf16\[8,5\]\S* copy\(", entry + applied)
-    assert len(re.findall(r"= (bf16|f32)\[8,5\]\S* fusion\(", applied)) == 5
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -228,28 +178,19 @@ def _read(opt, tvs):
     return weights, comps, slots, rounding.counter, int(ops.convert_to_numpy(opt.iterations))
 
 
-MODE = "graph" if TF else "eager"  # XLA: the rules test above and the swamping test below
-# "previous": TensorFlow's traced step with rounding_step.WHOLE_STEP off (the inner optimizer in the graph)
-# "scaled": the graph step with loss scaling on (TensorFlow: the gradients are unscaled inside the whole step)
+MODE = "graph" if TF else "eager"  # XLA: the rules test above, "xla" below and the swamping test
+# "scaled": the graph step with loss scaling on; "xla": the step under jit_compile (the reference compiled alike)
 REPLAY = [("bf16-kahan", "adamw", MODE), ("bf16-sr", "sgd-momentum", MODE)] + (
-    [("bf16-sr", "adamw", "previous"), ("bf16-kahan", "adamw", "scaled")] if TF
+    [("bf16-sr", "adamw", "xla"), ("bf16-kahan", "adamw", "scaled")] if TF
     else [("bf16-kahan", "sgd-momentum", MODE), ("bf16-sr", "adamw", MODE)])
 
 
 @pytest.mark.parametrize("recipe,optimizer,mode", REPLAY)
-def test_the_wrapped_optimizer_is_the_optimizer_on_fp32_copies(recipe, optimizer, mode, monkeypatch):
+def test_the_wrapped_optimizer_is_the_optimizer_on_fp32_copies(recipe, optimizer, mode):
     """Each step replayed by the same Keras optimizer class on FP32 variables holding f32(w) + f32(c) (f32(w)
     under SR) and the core's NumPy rule: weights, compensation and FP32 slots bit for bit; the inf step and the
-    missing gradient change nothing; the stream's counter and ``iterations`` count applied steps.  A traced
-    TensorFlow step runs the whole update as one XLA function (keras_ext.rounding_step.whole_step): its
+    missing gradient change nothing; the stream's counter and ``iterations`` count applied steps.  Under XLA the
     reference is the optimizer compiled alike (XLA contracts ``a * b + c`` into one FMA)."""
-    from keras_ext import rounding_step
-
-    whole = TF and mode in ("graph", "xla", "scaled")
-    monkeypatch.setattr(rounding_step, "WHOLE_STEP", mode != "previous")
-    calls = []
-    real_whole_step = rounding_step.whole_step
-    monkeypatch.setattr(rounding_step, "whole_step", lambda update, g: (calls.append(1), real_whole_step(update, g)))
     model = _model(recipe)
     tvs = model.trainable_variables
     scaler = {"enabled": True, "init_scale": 256.0} if mode == "scaled" else None
@@ -260,7 +201,7 @@ def test_the_wrapped_optimizer_is_the_optimizer_on_fp32_copies(recipe, optimizer
     shadow = [keras.Variable(np.zeros(v.shape, "float32"), name=v.name) for v in tvs]
     ref.build(shadow)
     step_fn = _compiled(lambda grads: opt.apply(grads, tvs), mode == "xla")
-    ref_fn = _compiled(lambda grads: ref.apply(grads, shadow), whole)  # compiled alike (op fusion)
+    ref_fn = _compiled(lambda grads: ref.apply(grads, shadow), mode == "xla")  # compiled alike (op fusion)
     r = np.random.default_rng(1)
     applied = 0
     for step in range(6):
@@ -300,7 +241,6 @@ def test_the_wrapped_optimizer_is_the_optimizer_on_fp32_copies(recipe, optimizer
             assert a.dtype == b.dtype == np.float32
             np.testing.assert_array_equal(a, b)
     assert applied == 5
-    assert bool(calls) == whole  # the whole step ran (traced each time the step was)
 
 
 @pytest.mark.parametrize("option", [{"use_ema": True}, {"gradient_accumulation_steps": 2}])

@@ -1,4 +1,4 @@
-"""state_dtype="8bit": Keras' AdamW8bit (keras_ext.low_bit) and Lightning's (torchao's AdamW8bit, the knob's
+"""state_dtype="8bit": Keras' AdamW8bit (keras_ext.weights.low_bit) and Lightning's (torchao's AdamW8bit, the knob's
 conversion of a torch AdamW) on the same weights and gradients hold the same codes, scales and weights, bit for
 bit."""
 
@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import torch
 
-from keras_ext.low_bit import AdamW8bit
+from keras_ext.weights import AdamW8bit
 from lightning_ext.low_bit import eight_bit_inner
 from mp_callbacks import get_recipe
 

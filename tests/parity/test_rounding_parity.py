@@ -39,8 +39,8 @@ def _torch_bits(t) -> np.ndarray:
 def test_both_adapters_draw_the_same_bits_for_corresponding_elements():
     """The core's element layout: a torch (out, in) weight and the Keras (in, out) kernel of the same layer get
     the same threshold per element (and a bias the same vector), from the same (seed, tensor, step)."""
-    from keras_ext.rounding_ops import KERAS_ROUNDING_OPS as K
-    from keras_ext.rounding_ops import canonical_perm, element_index
+    from keras_ext.weights import KERAS_ROUNDING_OPS as K
+    from keras_ext.weights import canonical_perm, element_index
     from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
 
     kernel = keras.Variable(np.zeros((7, 5), "float32"), name="kernel")

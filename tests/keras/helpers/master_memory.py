@@ -5,8 +5,8 @@ Prints one JSON line: ``params``, ``held`` (after the third step), ``peak`` (dur
 estimate at the step (``estimate``, with the optimizer's own ``fp32_master_grads``), the bytes kept
 between steps (``between``: weights, masters, optimizer state), the largest variable's size.
 
-The third argument: ``late`` (each gradient widened in its own update), ``fp32-list`` (the whole FP32
-gradient list first) or ``remainders`` (``master_remainders=True``: masters as bf16 + int16 remainder).
+The third argument: ``copy`` (FP32 masters) or ``remainders`` (``master_remainders=True``: masters as
+bf16 + int16 remainder).
 """
 
 import os
@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_ext  # noqa: E402
-from keras_ext.memory import memory_report  # noqa: E402
+from keras_ext.diagnostics import memory_report  # noqa: E402
 from mp_callbacks.recipes import get_recipe  # noqa: E402
 
 
@@ -41,8 +41,6 @@ def main(width: int, depth: int, mode: str) -> None:
     gc.collect()  # the FP32 build is garbage (a cycle): not counted as held
     recipe = get_recipe("bf16-master", master_remainders=mode == "remainders")
     opt = keras_ext.master_optimizer(keras.optimizers.Adam(1e-3), recipe)
-    if mode == "fp32-list":  # the whole FP32 gradient list first (what the step does with a monitor attached)
-        opt._masters.widens_in_update = lambda optimizer: False
     model.compile(opt, "mse", jit_compile=False)
     xb, yb = np.ones((4, width), "float32"), np.zeros((4, 1), "float32")
     for _ in range(3):  # the optimizer is built inside the first traced step, as in model.fit
