@@ -32,8 +32,7 @@ from .plugin import MixedPrecision
 from .policy import apply_module_policy, cast_module_storage
 from .rounding import UpdateRounding, weight_store
 from .rounding_ops import TorchRoundingOps
-from .scaler import TorchLossScaler
-from .scaler_compat import OptState
+from .scaler import OptState, TorchLossScaler
 from .support import check_strategy
 
 __all__ = ["CheckedCheckpointIO", "CheckpointFileError", "CommCounter", "FSDPMixedPrecision", "FabricMixedPrecision",

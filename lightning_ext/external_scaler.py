@@ -118,14 +118,14 @@ class ExternalScaler:
         """Nothing is ever attached."""
 
 
-def loss_scaler_for(value: Any, recipe: Recipe, store: Any = None, count_overflows: bool | None = None,
+def loss_scaler_for(value: Any, recipe: Recipe, count_overflows: bool | None = None,
                     divergence: Any = None) -> tuple[Recipe, TorchLossScaler | ExternalScaler]:
     """The plugin's ``scaler=``: an object with ``GradScaler``'s API is used as given (``16-mixed`` only);
     settings (a ``GradScaler``, a config, a preset, a dict; None: the recipe's) give an own scaler.
     Returns the recipe with those settings and the scaler."""
     if not is_external_scaler(value):
         recipe = recipe.with_scaler(scaler_config_from(value))
-        return recipe, TorchLossScaler(recipe.scaler, store, count_overflows, divergence)
+        return recipe, TorchLossScaler(recipe.scaler, count_overflows, divergence)
     if recipe.name != "16-mixed":
         unused = "" if recipe.scaler.enabled else f"`precision={recipe.name!r}` does not use a scaler, "
         raise ValueError(f"{unused}found {value!r}: an external scaler ({type(value).__name__}) works with "

@@ -66,6 +66,7 @@ from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales
 from .forward_state import ForwardState
 from .fp8 import TorchFP8
 from .fsdp import ShardedLayout, fsdp_policy
+from .low_bit import EightBitAdamW
 from .masters import MasterWeights
 from .policy import ModulePolicyHandle, torch_dtype
 from .rounding import UpdateRounding, weight_store
@@ -147,7 +148,8 @@ class MixedPrecision(RecipeSetup, Precision):
         self._hooked_module: nn.Module | None = None
         self._root: nn.Module | None = None  # the model the recipe was applied to
         self._optimizers: list[Optimizer] = []  # what the weight store is installed around
-        self._prepared: set[int] = set()  # optimizers unscaled (and FP8-checked) for the coming step
+        self._low_bit: dict[int, EightBitAdamW] = {}  # id(optimizer) -> its 8-bit update (state_dtype="8bit")
+        self._unscaled: dict[int, Tensor | None] = {}  # id(optimizer) -> found_inf of the coming step
         self._watched: Any = None  # the Fabric strategy whose setup calls this plugin (watch_fabric_setup)
         self._warned_lazy = False
         self._noticed = False  # the float16-on-CPU notice (mp_callbacks.advice.cpu_float16_notice), said once
@@ -169,7 +171,7 @@ class MixedPrecision(RecipeSetup, Precision):
     def scaler(self, value: Any) -> None:
         """Before training: the loss scaler for ``value`` (the ``scaler`` argument's meanings:
         :func:`~lightning_ext.external_scaler.loss_scaler_for`)."""
-        self.recipe, self.loss_scaler = loss_scaler_for(value, self.recipe, self.weight_store, *self._scaler_args)
+        self.recipe, self.loss_scaler = loss_scaler_for(value, self.recipe, *self._scaler_args)
 
     @property
     def masters(self) -> MasterWeights | None:
@@ -261,53 +263,84 @@ class MixedPrecision(RecipeSetup, Precision):
             monitor.on_loss(tensor)
         self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 
-    def _prepare_step(self, optimizer: Any) -> tuple[Any, Tensor | None]:
-        """Unscale and check the coming step's gradients (once; FP8 amaxes join the check)."""
-        raw = self._ensure_installed(optimizer)
-        found = self.loss_scaler.unscale_once(raw)
-        if id(raw) not in self._prepared:
-            self._prepared.add(id(raw))
-            if self.fp8 is not None:  # a non-finite FP8 amax skips the step like an overflow
-                self.fp8.before_step(found)
-        return raw, found
-
     def unscale_gradients(self, optimizer: Any) -> Tensor | None:
         """Unscale (under ``*-master``: onto the masters) ``optimizer``'s gradients; returns ``found_inf``.
         A second call before the step returns the first result."""
         raw = unwrap_optimizer(optimizer)
         if isinstance(self.loss_scaler, ExternalScaler) and optimizer_unscales_in_step(raw):
             raise NotImplementedError("Gradient clipping is not implemented for optimizers handling the unscaling.")
-        return self._prepare_step(raw)[1]
+        return self._unscale(self._ensure_installed(raw))
 
     def main_params(self, optimizer: Any) -> Iterator[nn.Parameter]:
         """What clipping sees: the unscaled parameters the optimizer updates (FP32 masters under ``*-master``);
         none on a step that will be skipped (the step's one host read, made early)."""
-        raw, _ = self._prepare_step(optimizer)
+        raw = self._ensure_installed(optimizer)
+        self._unscale(raw)
         if not isinstance(self.loss_scaler, ExternalScaler) and self.loss_scaler.skips(raw):
             return iter(())
         return (p for group in raw.param_groups for p in group["params"])
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Unscale and check (once), then step (or skip) the optimizer and update the scale."""
-        raw = unwrap_optimizer(optimizer)
+        """Unscale and check (once), then step or skip the optimizer and update the scale."""
+        raw = self._ensure_installed(optimizer)
         if isinstance(raw, LBFGS) and self.recipe.name == "32-true":
             return raw.step(**kwargs)
-        raw, found = self._prepare_step(raw)
-        self._prepared.discard(id(raw))
+        self._unscale(raw)
         monitor = getattr(self.loss_scaler, "monitor", None)
         if monitor is not None and hasattr(monitor, "before_optimizer_step"):
             monitor.before_optimizer_step(self, raw)  # unscaled FP32 gradients, before the decision
-        step_output = self.loss_scaler.step(raw, **kwargs)
-        self.loss_scaler.update()
-        self._after_step(raw)
-        return step_output
+        return self._step_and_update(raw, **kwargs)
 
-    def _after_step(self, raw: Any) -> None:
-        """What a step's outcome moves: the FP8 scales on applied steps, the forward's buffers back on skipped."""
+    # ------------------------------------------------- the step, in order
+    def _unscale(self, raw: Any) -> Tensor | None:
+        """Once per step: the gradients onto the FP32 masters (the weight store), then checked and unscaled
+        (the loss scaler); a non-finite FP8 amax joins ``found_inf`` (FP8)."""
+        key = id(raw)
+        if key in self._unscaled:
+            return self._unscaled[key]
+        if self.weight_store is not None:
+            self.weight_store.collect_grads(raw)
+        found_inf = self.loss_scaler.unscale_once(raw)
+        if self.fp8 is not None:
+            self.fp8.before_step(found_inf)
+        self._unscaled[key] = found_inf
+        return found_inf
+
+    def _step_and_update(self, raw: Any, **kwargs: Any) -> Any:
+        """The step's decision, in one place, and what follows it.
+
+        The loss scaler decides (:meth:`TorchLossScaler.skips`: one host read of ``found_inf`` where the step
+        can be skipped; an external scaler decides in its own ``step``); an applied step is the weight store's
+        (masters or update rounding, with the 8-bit update where ``state_dtype="8bit"``) or the user's
+        ``optimizer.step()`` as torch wrote it; then the scale's transition (the divergence rule sees the
+        decision), the FP8 scales on applied steps, the forward's buffers back on skipped ones.
+        """
+        self._unscaled.pop(id(raw), None)
+        scaler = self.loss_scaler
+        skipped = False
+        if isinstance(scaler, ExternalScaler):
+            output = scaler.step(raw, **kwargs)
+        elif scaler.skips(raw):
+            output, skipped = None, True
+        elif self.weight_store is not None:
+            output = self.weight_store.step(raw, self._low_bit.get(id(raw)), **kwargs)
+        else:
+            output = raw.step(**kwargs)
+        scaler.update()
         if self.fp8 is not None:  # no host read: the FP8 states select on the device
-            self.fp8.after_step(not self.loss_scaler.last_step_skipped(raw))
+            self.fp8.after_step(not skipped)
         if self.forward_state is not None:
-            self.forward_state.end(self.loss_scaler.last_step_skipped(raw))
+            self.forward_state.end(skipped)
+        return output
+
+    def _abandon_step(self, raw: Any) -> None:
+        """A closure that ran no backward (``training_step`` returned None): no decision, no transition."""
+        self._unscaled.pop(id(raw), None)
+        self.loss_scaler.forget_step(raw)
+        if self.fp8 is not None:
+            self.fp8.discard_step()
+        if self.forward_state is not None:
+            self.forward_state.end(False)
 
     def last_step_skipped(self, optimizer: Any | None = None) -> bool:
         """True when the latest step (of ``optimizer``, or of any) applied no update: step your LR

@@ -13,12 +13,11 @@ their own master.  :class:`MasterWeights` is that rule in torch:
 * :meth:`grads_to_masters` makes each low-precision gradient its master's FP32
   gradient and releases the low one;
 * :meth:`updating` wraps ``optimizer.step()``: the low-precision weights'
-  storage is released while the step runs (nothing reads them), the step runs
-  torch's fused kernel where the user left the implementation to torch
-  (:mod:`lightning_ext.fused_step`; ``fused_step=False`` keeps torch's default),
-  the spent FP32 gradients are dropped after it, and the weights are rebuilt
-  from the masters, also when the step raises (a one-pass step, :mod:`lightning_ext.master_native`,
-  keeps the bf16 gradients on the masters and writes the weights itself);
+  storage is released while the step runs (nothing reads them), the user's
+  optimizer steps the masters as torch wrote it (``AdamW(fused=True)`` or
+  ``foreach=True`` is the user's choice for speed), the spent FP32 gradients
+  are dropped after it, and the weights are rebuilt from the masters, also
+  when the step raises;
 * :meth:`state_dict` / :meth:`load_state_dict`: ``{parameter name: master}``.
 
 ``remainders=True`` (``master_remainders``, :mod:`mp_callbacks.weights.remainders`): between steps
@@ -47,8 +46,6 @@ from torch.optim import Optimizer
 
 from mp_callbacks.settings import StateDictError
 
-from .fused_step import fused_implementation
-from .master_native import alias_grads, one_pass_step
 from .remainders import join_into, joined, split_into
 
 __all__ = ["MasterEntry", "MasterWeights"]
@@ -68,8 +65,6 @@ class MasterWeights:
     Args:
       free_weights_during_step: release the low-precision weights' storage
         while the optimizer steps (see :meth:`updating`).
-      fused_step: step the masters with torch's fused kernel where the user left
-        the implementation to torch (:func:`~lightning_ext.fused_step.fused_implementation`).
       remainders: hold each master as bf16 weight + int16 remainder between steps
         (the same exact FP32 master, 2 B/param less; see the module docstring).
     """
@@ -77,10 +72,8 @@ class MasterWeights:
     keeps_masters = True
     """FP32 copies of the weights (under FSDP2 the sharded FP32 parameters are the masters: not installed)."""
 
-    def __init__(self, free_weights_during_step: bool = True, fused_step: bool = True,
-                 remainders: bool = False) -> None:
+    def __init__(self, free_weights_during_step: bool = True, remainders: bool = False) -> None:
         self.free_weights_during_step = bool(free_weights_during_step)
-        self.fused_step = bool(fused_step)
         self.remainders = bool(remainders)
         self._rems: dict[int, Tensor] = {}  # id(master) -> int16 remainder (remainders only)
         self._held: set[int] = set()  # id(master) of masters held as remainders now (storage released)
@@ -89,7 +82,6 @@ class MasterWeights:
         self._by_optimizer: dict[int, tuple[Any, list[MasterEntry]]] = {}
         self._originals: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] | None = None
-        self._one_pass: dict[int, Any] = {}  # id(optimizer) -> its one-pass step's masters (alias_grads)
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -214,8 +206,6 @@ class MasterWeights:
         reuse_dst, reuse_src = [], []
         for _, low, master in entries:
             if low.grad is None:
-                if master.grad is not None and master.grad.dtype != torch.float32:  # a one-pass step's, not taken
-                    master.grad = master.grad.float()
                 continue
             if master.grad is None or master.grad.shape != master.shape or master.grad.dtype != torch.float32:
                 master.grad = low.grad.to(torch.float32)
@@ -237,48 +227,27 @@ class MasterWeights:
             with torch.no_grad():
                 torch._foreach_copy_(lows, masters)
 
-    def collect_grads(self, optimizer: Optimizer, one_pass: bool = False) -> bool:
-        """Before the overflow check: ``optimizer``'s low-precision gradients become its masters' FP32 ones; with
-        ``one_pass`` (nothing reads them before the step) the masters hold the bf16 gradients where the step can
-        be one native pass (:mod:`lightning_ext.master_native`).  Returns whether they do."""
-        if not self._entries:
-            return False
-        entries = self.for_optimizer(optimizer)
-        self._one_pass.pop(id(optimizer), None)
-        aliased = alias_grads(optimizer, entries, self.fused_step) if one_pass and not self.remainders else None
-        if aliased is None:
-            self.grads_to_masters(entries)
-            return False
-        self._one_pass[id(optimizer)] = aliased
-        return True
+    def collect_grads(self, optimizer: Optimizer) -> None:
+        """Before the overflow check: ``optimizer``'s low-precision gradients become its masters' FP32 ones."""
+        if self._entries:
+            self.grads_to_masters(self.for_optimizer(optimizer))
 
-    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """``optimizer.step()`` on the masters, then the weights rounded from them (:meth:`updating`)."""
-        if not self._entries:
-            return optimizer.step(*args, **kwargs)
-        with self.updating(optimizer):
-            return optimizer.step(*args, **kwargs)
+    def step(self, optimizer: Optimizer, stepper: Any = None, **kwargs: Any) -> Any:
+        """``optimizer.step()`` on the masters, then the weights rounded from them (:meth:`updating`).
+
+        ``stepper``: an :class:`~lightning_ext.low_bit.EightBitAdamW` of ``optimizer`` (``state_dtype="8bit"``),
+        whose ``step()`` runs instead.
+        """
+        with self.updating(optimizer) if self._entries else contextlib.nullcontext():
+            return optimizer.step(**kwargs) if stepper is None else stepper.step()
 
     @contextlib.contextmanager
     def updating(self, optimizer: Optimizer) -> Iterator[None]:
         """Around ``optimizer.step()``: release the weights, then drop spent grads and rebuild the weights.
 
-        The weights come back from the masters also when the step raises.  A one-pass step
-        (:meth:`collect_grads`) keeps the weights (it writes them) and writes back only what it did not write.
+        The weights come back from the masters also when the step raises.
         """
         entries = self.for_optimizer(optimizer)
-        aliased = self._one_pass.pop(id(optimizer), None)
-        if aliased is not None:
-            written: set[int] = set()
-            try:
-                with one_pass_step(optimizer, aliased[0]) as written:
-                    yield
-            finally:
-                for master in aliased[1]:
-                    master.grad = None  # the bf16 gradient, spent
-                if len(written) < len(entries):
-                    self._write_back([e for e in entries if id(e.low) not in written])
-            return
         released = []
         if self._held:  # remainders: one parameter at a time, the rebuilt master replaces remainder and weight
             for entry in entries:
@@ -288,8 +257,7 @@ class MasterWeights:
         elif self.free_weights_during_step:
             released = _release(entries)
         try:
-            with fused_implementation(optimizer) if self.fused_step else contextlib.nullcontext():
-                yield
+            yield
         finally:
             if released:  # the step's end holds no more than its middle
                 for entry in entries:

@@ -11,13 +11,12 @@ comm hook, the LR-scheduler hold: :class:`~lightning_ext.scheduler_hold.Schedule
 the loss scaled in ``pre_backward`` (the hooks see the scaled loss, as native),
 the closure step, ``clip_gradients`` and the checkpoint's FP32 weights.
 
-One optimizer step: the closure runs the backward of ``loss * scale``; the
-scaler unscales (grads move to the masters first) and checks; hooks and
-clipping see unscaled FP32 gradients; the scaler steps the optimizer unless the
-gradients are not finite (a skipped step changes no parameter, master,
-optimizer state, step count or step-interval schedule), then updates the scale.
-Where nothing reads the gradients between the unscale and the step (:func:`nothing_reads_grads`),
-``bf16-master`` may step in one native pass over the bf16 gradients (:mod:`lightning_ext.master_native`).
+One optimizer step, as Lightning's own ``MixedPrecision.optimizer_step``: the
+closure runs the backward of ``loss * scale``; the gradients are unscaled and
+checked (under ``*-master`` on the FP32 masters); hooks and clipping see
+unscaled FP32 gradients; the optimizer steps unless the gradients are not finite
+(a skipped step changes no parameter, master, optimizer state, step count or
+step-interval schedule); the scale is updated.
 """
 
 from __future__ import annotations
@@ -26,11 +25,9 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import lightning.pytorch as pl
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
@@ -38,11 +35,11 @@ from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, masters_as_weights
 from .distributed import register_comm_hook
 from .external_scaler import ExternalScaler, optimizer_unscales_in_step
 from .fabric import MixedPrecision as FabricMixedPrecision
-from .scaler import TorchLossScaler, unwrap_optimizer
+from .scaler import unwrap_optimizer
 from .scheduler_hold import SchedulerHold
 from .support import check_optimizer, is_sharded
 
-__all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "nothing_reads_grads"]
+__all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
 
 
 class MixedPrecision(Precision, FabricMixedPrecision):
@@ -110,28 +107,16 @@ class MixedPrecision(Precision, FabricMixedPrecision):
         closure_result = closure()
         if closure_result is None and getattr(model, "automatic_optimization", True):
             self._after_closure(model, raw)  # training_step returned None: no backward, no update
-            self.loss_scaler.forget_step(raw)
-            if self.fp8 is not None:
-                self.fp8.discard_step()
-            if self.forward_state is not None:
-                self.forward_state.end(False)
+            self._abandon_step(raw)
             return None
-        if nothing_reads_grads(self, model):  # the plugin's own scaler only
-            found_inf = self.loss_scaler.unscale_once(raw, one_pass=True)
-        else:
-            found_inf = self.loss_scaler.unscale_once(raw)
-        if self.fp8 is not None:  # a non-finite FP8 amax skips the step like an overflow
-            self.fp8.before_step(found_inf)
-        self._after_closure(model, raw)
-        step_output = self.loss_scaler.step(raw, **kwargs)
-        self.loss_scaler.update()
-        self._after_step(raw)
-        return step_output
+        self._unscale(raw)
+        self._after_closure(model, raw)  # hooks and clipping: unscaled FP32 gradients
+        return self._step_and_update(raw, **kwargs)
 
-    def unscale_gradients(self, optimizer: Any) -> Tensor:
+    def unscale_gradients(self, optimizer: Any) -> Tensor | None:
         """Unscale (under ``*-master``: onto the masters) ``optimizer``'s gradients; returns ``found_inf``.
         A second call before the step returns the first result (manual optimization may call it)."""
-        return self.loss_scaler.unscale_once(optimizer)
+        return self._unscale(unwrap_optimizer(optimizer))
 
     def main_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
         """What clipping sees: every parameter of the optimizer (its masters under ``*-master``)."""
@@ -148,7 +133,7 @@ class MixedPrecision(Precision, FabricMixedPrecision):
                     f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping with "
                     "an external scaler: it unscales its gradients inside step(), after clipping would run. Use the "
                     "plugin's own scaler (it unscales before clipping) or another optimizer.")
-            self.loss_scaler.unscale_once(optimizer)
+            self._unscale(unwrap_optimizer(optimizer))
         super().clip_gradients(unwrap_optimizer(optimizer), clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------ checkpoints
@@ -172,32 +157,3 @@ class MixedPrecision(Precision, FabricMixedPrecision):
         super().teardown()
         self._hold.remove()
 
-
-def nothing_reads_grads(plugin: MixedPrecision, model: Any) -> bool:
-    """Whether nothing reads or changes the unscaled (master) gradients between the unscale and the step: FP32
-    masters, the plugin's own scaler and no monitor or FP8; automatic optimization; no clipping (no
-    ``gradient_clip_val``, ``configure_gradient_clipping`` not overridden); ``on_before_optimizer_step``
-    overridden by neither the module nor a callback."""
-    if plugin.masters is None or plugin.fp8 is not None or not isinstance(plugin.loss_scaler, TorchLossScaler):
-        return False
-    if getattr(plugin.loss_scaler, "monitor", None) is not None or not isinstance(model, pl.LightningModule):
-        return False
-    trainer = model._trainer
-    if trainer is None or not model.automatic_optimization or trainer.gradient_clip_val:
-        return False
-    if _overrides(model, "configure_gradient_clipping") or _overrides(model, "on_before_optimizer_step"):
-        return False
-    return not any(_overrides(cb, "on_before_optimizer_step") for cb in trainer.callbacks)
-
-
-_OVERRIDES: dict[tuple[type, str], bool] = {}  # (class, hook) -> Lightning's is_overridden (asked once per class)
-
-
-def _overrides(obj: Any, hook: str) -> bool:
-    """Whether ``obj`` (a LightningModule or Callback) overrides ``hook``, on its class or on itself."""
-    key = (type(obj), hook)
-    found = _OVERRIDES.get(key)
-    if found is None:
-        parent = pl.LightningModule if isinstance(obj, pl.LightningModule) else pl.Callback
-        found = _OVERRIDES[key] = is_overridden(hook, obj, parent)
-    return found or hook in getattr(obj, "__dict__", {})

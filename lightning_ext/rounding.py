@@ -12,19 +12,15 @@ that it computes that update in FP32 with FP32 states:
 * :meth:`step` calls ``optimizer.step()`` once (hooks and LR-scheduler
   bookkeeping as usual) with a closure that, before the optimizer's own loop,
   updates each bf16 parameter in turn (:func:`~lightning_ext.rounding_step.update_parameter`):
-  the optimizer's unhooked step runs on an FP32 value ``t`` (``f32(w) +
-  f32(c)`` under Kahan, ``f32(w)`` under SR) with the FP32 gradient and the
-  parameter's state, with torch's fused kernel where the user left the
-  implementation to torch (the rule of ``bf16-master``'s step), and the core's
-  rule writes ``t`` into the weight (:func:`~mp_callbacks.weights.rounding.kahan_apply` /
-  :func:`~mp_callbacks.weights.rounding.stochastic_round`); elementwise optimizers
+  an optimizer update of an FP32 value ``t`` (``f32(w) + f32(c)`` under Kahan,
+  ``f32(w)`` under SR) with the FP32 gradient and the parameter's state, and the
+  core's rule writes ``t`` into the weight (:func:`~mp_callbacks.weights.kahan_apply` /
+  :func:`~mp_callbacks.weights.stochastic_round`); elementwise optimizers
   do this in cache-sized chunks through reused buffers, bit for bit the whole
-  tensor's result; exact ``Adam``/``AdamW`` on torch's fused kernel step a param
-  group's parameters together (:class:`~lightning_ext.rounding_batch.BatchedStep`:
-  segments of :data:`~lightning_ext.rounding_step.CHUNK` elements, small parameters
-  packed, one kernel call per segment, the same bits); the spent bf16 gradient is released.  The optimizer's own
+  tensor's result; the spent bf16 gradient is released.  The optimizer's own
   loop then updates what is left: FP32 parameters (kept by the policy), exactly
-  as without the plugin;
+  as without the plugin (under ``state_dtype="8bit"`` torchao's ``AdamW8bit``
+  computes both: :class:`~lightning_ext.low_bit.EightBitAdamW`);
 * so a step holds the core estimate (weights, gradients, compensation,
   states: :func:`mp_callbacks.memory.estimate.estimate_memory`) plus the chunk
   buffers (two FP32 buffers of at most 2**18 elements, two more for bf16 states;
@@ -66,10 +62,8 @@ from mp_callbacks.weights import (
     read_rounding_state,
 )
 
-from .fused_step import fusable_groups
 from .masters import MasterWeights
 from .policy import torch_dtype
-from .rounding_batch import BatchedStep
 from .rounding_ops import TORCH_ROUNDING_OPS, TorchRoundingOps  # TorchRoundingOps: re-exported
 from .rounding_step import CHUNK, Scratch, update_parameter
 
@@ -123,7 +117,6 @@ class UpdateRounding:
         self._sample: tuple[int | None] | None = None  # (meter samples,) when requested
         self.update_samples: dict[int, Tensor] = {}
         self._scratch = Scratch()  # the chunk buffers every step reuses (lightning_ext.rounding_step)
-        self._batched = BatchedStep()  # the kept segments of the fused path (lightning_ext.rounding_batch)
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, seed: int = 0) -> UpdateRounding | None:
@@ -231,35 +224,31 @@ class UpdateRounding:
         self._sample = (samples,)
         self.update_samples = {}
 
-    def collect_grads(self, optimizer: Optimizer, one_pass: bool = False) -> bool:
-        """Nothing to move: the step reads the bf16 gradients where they are (no one-pass step: False)."""
-        return False
+    def collect_grads(self, optimizer: Optimizer) -> None:
+        """Nothing to move: the step reads the bf16 gradients where they are."""
 
     def clear_cache(self) -> None:
         """Release the step's chunk buffers (reallocated at the next step)."""
         self._scratch.clear()
-        self._batched.clear()
 
-    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """``optimizer.step()`` with the bf16 parameters updated by the recipe's rule (see the module docstring)."""
-        if args or "closure" in kwargs:
+    def step(self, optimizer: Optimizer, stepper: Any = None, **kwargs: Any) -> Any:
+        """``optimizer.step()`` with the bf16 parameters updated by the recipe's rule (see the module docstring).
+
+        ``stepper``: an :class:`~lightning_ext.low_bit.EightBitAdamW` of ``optimizer`` (``state_dtype="8bit"``):
+        its 8-bit optimizer computes the updates, of the FP32 parameters too.
+        """
+        if "closure" in kwargs:
             raise RuntimeError("bf16-kahan/bf16-sr step the optimizer after the backward: a closure is not supported")
         ran: list[bool] = []
-        fused: list[dict] = []
 
         def update_rounded() -> None:
             if not ran:
                 ran.append(True)
-                self._update(optimizer)
-                fused.extend(fusable_groups(optimizer))  # the FP32 parameters left: the fused kernel too
-                for group in fused:
-                    group["fused"] = True
+                self._update(optimizer if stepper is None else stepper.inner)
+                if stepper is not None:  # the FP32 parameters left: the 8-bit update too
+                    stepper.update()
 
-        try:
-            return optimizer.step(closure=update_rounded, **kwargs)
-        finally:
-            for group in fused:
-                group["fused"] = None
+        return optimizer.step(closure=update_rounded, **kwargs)
 
     def _update(self, opt: Optimizer) -> None:
         inner = _unhooked_step(opt)
@@ -271,16 +260,10 @@ class UpdateRounding:
             for g in groups:
                 g["params"] = []
             for group, params in zip(groups, saved):
-                todo = [e for e, p in ((self._entries.get(id(p)), p) for p in params)
-                        if e is not None and p.grad is not None and e.param is p]
-                if sample_request is None and todo:  # the fused path first; the per-parameter step for the rest
-                    with torch.no_grad():
-                        left = self._batched.step(opt, group, [e.param for e in todo], [e.comp for e in todo],
-                                                  [None if self.kahan else self.stream.key(e.index) for e in todo],
-                                                  self.kahan, self.state_dtype, self._scratch, CHUNK)
-                    todo = [todo[i] for i in left]
-                for entry in todo:
-                    self._update_one(opt, inner, group, entry, sample_request)
+                for p in params:
+                    entry = self._entries.get(id(p))
+                    if entry is not None and p.grad is not None and entry.param is p:
+                        self._update_one(opt, inner, group, entry, sample_request)
         finally:
             for g, params in zip(groups, saved):
                 g["params"] = params

@@ -1,17 +1,18 @@
 """One rounded parameter's update in cache-sized chunks: the step of ``bf16-kahan`` and ``bf16-sr`` in torch.
 
-The rule (what :class:`~lightning_ext.rounding.UpdateRounding` computes): the user's optimizer updates an FP32
+The rule (what :class:`~lightning_ext.rounding.UpdateRounding` computes): an optimizer update of an FP32
 value ``t`` of the bf16 weight (``f32(w) + f32(c)`` under Kahan, ``f32(w)`` under SR) from the FP32 gradient
-and FP32 state, with torch's fused kernel where the user left the implementation to torch
-(:func:`~lightning_ext.fused_step.fused_implementation`, as under ``bf16-master``); the core's rule writes the
-result back (:func:`~mp_callbacks.weights.rounding.kahan_apply`,
-:func:`~mp_callbacks.weights.rounding.stochastic_round`).
+and FP32 state; the core's rule writes the result back (:func:`~mp_callbacks.weights.kahan_apply`,
+:func:`~mp_callbacks.weights.stochastic_round`).  The update is the user's optimizer's own (its class's
+``step`` on ``t``, as configured), except for exact ``Adam``/``AdamW`` with FP32 states whose implementation
+is left to torch (or ``fused=True``) on a device with torch's fused Adam kernel (:data:`FUSED_DEVICES`): there
+it is that kernel, called directly with the group's hyperparameters from the first update on (the state made
+in its form: ``step`` a float32 tensor on the device, zero moments), which is ``Adam(fused=True)``'s update.
 
 How: an optimizer whose update is elementwise (:data:`ELEMENTWISE`) runs on :data:`CHUNK` elements at a time:
 ``t`` and the FP32 gradient of a chunk live in :class:`Scratch` buffers reused every step, the chunk's state is
 a view of the parameter's FP32 state (``state_dtype`` ``bfloat16``: an FP32 scratch copy, written back rounded
-to nearest; exact ``Adam``/``AdamW``: torch's fused kernel called on the views directly, the arguments torch's
-fused path passes), and the rule writes the chunk back, operation by operation as the core states it, into
+to nearest), and the rule writes the chunk back, operation by operation as the core states it, into
 reused buffers.  No step allocates a full-size tensor; the
 results are the whole tensor's bit for bit (chunks are multiples of 64 elements, so a vectorized kernel's tail
 falls where it falls on the whole tensor).  Other optimizers (and non-contiguous weights) get a full-size FP32
@@ -26,15 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.optim.optimizer import _to_scalar
 
 from mp_callbacks.diagnostics import sample_stride
 from mp_callbacks.weights import BF16_NAN_BITS, MIX_MUL1, MIX_MUL2, kahan_apply, s32, stochastic_round
 
-from .fused_step import _fused_devices, fused_implementation
 from .rounding_ops import TORCH_ROUNDING_OPS
 
-__all__ = ["CHUNK", "ELEMENTWISE", "Scratch", "is_elementwise", "update_parameter"]
+__all__ = ["CHUNK", "ELEMENTWISE", "FUSED_DEVICES", "Scratch", "is_elementwise", "update_parameter"]
 
 CHUNK = 1 << 18
 """Elements updated at a time (a multiple of 64): the chunk's FP32 buffers stay about 1 MB each."""
@@ -43,6 +42,9 @@ ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim
                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta)
 """torch optimizers whose update of an element reads only that element (and scalars): they run chunk by chunk.
 A subclass that makes the update non-elementwise sets ``elementwise_update = False``."""
+
+FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu")
+"""Device types with torch's fused Adam/AdamW kernel (``torch._fused_adam_``, ``torch._fused_adamw_``)."""
 
 
 def is_elementwise(optimizer: Optimizer) -> bool:
@@ -102,12 +104,14 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
         n > chunk and not is_elementwise(opt))
     slices = [(0, n)] if whole else _slices(n, chunk)
     full = state.get(p)  # None before the parameter's first update: every chunk starts from no state
+    kernel = not whole and _direct_adam(opt, group, full, state_dtype, p.device)
+    if kernel and full is None:  # the fused kernel's state, made as torch's fused path makes it
+        full = state[p] = _adam_state(group, p)
     first = full is None
     scalars = {} if full is None else {k: v for k, v in full.items() if not (isinstance(v, Tensor) and v.dim())}
     pf, gf = p.detach().view(-1) if not whole else p.detach(), grad.view(-1) if not whole else grad
     cf = None if comp is None else (comp.view(-1) if not whole else comp)
     diffs, before = [], None
-    kernel = not first and not whole and _direct_adam(opt, group, full, state_dtype)
     for a, b in slices:
         m, shape = b - a, p.shape if len(slices) == 1 else (b - a,)
         if whole:
@@ -133,8 +137,7 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
             _chunk_state(state, t, None if first else full, scalars, a, b, n, whole, scratch)
             group["params"] = [t]
             try:
-                with fused_implementation(opt):
-                    inner(opt)
+                inner(opt)
             finally:
                 group["params"] = []
                 done = state.pop(t, {})
@@ -154,31 +157,48 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
     return torch.cat(diffs)
 
 
-def _direct_adam(opt: Optimizer, group: dict, full: dict, state_dtype: torch.dtype,
-                 states: torch.dtype = torch.float32) -> bool:
-    """True when ``opt``'s step on ``group`` is torch's fused Adam/AdamW kernel, called here without torch's
-    per-call bookkeeping (:func:`_fused_adam_kernel`): exact ``Adam``/``AdamW``, the implementation left to
-    torch (or ``fused=True``), the state already in the fused kernel's form (its tensors in ``states``, the
-    state dtype; :mod:`lightning_ext.rounding_batch` also takes bf16 ones, stepped through FP32 copies)."""
+def _direct_adam(opt: Optimizer, group: dict, full: dict | None, state_dtype: torch.dtype,
+                 device: torch.device) -> bool:
+    """True when the update of ``group``'s parameter is torch's fused Adam/AdamW kernel called directly
+    (:func:`_fused_adam_kernel`): exact ``Adam``/``AdamW``, the implementation left to torch (or ``fused=True``),
+    not differentiable or capturable, FP32 states on a device of :data:`FUSED_DEVICES`, and the state (``full``)
+    either not made yet or in the kernel's form."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or group.get("foreach"):
         return False
     if group.get("fused") is False or group.get("differentiable") or group.get("capturable"):
         return False
+    if state_dtype != torch.float32 or device.type not in FUSED_DEVICES:
+        return False
+    if full is None:
+        return True
     keys = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
     step = full.get("step")
-    if list(full) != keys or state_dtype != states or not isinstance(step, Tensor):
+    if list(full) != keys or not isinstance(step, Tensor) or step.dtype != torch.float32:
         return False
-    return step.dtype == torch.float32 and all(type(full[k]) is Tensor and full[k].dtype == states
-                                               for k in keys[1:]) and full["exp_avg"].device.type in _fused_devices()
+    return all(type(full[k]) is Tensor and full[k].dtype == torch.float32 and full[k].device == device
+               for k in keys[1:])
+
+
+def _adam_state(group: dict, p: Tensor) -> dict[str, Tensor]:
+    """A new Adam/AdamW state for ``p`` in the fused kernel's form: step 0 (float32, on the device), FP32 zeros."""
+    state = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
+    for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ()):
+        state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    return state
+
+
+def _scalar(value: Any) -> float:
+    """A hyperparameter as a Python number (a 0-d tensor read once)."""
+    return value.item() if isinstance(value, Tensor) else value
 
 
 def _fused_adam_kernel(group: dict, t: Tensor, st: dict) -> None:
-    """One Adam/AdamW update of ``t`` with state ``st``: what ``torch.optim.adam._fused_adam`` does for one
-    tensor: count the step, then ``torch._fused_adam(w)_``."""
+    """One Adam/AdamW update of ``t`` with state ``st``: what torch's fused Adam path does for one tensor: count
+    the step, then ``torch._fused_adam(w)_`` with the group's hyperparameters."""
     step = st["step"]
     step.add_(1)
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay") else torch._fused_adam_
-    beta1, beta2 = (_to_scalar(b) for b in group["betas"])
+    beta1, beta2 = (_scalar(b) for b in group["betas"])
     amsgrad = bool(group.get("amsgrad"))
     kernel([t], [t.grad], [st["exp_avg"]], [st["exp_avg_sq"]], [st["max_exp_avg_sq"]] if amsgrad else [], [step],
            amsgrad=amsgrad, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
@@ -274,7 +294,7 @@ def _sr_chunk(w: Tensor, t: Tensor, key: int, offset: int, scratch: Scratch) -> 
 
 def _sr_from_index(w: Tensor, t: Tensor, x: Tensor, scratch: Scratch) -> None:
     """``w <- stochastic_round(t)`` given int32 ``x = index ^ key`` per element (consumed): the rest of
-    :func:`_sr_chunk`, shared with :mod:`lightning_ext.rounding_batch` (elements of several parameters)."""
+    :func:`_sr_chunk`."""
     n, dev = t.numel(), t.device
     y = scratch.get("y32", n, torch.int32, dev)
     for shift, mul in ((16, MIX_MUL1), (15, MIX_MUL2)):  # the head of mix32

@@ -1,8 +1,8 @@
 """``TorchLossScaler``: the core's loss scaler with torch ``GradScaler``'s public API.
 
 What ``trainer.scaler`` returns for recipes that scale the loss.  The state
-(:class:`~mp_callbacks.loss_scale.scaler.ScalerState`) lives in 0-d tensors on the
-training device and moves only by :func:`mp_callbacks.loss_scale.scaler.next_state`
+(:class:`~mp_callbacks.loss_scale.ScalerState`) lives in 0-d tensors on the
+training device and moves only by :func:`mp_callbacks.loss_scale.next_state`
 evaluated with :class:`~lightning_ext.ops.TorchOps`.  The protocol is
 ``GradScaler``'s::
 
@@ -12,55 +12,41 @@ evaluated with :class:`~lightning_ext.ops.TorchOps`.  The protocol is
     scaler.update()                   # one scaler transition
 
 Per optimizer, a stage guards the order (``READY`` -> ``UNSCALED`` ->
-``STEPPED``, back to ``READY`` at :meth:`update`): unscaling twice or after the
-step is an error, as in torch.  Rules:
+``STEPPED``, back to ``READY`` at :meth:`~TorchLossScaler.update`): unscaling
+twice or after the step is an error, as in torch.  Rules:
 
-* ``unscale_``: the plugin's weight store takes the gradients first (under
-  ``*-master`` they move onto the FP32 masters: :class:`~lightning_ext.masters.MasterWeights`;
-  :func:`~lightning_ext.rounding.weight_store`); then, when the step
-  checks for overflows (:attr:`checks_overflow`, the core's
-  :func:`~mp_callbacks.loss_scale.scaler.checks_overflow`), torch's fused
-  ``_amp_foreach_non_finite_check_and_unscale_`` unscales by ``1/scale``
-  (computed in float64, as ``GradScaler``) and sets ``found_inf`` (scaling off:
-  a read-only scan where it applies, nothing written), which is
-  all-reduced (MAX) over the process group so every rank decides alike
-  (under FSDP2 each rank checks its local gradient shards: ``ShardedGradScaler``'s
-  semantics): :func:`~lightning_ext.grad_check.non_finite_check`.
-* ``step``: one host read of ``found_inf`` where the step can be skipped (as
-  ``GradScaler.step``; :meth:`TorchLossScaler.skips` may read it earlier, once), none
-  where the check decided on the host (scaling off on the CPU:
-  :func:`~lightning_ext.grad_check.host_check`; a write to the flag since, as FP8's
-  amax check makes, is read); a
-  skipped step calls nothing, so parameters, masters, compensation buffers, the
-  rounding stream, optimizer state and the optimizer's step counters stay as they
-  were; an applied one goes through the weight store.  The divergence rule sees the
-  decision (:class:`~lightning_ext.divergence.TorchDivergence`).
-* ``update``: the transition with the flags of the optimizers stepped since
-  the last update; a floor hit reacts per ``on_min_scale``
-  (:func:`~mp_callbacks.loss_scale.scaler.react_to_floor_hit`).  With every
-  decision already read on the host (whenever a step can be skipped: loss scaling
-  on, or ``skip_nonfinite``, the default; and when nothing was checked: no overflow), the same
-  :func:`~mp_callbacks.loss_scale.transition.next_state` runs on the host instead of
-  launching its ops (:class:`~lightning_ext.scaler_state.ScalerStateMirror`): the
-  state then lives on the host until something reads it (:attr:`TorchLossScaler.state`,
-  :meth:`TorchLossScaler.latest`), which puts it back on the device; the next
-  backward's scale (and its inverse) is a device tensor made once per scale value.
+* ``unscale_``: when the step checks for overflows (:attr:`~TorchLossScaler.checks_overflow`,
+  the core's :func:`~mp_callbacks.loss_scale.checks_overflow`), the optimizer's gradients,
+  grouped per device and dtype, go through torch's fused
+  ``_amp_foreach_non_finite_check_and_unscale_`` with the inverse scale ``GradScaler`` uses
+  (the float64 reciprocal of the scale, rounded to float32; 1 with scaling off), which sets
+  ``found_inf``; when the step can be skipped the flag is all-reduced (MAX) over the process
+  group, so every rank decides alike (under FSDP2 each rank checks its local gradient shards:
+  ``ShardedGradScaler``'s semantics).  Nothing else touches the gradients: moving them onto
+  FP32 masters first is the plugin's job.
+* ``step``: the decision (:meth:`~TorchLossScaler.skips`: one host read of ``found_inf``
+  where the step can be skipped, as ``GradScaler.step``; none otherwise), then
+  ``optimizer.step()`` unless skipped.  A skipped step calls nothing.
+* ``update``: the divergence rule sees the step (:class:`~lightning_ext.divergence.TorchDivergence`),
+  then one transition with the flags of every optimizer unscaled since the last update; a
+  floor hit reacts per ``on_min_scale`` (:func:`~mp_callbacks.loss_scale.react_to_floor_hit`).
 
-With scaling disabled (bf16 and FP32 recipes) the same object counts
-overflows for the monitor; the plugin then exposes it as ``loss_scaler`` only
-and ``plugin.scaler`` is None, as in Lightning.  It is a ``torch.amp.GradScaler``
-for ``isinstance`` checks (Lightning's, users'), not built on one: no
-``GradScaler`` method runs unless this class defines it.
+With scaling disabled (bf16 and FP32 recipes) the same object checks (and, with
+``skip_nonfinite``, skips) and counts overflows; the plugin then exposes it as ``loss_scaler``
+only and ``plugin.scaler`` is None, as in Lightning.  It is a ``torch.amp.GradScaler`` for
+``isinstance`` checks (Lightning's, users'), not built on one: no ``GradScaler`` method runs
+unless this class defines it.
 """
 
 from __future__ import annotations
 
+import enum
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from mp_callbacks.diagnostics import MonitorPort
 from mp_callbacks.loss_scale import (
@@ -75,14 +61,19 @@ from mp_callbacks.loss_scale import (
     state_from_dict,
 )
 
-from .adam_native import single_tensor_pass
 from .divergence import TorchDivergence
-from .grad_check import Flags, UnitScales, host_check, non_finite_check
 from .ops import TorchOps
-from .scaler_compat import GradScalerSettings, OptState
-from .scaler_state import ScalerStateMirror
 
-__all__ = ["TorchLossScaler", "scaler_config_from", "unwrap_optimizer"]
+__all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unscale_and_check", "unwrap_optimizer"]
+
+
+class OptState(enum.Enum):
+    """Where an optimizer is in the scale -> unscale -> step -> update cycle."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
 
 _READY = (OptState.READY, None)
 
@@ -108,52 +99,65 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "__dict__", {}).get("_optimizer", optimizer)
 
 
-class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp.GradScaler):
-    """Dynamic loss scaling driven by :func:`mp_callbacks.loss_scale.scaler.next_state`, with ``GradScaler``'s API.
+def unscale_and_check(optimizer: Any, inv_scale: Tensor, device: torch.device) -> Tensor:
+    """Multiply every gradient of ``optimizer`` by ``inv_scale`` in place and return ``found_inf`` (a 0-d float32
+    tensor on ``device``: 1 when a value is inf or NaN, else 0).
+
+    ``GradScaler._unscale_grads_``'s rule: the gradients grouped per device and dtype, one
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` call per group; a DTensor's (FSDP2 shard's) local
+    shard; a sparse gradient's values (a float16 one coalesced first).  An object without ``param_groups``
+    has no gradients.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+    for group in getattr(optimizer, "param_groups", None) or ():
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            if hasattr(grad, "device_mesh") and hasattr(grad, "to_local"):
+                grad = grad.to_local()
+            if grad.is_sparse:
+                if grad.dtype is torch.float16:
+                    p.grad = grad = grad.coalesce()
+                grad = grad._values()
+            groups[(grad.device, grad.dtype)].append(grad)
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    for (dev, _), grads in groups.items():
+        local = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(dev))
+        if local is not found_inf:
+            found_inf.add_(local.to(device))
+    return found_inf
+
+
+class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
+    """Dynamic loss scaling driven by :func:`mp_callbacks.loss_scale.next_state`, with ``GradScaler``'s API.
 
     Args:
-      config: the :class:`~mp_callbacks.loss_scale.config.ScalerConfig`.
-      store: the plugin's weight store (:func:`~lightning_ext.rounding.weight_store`: FP32 masters
-        under ``*-master``, update rounding under ``bf16-kahan``/``bf16-sr``), or None.
+      config: the :class:`~mp_callbacks.loss_scale.ScalerConfig`.
       count_overflows: with scaling off and ``skip_nonfinite=False``, whether
         steps count inf/NaN gradients (None: while a monitor is attached).
-      divergence: the :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule` applied
-        on skipped steps (None: the default rule; False: off).
+      divergence: the :class:`~mp_callbacks.diagnostics.DivergenceRule` applied
+        to the step decisions (None: the default rule; False: off).
     """
 
-    def __init__(self, config: ScalerConfig, store: Any = None, count_overflows: bool | None = None,
-                 divergence: Any = None) -> None:
+    def __init__(self, config: ScalerConfig, count_overflows: bool | None = None, divergence: Any = None) -> None:
         self.config = config
-        self.store = store
         self.divergence = TorchDivergence(divergence)
         self.count_overflows = count_overflows
         self._ops = TorchOps("cpu")
-        self._mirror = ScalerStateMirror(initial_state(config, self._ops))
+        self._state: ScalerState = initial_state(config, self._ops)
         self._grad_scale: Tensor | None = None
         self._stages: dict[int, tuple[OptState, Tensor | None]] = {}
         self._skips: dict[int, bool] = {}  # id(optimizer) -> this step's decision, once read
-        self._decided: dict[int, bool] = {}  # id(optimizer) -> its overflow flag, where the host knows it
         self._latest: dict[str, Tensor] = {}
         self._last_applied: dict[int, bool] = {}  # id(optimizer) -> its latest step applied
         self._latest_applied: bool | None = None  # the latest step of any optimizer applied
-        self._units = UnitScales()  # the unit inverse scale per device (scaling off)
-        self._flags = Flags()  # found_inf 0 and 1 per device, for decisions made on the host
-        self._host_flags: dict[int, tuple[Tensor, int, bool]] = {}  # id(optimizer) -> (flag, its version, overflow)
-
-    # ------------------------------------------------------------ state
-    @property
-    def _state(self) -> ScalerState:
-        """The device state (:class:`~lightning_ext.scaler_state.ScalerStateMirror`)."""
-        return self._mirror.device
-
-    @_state.setter
-    def _state(self, value: ScalerState) -> None:
-        self._mirror.device = value
 
     # ------------------------------------------------------------ reading
     @property
     def scaler_config(self) -> ScalerConfig:
-        """The configuration in use (what :class:`~mp_callbacks.diagnostics.monitor.MonitorPort` reads)."""
+        """The configuration in use (what :class:`~mp_callbacks.diagnostics.MonitorPort` reads)."""
         return self.config
 
     @property
@@ -168,18 +172,56 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
         Differs from the current scale after an earlier optimizer's :meth:`update`
         since the last backward (several optimizers stepping after one backward).
         """
-        return self._grad_scale if self._grad_scale is not None else self._mirror.scale_tensor()
+        return self._grad_scale if self._grad_scale is not None else self._state.scale
 
     def _counter(self, name: str) -> int:
-        return self._mirror.counter(name)
+        return int(getattr(self._state, name).item())
+
+    def is_enabled(self) -> bool:
+        """True when the loss is scaled."""
+        return self.config.enabled
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (one host read; 1.0 with scaling disabled)."""
+        return float(self._state.scale.item())
+
+    def get_growth_factor(self) -> float:
+        """``growth_factor`` of the configuration."""
+        return self.config.growth_factor
+
+    def get_backoff_factor(self) -> float:
+        """``backoff_factor`` of the configuration."""
+        return self.config.backoff_factor
+
+    def get_growth_interval(self) -> int:
+        """``growth_interval`` of the configuration."""
+        return self.config.growth_interval
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Replace ``growth_factor`` (validated by :class:`~mp_callbacks.loss_scale.ScalerConfig`)."""
+        self.config = self.config.replace(growth_factor=float(new_factor))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Replace ``backoff_factor`` (validated by :class:`~mp_callbacks.loss_scale.ScalerConfig`)."""
+        self.config = self.config.replace(backoff_factor=float(new_factor))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Replace ``growth_interval`` (validated by :class:`~mp_callbacks.loss_scale.ScalerConfig`)."""
+        self.config = self.config.replace(growth_interval=int(new_interval))
+
+    @property
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+        """torch ``GradScaler``'s per-optimizer record (``{id: {"stage", "found_inf_per_device"}}``), for
+        code that reads it; an optimizer not in the cycle is ``READY``."""
+        out: dict[int, dict[str, Any]] = defaultdict(lambda: {"stage": OptState.READY, "found_inf_per_device": {}})
+        for key, (stage, found) in self._stages.items():
+            out[key] = {"stage": stage, "found_inf_per_device": {} if found is None else {found.device: found}}
+        return out
 
     def latest(self) -> dict[str, Tensor]:
         """Device tensors of the latest transition (no sync): ``scale`` (the one its gradients were
         produced with), ``next_scale``, ``overflow``, ``applied``, ``steps``, ``overflows_total``,
         ``skipped_total``, ``growths_total``.  Empty before the first transition."""
-        host_latest = self._mirror.take_host_latest()  # a host transition: its figures go to the device now
-        if host_latest is not None:
-            self._latest = host_latest
         return dict(self._latest)
 
     def last_step_skipped(self, optimizer: Any | None = None) -> bool:
@@ -195,7 +237,7 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
     def to(self, device: torch.device | str) -> TorchLossScaler:
         """Move the state to ``device`` (a no-op when it is there)."""
         device = torch.device(device)
-        if self._mirror.on_device != device:
+        if self._state.scale.device != device:
             self._ops = TorchOps(device)
             self._state = ScalerState(*(t.to(device) for t in self._state))
         return self
@@ -203,14 +245,14 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
     def scale(self, outputs: Any) -> Any:
         """``outputs * scale`` for a tensor or a (nested) list/tuple of tensors; unchanged when disabled.
 
-        A scalar loss is also remembered as finite or not (a device flag) for the divergence rule.
+        A scalar loss is also kept (detached) for the divergence rule.
         """
         self.divergence.record_loss(outputs)
         if not self.config.enabled:
             return outputs
         if isinstance(outputs, Tensor):
             self.to(outputs.device)
-            self._grad_scale = scale = self._mirror.scale_tensor()
+            self._grad_scale = scale = self._state.scale
             return outputs * scale
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
@@ -219,118 +261,81 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
         raise TypeError(f"scale() takes a tensor or an iterable of tensors, not {type(outputs).__name__}")
 
     def unscale_(self, optimizer: Any) -> Tensor:
-        """Unscale ``optimizer``'s gradients in place (FP32 masters first) and return ``found_inf``.
+        """Unscale ``optimizer``'s gradients in place and return ``found_inf`` (see the module's rule).
 
         Raises ``RuntimeError`` when called twice before :meth:`update` or after :meth:`step`.
         """
         raw = unwrap_optimizer(optimizer)
-        stage, _ = self._stages.get(id(raw), (OptState.READY, None))
+        stage, _ = self._stages.get(id(raw), _READY)
         if stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if stage is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         return self.unscale_once(raw)
 
-    def unscale_once(self, optimizer: Any, one_pass: bool = False) -> Tensor:
-        """:meth:`unscale_`, or the earlier result when this optimizer is unscaled already (the plugin's path).
-        ``one_pass``: nothing reads the gradients before the step (:meth:`MasterWeights.collect_grads`)."""
+    def unscale_once(self, optimizer: Any) -> Tensor:
+        """:meth:`unscale_`, or the earlier result when ``optimizer`` is unscaled already since the last update."""
         raw = unwrap_optimizer(optimizer)
-        key = id(raw)
-        stage, found = self._stages.get(key, _READY)
-        if stage is OptState.UNSCALED and found is not None:
+        stage, found = self._stages.get(id(raw), _READY)
+        if found is not None:
             return found
-        config, device = self.config, self._mirror.on_device
-        grad_mode = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # torch.no_grad() without its context object (once per step)
-        try:
-            if self.store is not None:
-                self.store.collect_grads(raw, one_pass=one_pass and not config.enabled)
-            if config.can_skip or self.checks_overflow:
-                found = self._check_and_unscale(raw, device)
-            else:  # nothing looked at: no overflow, known on the host (the transition runs there)
-                found = self._flags.of(False, device)
-                self._decided[key] = False
-        finally:
-            torch._C._set_grad_enabled(grad_mode)
-        self._stages[key] = (OptState.UNSCALED, found)
+        device = self._state.scale.device
+        with torch.no_grad():
+            if not self.checks_overflow:  # nothing looked at: no overflow
+                found = torch.zeros((), dtype=torch.float32, device=device)
+            else:
+                inv_scale = (self.grad_scale.double().reciprocal().float() if self.config.enabled
+                             else torch.ones((), dtype=torch.float32, device=device))
+                found = unscale_and_check(raw, inv_scale, device)
+                dist = torch.distributed
+                if self.config.can_skip and dist.is_available() and dist.is_initialized() and (
+                        dist.get_world_size() > 1):
+                    dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank takes the same decision
+        self._stages[id(raw)] = (OptState.UNSCALED, found)
         return found
 
-    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        """``optimizer.step(*args, **kwargs)`` unless the gradients are not finite (then None)."""
-        if "closure" in kwargs:
-            raise RuntimeError("Closure use is not supported with loss scaling: step() decides after the backward.")
-        raw = unwrap_optimizer(optimizer)
-        key = id(raw)
-        if self._stages.get(key, _READY)[0] is OptState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
-        skip = self._skips.pop(key, None)  # read already (:meth:`skips`)
-        if skip is None:
-            skip = self._read_skip(raw, key)  # the one host read of the step (none when decided on the host)
-            del self._skips[key]
-        self._stages[key] = (OptState.STEPPED, self._stages[key][1])
-        if self.config.can_skip:
-            self._decided[key] = skip
-        self._last_applied[key] = self._latest_applied = not skip
-        if skip:
-            self.divergence.observe(True, self.grad_scale, self._state.steps)
-            return None
-        self.divergence.applied()
-        if self.store is not None:
-            return self.store.step(raw, *args, **kwargs)
-        with single_tensor_pass(raw):  # torch's default CPU Adam/AdamW in one native pass, the same bits
-            return raw.step(*args, **kwargs)
-
     def skips(self, optimizer: Any) -> bool:
-        """Whether this step of ``optimizer`` will be skipped (unscales first when needed): the step's one
-        host read of ``found_inf``, cached for :meth:`step` (Fabric's clipping asks before the step)."""
+        """The step's decision: whether this step of ``optimizer`` is skipped (unscales first when needed).
+
+        The one host read of ``found_inf``, made where the step can be skipped (as ``GradScaler.step``) and kept
+        until :meth:`update`; without skipping nothing is read and the answer is False.
+        """
         raw = unwrap_optimizer(optimizer)
         key = id(raw)
         skip = self._skips.get(key)
-        return self._read_skip(raw, key) if skip is None else skip
-
-    def _read_skip(self, raw: Any, key: int) -> bool:
-        """:meth:`skips` when not read yet: unscale (when not done), then the check's host decision if nothing
-        wrote to its flag since (FP8's amax check ORs into it), else one read of ``found_inf``."""
-        stage, found = self._stages.get(key, _READY)
-        if stage is OptState.READY or found is None:
+        if skip is None:
             found = self.unscale_once(raw)
-        host = self._host_flags.pop(key, None)
-        can_skip = self.config.can_skip
-        if host is not None and host[0] is found and found._version == host[1]:
-            self._decided[key] = host[2]
-            skip = can_skip and host[2]
-        else:
-            skip = can_skip and bool(found.item())
-        self._skips[key] = skip
+            skip = self._skips[key] = self.config.can_skip and bool(found.item())
+            self._last_applied[key] = self._latest_applied = not skip
         return skip
 
-    def update(self, new_scale: float | Tensor | None = None) -> None:
-        """One scaler transition with the flags of the optimizers stepped since the last update.
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step(*args, **kwargs)`` unless the step is skipped (:meth:`skips`; then None)."""
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported with loss scaling: step() decides after the backward.")
+        raw = unwrap_optimizer(optimizer)
+        stage, _ = self._stages.get(id(raw), _READY)
+        if stage is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        skip = self.skips(raw)
+        self._stages[id(raw)] = (OptState.STEPPED, self._stages[id(raw)][1])
+        return None if skip else raw.step(*args, **kwargs)
 
-        ``new_scale`` sets the scale directly instead (no transition, as in torch).
-        """
-        stages = self._stages
-        stepped_ids = [key for key, (stage, _) in stages.items() if stage is OptState.STEPPED]
-        stepped = [stages[key][1] for key in stepped_ids]
-        flags = [self._decided.get(key) for key in stepped_ids]
-        self._decided = {}
-        stages.clear()
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """The divergence rule sees the step, then one transition with the flags of every optimizer unscaled
+        since the last update.  ``new_scale`` sets the scale directly instead (no transition, as in torch)."""
+        flags = [found for _, found in self._stages.values() if found is not None]
+        skipped = any(self._skips.values())
+        self._stages.clear()
         self._skips.clear()
-        self._host_flags.clear()
         if new_scale is not None:
             value = torch.as_tensor(new_scale, dtype=torch.float32, device=self._state.scale.device).reshape(())
             self._state = self._state._replace(scale=value.clone())
             return
-        if not stepped:
+        if not flags:
             return
-        if None not in flags:  # every decision on the host: so is the transition
-            produced = self._grad_scale  # the scale the gradients were made with, when not the current one
-            current = produced is None or not self.config.enabled or produced is self._mirror.scale_tensor()
-            used = None if current else self._mirror.host_value(produced)
-            if current or used is not None:
-                self._host_transition(any(flags), used)
-                return
-        found = stepped[0] if len(stepped) == 1 else torch.stack(stepped).amax()
+        self.divergence.observe(skipped, self.grad_scale, self._state.steps)
+        found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         self.record_transition(found > 0)
 
     def record_transition(self, overflow: Tensor) -> None:
@@ -342,42 +347,16 @@ class TorchLossScaler(GradScalerSettings, ScalerCounters, MonitorPort, torch.amp
         self._latest = {"scale": used, "next_scale": new.scale, "overflow": overflow, "applied": applied,
                         "steps": new.steps, "overflows_total": new.overflows, "skipped_total": new.skipped,
                         "growths_total": new.growths}
-        if self._floor_hit_reacts() and int(new.floor_hits.item()) > int(old.floor_hits.item()):
-            react_to_floor_hit(self.config, int(new.steps.item()), float(new.scale.item()), stacklevel=5)
-
-    def _host_transition(self, overflow: bool, used_scale: float | None) -> None:
-        """:meth:`record_transition` on the host (:class:`~lightning_ext.scaler_state.ScalerStateMirror`)."""
-        old, new = self._mirror.host_transition(self.config, overflow, used_scale if self.config.enabled else None)
-        if self._floor_hit_reacts() and int(new.floor_hits) > int(old.floor_hits):
-            react_to_floor_hit(self.config, int(new.steps), float(new.scale), stacklevel=5)
-
-    def _floor_hit_reacts(self) -> bool:
-        """Whether a transition that hit the scale floor warns or raises (the floor counts are read only then):
-        scaling on, ``on_min_scale`` not ``"clamp"``, and the latest step skipped."""
-        return self.config.enabled and self.config.on_min_scale != "clamp" and self._latest_applied is False
+        if self.config.enabled and self.config.on_min_scale != "clamp" and self._latest_applied is False:
+            if int(new.floor_hits.item()) > int(old.floor_hits.item()):
+                react_to_floor_hit(self.config, int(new.steps.item()), float(new.scale.item()), stacklevel=5)
 
     def forget_step(self, optimizer: Any) -> None:
         """An optimizer step that ran no backward (``training_step`` returned None): no transition."""
-        raw = unwrap_optimizer(optimizer)
-        self._stages.pop(id(raw), None)
-        self._skips.pop(id(raw), None)
-        self._decided.pop(id(raw), None)
-        self._host_flags.pop(id(raw), None)
-        self._last_applied[id(raw)] = self._latest_applied = False
-
-    def _check_and_unscale(self, optimizer: Optimizer, device: torch.device) -> Tensor:
-        """:func:`~lightning_ext.grad_check.non_finite_check` with this step's inverse scale; with scaling off,
-        where :func:`~lightning_ext.grad_check.host_check` decides, the decision is kept on the host (the step
-        reads no flag unless something writes to it first; the transition runs there), the flag a cached constant."""
-        config = self.config
-        if config.enabled:
-            return non_finite_check(optimizer, device, self._mirror.inverse(self.grad_scale), self._units, True)
-        overflow = host_check(optimizer, device, config.can_skip)
-        if overflow is None:
-            return non_finite_check(optimizer, device, None, self._units, config.can_skip)
-        found = self._flags.of(overflow, device)
-        self._host_flags[id(optimizer)] = (found, found._version, overflow)
-        return found
+        key = id(unwrap_optimizer(optimizer))
+        self._stages.pop(key, None)
+        self._skips.pop(key, None)
+        self._last_applied[key] = self._latest_applied = False
 
     # -------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from mp_callbacks.advice import cpu_flags, cpu_float16_notice
 
 from .distributed import register_comm_hook
 from .fsdp import inspect_sharded
-from .low_bit import eight_bit_inner
+from .low_bit import EightBitAdamW, plain_state_checkpoints
 from .policy import apply_module_policy, cast_module_storage
 from .scaler import unwrap_optimizer
 from .support import (
@@ -105,8 +105,17 @@ class RecipeSetup:
 
     def _install(self, root: nn.Module | None, optimizers: list[Optimizer]) -> None:
         """Put the weight store around ``optimizers`` (all of them: rounding re-installs whole), then apply
-        FP32 moves that waited for the masters.  Under FSDP2 masters are not installed (the shards are)."""
-        self._optimizers = [eight_bit_inner(o, self.recipe.master) for o in optimizers]  # state_dtype="8bit"
+        FP32 moves that waited for the masters.  Under FSDP2 masters are not installed (the shards are).
+        Under ``state_dtype="8bit"`` each optimizer gets its 8-bit update
+        (:class:`~lightning_ext.low_bit.EightBitAdamW`); torchao optimizers save quantized states as plain data."""
+        for opt in optimizers:
+            if type(opt).__module__.startswith("torchao.optim"):
+                plain_state_checkpoints(opt)
+            elif self.recipe.master.quantized_states:
+                known = self._low_bit.get(id(opt))
+                if known is None or known.optimizer is not opt:
+                    self._low_bit[id(opt)] = EightBitAdamW(opt)
+        self._optimizers = list(optimizers)
         store = self.weight_store
         if store is None or root is None or (self.sharded is not None and store.keeps_masters):
             return

@@ -228,6 +228,24 @@ def test_divergence_rule_raises_from_optimizer_step():
     assert plugin.loss_scaler.skipped == 5 and plugin.loss_scaler.get_scale() == 0.125
 
 
+def test_32_true_is_fabrics_own_32_true_bit_for_bit():
+    """The user's optimizer runs as torch wrote it: Fabric's own 32-true loop's weights and optimizer state."""
+    def run(plugins):
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=plugins)
+        net = tiny()
+        model, opt = fabric.setup(net, torch.optim.AdamW([
+            {"params": net[0].parameters(), "weight_decay": 0.1},
+            {"params": net[-1].parameters(), "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2))
+        train(fabric, model, opt, range(8))
+        return model, opt.optimizer
+
+    (model_a, opt_a), (model_b, opt_b) = run([MixedPrecision("32-true")]), run([])
+    for p, q in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(p.view(torch.int32), q.view(torch.int32))
+    for sa, sb in zip(opt_a.state.values(), opt_b.state.values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_one_class_for_both_and_what_each_refuses():
     trainer_cls = lightning_ext.MixedPrecision
     assert lightning_ext.FabricMixedPrecision is MixedPrecision and issubclass(trainer_cls, MixedPrecision)
