@@ -14,7 +14,9 @@ A ``*-master`` checkpoint's model weights are the FP32 masters
 The file itself is checked before torch reads it (:func:`check_checkpoint_file`, and
 :class:`CheckedCheckpointIO` for the Trainer and Fabric): a missing, truncated or foreign file is a
 :class:`CheckpointFileError` naming the file, what is wrong and what to do, not torch's
-``PytorchStreamReader failed reading zip archive``.  A checkpoint without the plugin's state (a run
+``PytorchStreamReader failed reading zip archive``.  A state the plugin refuses names the file it came
+from: the Trainer's ``ckpt_path``, or under Fabric the file :class:`CheckedCheckpointIO` read it from
+(:func:`loaded_from`).  A checkpoint without the plugin's state (a run
 without it, or Lightning's native ``bf16-mixed``/``32-true``) starts the plugin's state fresh with a
 warning (:func:`missing_state_warning`).
 
@@ -27,7 +29,6 @@ plugin itself (its recipe, FP32 moves) is the plugin's own
 from __future__ import annotations
 
 import os
-import sys
 import zipfile
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +44,7 @@ from .masters import MasterWeights
 from .rounding import rounding_record
 
 __all__ = ["PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "CheckedCheckpointIO", "CheckpointFileError",
-           "check_checkpoint_file", "check_scaler_record", "fabric_loading_path", "load_parts", "masters_as_weights",
+           "check_checkpoint_file", "check_scaler_record", "load_parts", "loaded_from", "masters_as_weights",
            "missing_state_warning", "name_the_file", "plugin_record", "resume_plan", "saved_fp32_rules"]
 
 PLUGIN_SCHEMA = "lightning_ext.MixedPrecision"
@@ -117,29 +118,36 @@ def check_checkpoint_file(path: str | os.PathLike[str]) -> None:
 
 class CheckedCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO`` that checks the file first (:func:`check_checkpoint_file`):
-    ``Trainer(plugins=[MixedPrecision(...), CheckedCheckpointIO()])`` or ``Fabric(plugins=[...])``."""
+    ``Trainer(plugins=[MixedPrecision(...), CheckedCheckpointIO()])`` or ``Fabric(plugins=[...])``.  The
+    entries of the checkpoint it read last are known by the file (:func:`loaded_from`)."""
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         check_checkpoint_file(path)
         try:
-            return super().load_checkpoint(path, *args, **kwargs)
+            checkpoint = super().load_checkpoint(path, *args, **kwargs)
         except (RuntimeError, EOFError, OSError) as exc:  # torch's reader: damaged past the checks above
             raise CheckpointFileError(f"{os.fspath(path)} cannot be read as a torch checkpoint "
                                       f"({type(exc).__name__}: {str(exc).splitlines()[0]}); {_EARLIER}") from exc
+        _LAST_READ[:] = [(path, {id(v): _fingerprint(v) for v in checkpoint.values() if isinstance(v, Mapping)})]
+        return checkpoint
 
 
-def fabric_loading_path() -> Any:
-    """The file a ``fabric.load(path, state)`` in progress reads (its strategy's ``load_checkpoint`` frame,
-    searched up to 8 callers up), or None when no Fabric load is calling."""
-    from lightning.fabric.strategies import Strategy
+_LAST_READ: list[tuple[Any, dict[int, Any]]] = []
+"""``[(file, {id(entry): fingerprint})]`` of the mappings in the checkpoint :class:`CheckedCheckpointIO` read last
+(no reference kept: a master weights record is as large as the model)."""
 
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "load_checkpoint" and isinstance(frame.f_locals.get("self"), Strategy):
-            return frame.f_locals.get("path")
-        frame = frame.f_back
+
+def _fingerprint(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted(map(str, entry))), entry.get("recipe"), entry.get("schema_version")
+
+
+def loaded_from(state_dict: Any) -> Any:
+    """The file :class:`CheckedCheckpointIO` read ``state_dict`` from (an entry of the last checkpoint it read,
+    known by identity and keys), or None."""
+    for path, entries in _LAST_READ:
+        known = entries.get(id(state_dict))
+        if known is not None and isinstance(state_dict, Mapping) and known == _fingerprint(state_dict):
+            return path
     return None
 
 

@@ -24,15 +24,19 @@ backs off.
 ``plugin.comm_counter = CommCounter()`` before ``fit`` makes the plugin
 register the counting form (numerically the same as torch's hooks).
 
+Under Fabric the plugin is shown no DDP wrapper: :class:`DDPWatch` (torch's global module-registration hook)
+notes the ``DistributedDataParallel`` that adopts the model during ``fabric.setup``, and the plugin registers
+the hook on it before the first forward.
+
 Under FSDP2 (``ModelParallelStrategy``, ``fully_shard``) the precision of
 gradient communication is the ``MixedPrecisionPolicy``'s ``reduce_dtype``
 (:func:`lightning_ext.fsdp.fsdp_policy`); there is no hook to register.  The
 same ``plugin.comm_counter`` counts there too: :func:`count_fsdp_collectives`
-wraps every unit's reduce-scatter and all-gather (FSDP2's public
-``set_custom_reduce_scatter`` / ``set_custom_all_gather``) around the comm the
-unit already had, counts each call's whole (unsharded) buffer and hands the
-call on unchanged; :func:`fsdp_comm_units` reads the units for the core's
-estimate (:func:`mp_callbacks.memory.sharding.fsdp_step_bytes`).
+gives every unit a counting reduce-scatter and all-gather through FSDP2's public
+``set_custom_reduce_scatter`` / ``set_custom_all_gather``, each the collective FSDP2 runs by default
+(``torch.distributed``'s single-tensor all-gather and reduce-scatter) after counting the call's whole
+(unsharded) buffer; :func:`fsdp_comm_units` reads the units for the core's estimate
+(:func:`mp_callbacks.memory.sharding.fsdp_step_bytes`).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from mp_callbacks.dtypes import canonical_dtype
 
 from .fp8_allgather import FP8AllGatherWeight
 
-__all__ = ["CommCounter", "cast_hook", "comm_hook", "count_fsdp_collectives", "fsdp_comm_units", "register_comm_hook"]
+__all__ = ["CommCounter", "DDPWatch", "cast_hook", "comm_hook", "count_fsdp_collectives", "fsdp_comm_units",
+           "register_comm_hook"]
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -164,48 +169,83 @@ def register_comm_hook(model: Any, comm_dtype: str, counter: CommCounter | None 
     return hook
 
 
+class DDPWatch:
+    """The ``DistributedDataParallel`` that adopts ``module`` from now on (:attr:`wrapper`, None until one does).
+
+    torch's global module-registration hook (``register_module_module_registration_hook``) sees DDP's
+    constructor register ``module`` as its child; the hook is removed once it has seen it, or by :meth:`remove`.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        import weakref
+
+        self.wrapper: Any = None
+        self._module = weakref.ref(module)
+        self._handle: Any = torch.nn.modules.module.register_module_module_registration_hook(self._seen)
+
+    def _seen(self, parent: torch.nn.Module, name: str, child: torch.nn.Module) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if child is self._module() and isinstance(parent, DistributedDataParallel):
+            self.wrapper = parent
+            self.remove()
+
+    def remove(self) -> None:
+        """Stop watching (idempotent)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
 # ---------------------------------------------------------------------- FSDP2
-def _counting(kind: str, inner: Any, counter: CommCounter) -> Any:
-    """``inner`` (an FSDP2 ``AllGather`` / ``ReduceScatter``) that counts each call into ``counter`` first."""
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+class _CountingAllGather:
+    """FSDP2's all-gather (``all_gather_into_tensor`` into a new buffer) that counts each call's output first."""
 
-    base = AllGather if kind == "all_gather" else ReduceScatter
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
 
-    class Counted(base):  # type: ignore[misc, valid-type]
-        counts = counter
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return inner.allocate(size, dtype=dtype, device=device)
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
+        self.counter.add(output_tensor, "all_gather")
+        dist = torch.distributed
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name by torch version
+        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                     *args: Any, **kwargs: Any) -> Any:
-            counter.add(output_tensor if kind == "all_gather" else input_tensor, kind)
-            return inner(output_tensor, input_tensor, group, *args, **kwargs)
 
-    Counted.__name__ = f"Counted{type(inner).__name__}"
-    return Counted()
+class _CountingReduceScatter:
+    """FSDP2's reduce-scatter (``reduce_scatter_tensor``) that counts each call's input first."""
+
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        self.counter.add(input_tensor, "reduce_scatter")
+        dist = torch.distributed
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # by torch version
+        return scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def count_fsdp_collectives(module: torch.nn.Module, counter: CommCounter) -> int:
     """Count every FSDP2 unit's reduce-scatters and all-gathers in ``module`` into ``counter``; returns the units.
 
-    Each unit's comm is wrapped where it stands (calling twice does not count twice); the wrapper hands
-    FSDP2's arguments on as they came, so training is bit-for-bit what it is without it.
+    Each unit gets the counting collectives through FSDP2's ``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter`` (a custom collective of the user's on a unit is replaced); they run the same
+    collectives as FSDP2's defaults, so training is bit-for-bit what it is without counting.
     """
     from torch.distributed.fsdp import FSDPModule
 
     units = 0
     for sub in module.modules():
-        if not isinstance(sub, FSDPModule):
-            continue
-        state = sub._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
-            if group is None:
-                continue
-            for kind, attr in (("all_gather", "_all_gather_comm"), ("reduce_scatter", "_reduce_scatter_comm")):
-                comm = getattr(group, attr)
-                if getattr(comm, "counts", None) is not counter:
-                    setattr(group, attr, _counting(kind, comm, counter))
+        if isinstance(sub, FSDPModule):
+            sub.set_custom_all_gather(_CountingAllGather(counter))
+            sub.set_custom_reduce_scatter(_CountingReduceScatter(counter))
             units += 1
     return units
 

@@ -19,10 +19,10 @@ One Fabric step::
 
 Rules of the Fabric side:
 
-* setup: ``fabric.setup(model, optimizer)`` (or ``setup_module`` then ``setup_optimizers``) puts the
-  weight store around each optimizer as it is set up (:func:`lightning_ext.support.watch_fabric_setup`),
-  so a ``fabric.load`` keeps FP32 optimizer state; without it the store is installed at the first step,
-  with a warning;
+* setup: ``fabric.setup(model, optimizer)`` applies the recipe to the model; the weight store goes around
+  each optimizer at its first step, or earlier with :meth:`setup_optimizers` (call it before a ``fabric.load``
+  that restores optimizer state); under ``ModelParallelStrategy`` pass the plugin to
+  :func:`~lightning_ext.fsdp.fully_shard_model` in the ``parallelize_fn`` (:mod:`lightning_ext.setup`);
 * a skipped step changes no parameter, master, optimizer state or step count; clipping on such a step
   sees no parameters (no ``error_if_nonfinite`` raise);
 * checkpoints: pass the plugin in the state, ``{"model": model, "optimizer": optimizer, "mp":
@@ -54,14 +54,14 @@ from mp_callbacks.settings import StateDictError
 
 from .checkpoint import (
     check_scaler_record,
-    fabric_loading_path,
     load_parts,
+    loaded_from,
     name_the_file,
     plugin_record,
     resume_plan,
     saved_fp32_rules,
 )
-from .distributed import CommCounter
+from .distributed import CommCounter, DDPWatch
 from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales_in_step
 from .forward_state import ForwardState
 from .fp8 import TorchFP8
@@ -150,9 +150,9 @@ class MixedPrecision(RecipeSetup, Precision):
         self._optimizers: list[Optimizer] = []  # what the weight store is installed around
         self._low_bit: dict[int, EightBitAdamW] = {}  # id(optimizer) -> its 8-bit update (state_dtype="8bit")
         self._unscaled: dict[int, Tensor | None] = {}  # id(optimizer) -> found_inf of the coming step
-        self._watched: Any = None  # the Fabric strategy whose setup calls this plugin (watch_fabric_setup)
-        self._warned_lazy = False
-        self._noticed = False  # the float16-on-CPU notice (mp_callbacks.advice.cpu_float16_notice), said once
+        self._ddp_watch: DDPWatch | None = None  # Fabric: the DDP wrapper of the model, seen at set-up
+        self._await_sharding = False  # Fabric: the model is sharded after convert_module (prepare_sharding)
+        self._started = False  # the first forward ran (lightning_ext.setup)
         self.forward_state = ForwardState() if restore_forward_state else None
         self.pending_fp32_paths: list[str] = []
         self.sharded: ShardedLayout | None = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
@@ -241,6 +241,8 @@ class MixedPrecision(RecipeSetup, Precision):
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Forward passes run under the recipe's autocast (a ``torch.autocast`` object, as native); a step's
         first training forward keeps the buffers it may write (:mod:`lightning_ext.forward_state`)."""
+        if not self._started or self._ddp_watch is not None:
+            self._start()
         if self.forward_state is not None:
             self.forward_state.begin(self.root_module)
         return self.autocast_context_manager()
@@ -368,7 +370,7 @@ class MixedPrecision(RecipeSetup, Precision):
                 return self.policy  # not fitting yet: convert_module applies the rule
             module = root.get_submodule(path)
         if self.recipe.low_precision and self._policy_handle is not None:
-            self._policy_handle.add_region(module, path, self._device_type)
+            self._policy_handle.add_region(module, path)
         if self.weight_store is not None:  # low-precision parameters re-stored in FP32 (from masters / w + c)
             self.weight_store.store_fp32(module)
         if self.fp8 is not None:  # an FP32 region has no FP8 matmuls
@@ -391,12 +393,12 @@ class MixedPrecision(RecipeSetup, Precision):
         try:
             self._load_state_dict(state_dict)
         except StateDictError as exc:
-            name_the_file(exc, self._ckpt_path())
+            name_the_file(exc, self._ckpt_path(state_dict))
             raise
 
-    def _ckpt_path(self) -> Any:
-        """The checkpoint file being loaded, when known (Fabric: the ``fabric.load`` in progress)."""
-        return fabric_loading_path()
+    def _ckpt_path(self, state_dict: Any = None) -> Any:
+        """The checkpoint file ``state_dict`` came from, when known (Fabric: read by ``CheckedCheckpointIO``)."""
+        return loaded_from(state_dict)
 
     def _load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         plan = resume_plan(state_dict, self.recipe, self.allow_recipe_change)

@@ -7,8 +7,7 @@ After one inf batch those statistics would be NaN and every later evaluation out
 
 The rule: at the first training forward after an optimizer step (:meth:`ForwardState.begin`,
 called as the forward context is entered), copy every buffer of the modules in training mode
-into a kept copy (allocated once; a copy per buffer per step: the cost, measured by
-``benchmarks/bench_forward_state.py``); when the optimizer step is skipped, copy them back
+into a kept copy (allocated once; a copy per buffer per step); when the optimizer step is skipped, copy them back
 (:meth:`ForwardState.end`).  Gradient accumulation is covered: the copy is taken at the first
 micro-batch.  ``restore_forward_state=False`` on the plugin turns it off.
 
@@ -65,15 +64,15 @@ class ForwardState:
         if self._armed or root is None or not root.training:
             return
         if self._tree is None or self._tree[0]() is not root or self._tree[1] != _registrations[0]:
-            self._owners = [m for m in root.modules() if m._buffers]
+            self._owners = [m for m in root.modules() if next(m.buffers(recurse=False), None) is not None]
             self._tree = (weakref.ref(root), _registrations[0])
         if not self._owners and not self._buffers:  # nothing to keep (most transformers): no op, no grad mode
             self._armed = True
             return
         buffers: list[Tensor] = []
-        for m in self._owners:  # a module's own buffers, read directly (``m.buffers()`` walks per module)
-            if m.training and m._buffers:
-                buffers.extend(dict.fromkeys(b for b in m._buffers.values() if b is not None))
+        for m in self._owners:  # a module's own buffers
+            if m.training:
+                buffers.extend(dict.fromkeys(m.buffers(recurse=False)))
         if len(buffers) != len(self._buffers) or any(a is not b for a, b in zip(buffers, self._buffers)):
             self._buffers = buffers
             self._kept = [torch.empty_like(b) for b in buffers]

@@ -96,9 +96,16 @@ def fully_shard_model(model: nn.Module, recipe: Any, mesh: Any = None, units: Se
                       **kwargs: Any) -> nn.Module:
     """``fully_shard`` ``model`` for ``recipe``: FP32-kept modules that own parameters (own units, FP32
     gathers), then every module whose class (or a base class) is named in ``units`` (names or classes),
-    then ``model`` itself; ``kwargs`` go to every ``fully_shard`` call (``reshard_after_forward``...)."""
+    then ``model`` itself; ``kwargs`` go to every ``fully_shard`` call (``reshard_after_forward``...).
+
+    ``recipe``: a :class:`~mp_callbacks.recipes.Recipe`, or the plugin itself: under Fabric pass the plugin (in
+    ``ModelParallelStrategy``'s ``parallelize_fn``), which first gives the parameters back the FP32 values its
+    ``convert_module`` stored in low precision (``plugin.prepare_sharding(model)``)."""
     from torch.distributed.fsdp import fully_shard
 
+    if hasattr(recipe, "prepare_sharding"):
+        recipe.prepare_sharding(model)
+        recipe = recipe.recipe
     prepare_fp8_all_gather(model, recipe)
     names = {u if isinstance(u, str) else u.__name__ for u in units}
     todo = []
@@ -240,5 +247,7 @@ def inspect_sharded(module: nn.Module, recipe: Any) -> ShardedLayout:
         raise MisconfigurationException(
             f"lightning_ext.MixedPrecision({recipe.name!r}) under ModelParallelStrategy: {shown}. In configure_model "
             "use fully_shard(m, mp_policy=self.trainer.precision_plugin.fsdp_policy(m)) per unit, or "
-            "lightning_ext.fsdp.fully_shard_model(model, self.trainer.precision_plugin.recipe, mesh).")
+            "lightning_ext.fsdp.fully_shard_model(model, self.trainer.precision_plugin.recipe, mesh); under Fabric, "
+            "fully_shard_model(model, plugin, mesh) in the parallelize_fn (or plugin.prepare_sharding(model) before "
+            "fully_shard).")
     return layout

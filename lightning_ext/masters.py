@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 
 from mp_callbacks.settings import StateDictError
 
+from .policy import restore_module_storage
 from .remainders import join_into, joined, split_into
 
 __all__ = ["MasterEntry", "MasterWeights"]
@@ -138,6 +139,12 @@ class MasterWeights:
             split_into(self.value(entry), low, torch.empty(param.shape, dtype=torch.int16, device=param.device))
             return torch.equal(low, param.detach())
         return torch.equal(entry.master.detach().to(param.dtype), param.detach())
+
+    def restore_originals(self, root: nn.Module) -> None:
+        """Undo the storage cast :meth:`record_originals` saw (``root``'s parameters get their FP32 values back)
+        and forget it: the model is about to be sharded, whose FP32 shards need no copy."""
+        restore_module_storage(root, self._originals)
+        self._originals.clear()
 
     def install(self, root: nn.Module, optimizers: Iterable[Optimizer]) -> None:
         """Put an FP32 master in place of every low-precision parameter of the optimizers' param groups."""
@@ -310,7 +317,7 @@ class MasterWeights:
             for sub in module.modules():
                 for name, buf in sub.named_buffers(recurse=False):
                     if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                        sub._buffers[name] = buf.float()
+                        setattr(sub, name, buf.float())
 
     # --------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Tensor]:

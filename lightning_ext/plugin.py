@@ -7,7 +7,7 @@ Lightning's Trainer ``Precision`` and of it, in that order (Lightning's own
 ``post_backward`` and closure machinery come first, the Fabric plugin supplies
 the rest).  What only the Trainer has lives here: the model from
 ``module.trainer``, ``connect`` (the weight store around the optimizers, the DDP
-comm hook, the LR-scheduler hold: :class:`~lightning_ext.scheduler_hold.SchedulerHold`),
+comm hook, the LR schedulers held on skipped steps: :mod:`~lightning_ext.scheduler_hold`),
 the loss scaled in ``pre_backward`` (the hooks see the scaled loss, as native),
 the closure step, ``clip_gradients`` and the checkpoint's FP32 weights.
 
@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -36,8 +37,8 @@ from .distributed import register_comm_hook
 from .external_scaler import ExternalScaler, optimizer_unscales_in_step
 from .fabric import MixedPrecision as FabricMixedPrecision
 from .scaler import unwrap_optimizer
-from .scheduler_hold import SchedulerHold
-from .support import check_optimizer, is_sharded
+from .scheduler_hold import hold_schedulers
+from .support import autocast_device, check_optimizer, check_strategy, is_sharded
 
 __all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
 
@@ -51,16 +52,16 @@ class MixedPrecision(Precision, FabricMixedPrecision):
     ``master_remainders``).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._hold = SchedulerHold(self.last_step_skipped)
-
     # ---------------------------------------------------------- module / setup
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Apply the recipe to the model: parameter storage (``*-master``, ``bf16-kahan``/``-sr``), FP32-op hooks."""
-        trainer = getattr(module, "_trainer", None)
-        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-        self._check_strategy(strategy)
+        """Check the Trainer's strategy (autocast follows its device), then apply the recipe to the model:
+        parameter storage (``*-master``, ``bf16-kahan``/``-sr``), FP32-op hooks, FP8 matmuls; under
+        ``ModelParallelStrategy`` (FSDP2) the model is sharded already and its FP32 shards stay the masters."""
+        strategy = _trainer_of(module).strategy if _trainer_of(module) is not None else None
+        if strategy is not None:
+            check_strategy(strategy)
+            if self.recipe.low_precision:
+                self._device_type = autocast_device(strategy, self.device, self._device_type)
         self._root = module
         self._apply_recipe(module, sharded=strategy is not None and is_sharded(strategy))
         return module
@@ -68,14 +69,16 @@ class MixedPrecision(Precision, FabricMixedPrecision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        """Check the optimizers, install FP32 masters or update rounding, hold LR schedulers on skips."""
+        """Check the optimizers, install FP32 masters or update rounding, register the DDP communication hook;
+        under automatic optimization the step-interval LR schedulers come back held on skipped steps
+        (:func:`~lightning_ext.scheduler_hold.hold_schedulers`)."""
         raws = [unwrap_optimizer(o) for o in optimizers]
         for raw in raws:
             check_optimizer(raw, self.recipe.name)
         self._install(self._root if self._root is not None else model, raws)
         register_comm_hook(model, self.recipe.comm_dtype, self.comm_counter)
-        if self._root is not None and lr_schedulers:
-            self._hold.install(self._root)
+        if getattr(self._root, "automatic_optimization", False):
+            lr_schedulers = hold_schedulers(lr_schedulers, self.last_step_skipped)
         return model, optimizers, lr_schedulers
 
     def convert_input(self, data: Any) -> Any:
@@ -146,14 +149,17 @@ class MixedPrecision(Precision, FabricMixedPrecision):
         if type(self).__qualname__ not in checkpoint:
             warnings.warn(missing_state_warning(self._ckpt_path(), self.recipe), stacklevel=2)
 
-    def _ckpt_path(self) -> Any:
+    def _ckpt_path(self, state_dict: Any = None) -> Any:
         """The file the Trainer resumes from (the Fabric plugin's ``load_state_dict`` names it in an error)."""
-        trainer = getattr(self.root_module, "_trainer", None)
+        trainer = _trainer_of(self.root_module)
         return getattr(trainer, "ckpt_path", None)
 
-    # --------------------------------------------------------------- teardown
-    def teardown(self) -> None:
-        """Remove the op-policy hooks and the LR-scheduler hold; keep masters and scaler state."""
-        super().teardown()
-        self._hold.remove()
 
+def _trainer_of(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to (its public ``trainer``), else None."""
+    if not isinstance(module, pl.LightningModule):
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:  # not attached to a Trainer
+        return None

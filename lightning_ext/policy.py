@@ -36,7 +36,7 @@ from torch import nn
 from mp_callbacks.policy import PrecisionPolicy, class_names
 
 __all__ = ["ModulePolicyHandle", "apply_module_policy", "cast_module_storage", "fp32_compute_modules", "policy_report",
-           "torch_dtype"]
+           "restore_module_storage", "torch_dtype"]
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -95,12 +95,17 @@ def fp32_compute_modules(root: nn.Module, policy: PrecisionPolicy) -> Iterator[t
 
 @dataclass
 class ModulePolicyHandle:
-    """The FP32 regions installed on a module tree; :meth:`remove` takes them all off."""
+    """The FP32 regions installed on a module tree; :meth:`remove` takes them all off.
 
+    ``device_type``: the device type whose autocast the regions turn off (read at every call, so the plugin
+    can follow the training device once it is known).
+    """
+
+    device_type: str = "cpu"
     paths: list[str] = field(default_factory=list)
     _wrapped: list[tuple[nn.Module, Any]] = field(default_factory=list)
 
-    def add_region(self, module: nn.Module, path: str, device_type: str) -> None:
+    def add_region(self, module: nn.Module, path: str) -> None:
         """Make ``module`` (at ``path``) an FP32 region: autocast off, floating inputs cast to FP32.
 
         The module's ``forward`` is wrapped (an instance attribute, removed by
@@ -123,7 +128,7 @@ class ModulePolicyHandle:
 
             @functools.wraps(inner)
             def forward(*args: Any, **kwargs: Any) -> Any:
-                with torch.autocast(device_type, enabled=False):
+                with torch.autocast(self.device_type, enabled=False):
                     return inner(*_fp32_args(args), **(_to_fp32(kwargs) if kwargs else kwargs))
 
         module.forward = forward  # type: ignore[method-assign]
@@ -143,9 +148,9 @@ class ModulePolicyHandle:
 
 def apply_module_policy(root: nn.Module, policy: PrecisionPolicy, device_type: str) -> ModulePolicyHandle:
     """Install FP32-region hooks on every module of ``root`` that the policy keeps in FP32."""
-    handle = ModulePolicyHandle()
+    handle = ModulePolicyHandle(device_type)
     for path, module in fp32_compute_modules(root, policy):
-        handle.add_region(module, path, device_type)
+        handle.add_region(module, path)
     return handle
 
 
@@ -174,8 +179,23 @@ def cast_module_storage(
                 param.data = param.data.to(dtype)
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                module._buffers[name] = buf.to(dtype)
+                setattr(module, name, buf.to(dtype))
     return originals
+
+
+def restore_module_storage(root: nn.Module, originals: dict[str, torch.Tensor]) -> None:
+    """Undo :func:`cast_module_storage`: every parameter named in ``originals`` gets that FP32 value back, and the
+    module's floating buffers become FP32 again."""
+    named = dict(root.named_parameters())
+    with torch.no_grad():
+        for name, value in originals.items():
+            param = named.get(name)
+            if param is not None:
+                param.data = value.to(param.device)
+    for module in root.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                setattr(module, name, buf.float())
 
 
 def policy_report(root: nn.Module, policy: PrecisionPolicy) -> list[dict[str, str]]:

@@ -63,7 +63,7 @@ from mp_callbacks.weights import (
 )
 
 from .masters import MasterWeights
-from .policy import torch_dtype
+from .policy import restore_module_storage, torch_dtype
 from .rounding_ops import TORCH_ROUNDING_OPS, TorchRoundingOps  # TorchRoundingOps: re-exported
 from .rounding_step import CHUNK, Scratch, update_parameter
 
@@ -155,6 +155,13 @@ class UpdateRounding:
                     self._originals[name] = fp32
                     if self.kahan:
                         self._pending[name] = initial_compensation(fp32.to(param.device), param, TORCH_ROUNDING_OPS)
+
+    def restore_originals(self, root: nn.Module) -> None:
+        """Undo the storage cast :meth:`record_originals` saw (``root``'s parameters get their FP32 values back)
+        and forget it: the model is about to be sharded, whose FP32 shards need no copy."""
+        restore_module_storage(root, self._originals)
+        self._originals.clear()
+        self._pending.clear()
 
     def install(self, root: nn.Module, optimizers: Iterable[Optimizer]) -> None:
         """Give every low-precision parameter of the optimizers an entry (a compensation buffer under
@@ -300,7 +307,7 @@ class UpdateRounding:
             for sub in module.modules():
                 for name, buf in sub.named_buffers(recurse=False):
                     if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                        sub._buffers[name] = buf.float()
+                        setattr(sub, name, buf.float())
 
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

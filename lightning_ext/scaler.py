@@ -304,7 +304,9 @@ class TorchLossScaler(ScalerCounters, MonitorPort, torch.amp.GradScaler):
         key = id(raw)
         skip = self._skips.get(key)
         if skip is None:
-            found = self.unscale_once(raw)
+            found = self._stages.get(key, _READY)[1]
+            if found is None:
+                found = self.unscale_once(raw)
             skip = self._skips[key] = self.config.can_skip and bool(found.item())
             self._last_applied[key] = self._latest_applied = not skip
         return skip

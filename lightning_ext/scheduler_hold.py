@@ -1,67 +1,65 @@
 """Hold step-interval LR schedulers on skipped optimizer steps.
 
-Lightning steps ``interval="step"`` schedulers after every optimizer step
-through the LightningModule hook ``lr_scheduler_step``.  The schedule counts
-*applied* updates (the skip semantics), so while fitting :class:`SchedulerHold`
-shadows that hook on the LightningModule instance with a wrapper that calls
-the original (the user's override or Lightning's default) only when the
-scheduler's optimizer applied its latest step.  Epoch-interval schedulers are
-never held.  :meth:`SchedulerHold.remove` restores the class's hook.  Under
-manual optimization the user steps schedulers (``plugin.last_step_skipped()``
-says whether to).
+Lightning steps ``interval="step"`` schedulers after every optimizer step (through the LightningModule hook
+``lr_scheduler_step``, which calls ``scheduler.step()``).  The schedule counts *applied* updates (the skip
+semantics), so the Trainer plugin's ``connect`` returns the scheduler configurations with every step-interval
+scheduler behind a :class:`HeldScheduler`: its ``step()`` steps the scheduler only when the scheduler's
+optimizer applied its latest step; everything else (state dicts, attributes, the optimizer) is the
+scheduler's.  Epoch-interval schedulers are never held.  Under manual optimization the user steps schedulers
+(``plugin.last_step_skipped()`` says whether to) and nothing is wrapped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SchedulerHold"]
-
-_MARK = "_mp_wrapped"
+__all__ = ["HeldScheduler", "hold_schedulers"]
 
 
-class SchedulerHold:
-    """The ``lr_scheduler_step`` wrapper of one LightningModule.
+class HeldScheduler:
+    """``scheduler`` with a ``step()`` that does nothing after a skipped optimizer step.
 
     Args:
-      skipped: ``skipped(optimizer or None) -> bool``: whether the latest step
-        of that optimizer (None: of any optimizer) applied no update.
+      scheduler: a torch LR scheduler (anything with ``step``, ``optimizer``, ``state_dict``).
+      skipped: ``skipped(optimizer) -> bool``: whether the latest step of that optimizer applied no update.
     """
 
-    def __init__(self, skipped: Callable[[Any | None], bool]) -> None:
+    def __init__(self, scheduler: Any, skipped: Callable[[Any], bool]) -> None:
+        self.scheduler = scheduler
         self._skipped = skipped
-        self._module: Any = None
 
-    def install(self, module: Any) -> None:
-        """Wrap ``module.lr_scheduler_step`` (idempotent)."""
-        if getattr(vars(module).get("lr_scheduler_step"), _MARK, False):
-            self._module = module
-            return
-        original = module.lr_scheduler_step
-        hold = self
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """``scheduler.step(*args, **kwargs)`` unless its optimizer's latest step was skipped."""
+        if not self._skipped(getattr(self.scheduler, "optimizer", None)):
+            self.scheduler.step(*args, **kwargs)
 
-        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> Any:
-            if hold.holds(module, scheduler):
-                return None
-            return original(scheduler, metric)
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's state dict."""
+        return self.scheduler.state_dict()
 
-        setattr(lr_scheduler_step, _MARK, True)
-        lr_scheduler_step.__doc__ = "lightning_ext: holds step-interval schedulers on skipped optimizer steps."
-        object.__setattr__(module, "lr_scheduler_step", lr_scheduler_step)
-        self._module = module
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the scheduler's state dict."""
+        self.scheduler.load_state_dict(state_dict)
 
-    def remove(self) -> None:
-        """Restore the module's own hook (idempotent)."""
-        module, self._module = self._module, None
-        if module is not None and getattr(vars(module).get("lr_scheduler_step"), _MARK, False):
-            del module.__dict__["lr_scheduler_step"]
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
 
-    def holds(self, module: Any, scheduler: Any) -> bool:
-        """True when ``scheduler`` must not step now: step interval and its optimizer skipped."""
-        trainer = getattr(module, "_trainer", None)
-        configs = getattr(trainer, "lr_scheduler_configs", None) or []
-        interval = next((c.interval for c in configs if c.scheduler is scheduler), "step")
-        if interval != "step":
-            return False
-        return self._skipped(getattr(scheduler, "optimizer", None))
+    def __repr__(self) -> str:
+        return f"HeldScheduler({self.scheduler!r})"
+
+
+def hold_schedulers(configs: list[Any], skipped: Callable[[Any], bool]) -> list[Any]:
+    """Lightning's ``LRSchedulerConfig`` list with every ``interval="step"`` scheduler behind a
+    :class:`HeldScheduler` (new configurations; the others as given)."""
+    out = []
+    for config in configs:
+        scheduler = getattr(config, "scheduler", None)
+        if getattr(config, "interval", None) == "step" and scheduler is not None and (
+                not isinstance(scheduler, HeldScheduler)):
+            config = dataclasses.replace(config, scheduler=HeldScheduler(scheduler, skipped))
+        out.append(config)
+    return out

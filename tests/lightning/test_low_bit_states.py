@@ -126,6 +126,7 @@ def fabric_run(recipe: str, steps: range, load=None, save=None):
     model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=1e-2))
     state = {"model": model, "optimizer": opt, "mp": plugin}
     if load is not None:
+        plugin.setup_optimizers(opt)  # the 8-bit states' optimizer before its state loads
         fabric.load(load, state)
     batches = list(loader(n=32, dim=64))
     for step in steps:

@@ -127,7 +127,7 @@ def count_collectives(scaler) -> list:
     import torch.distributed._functional_collectives as funcol
 
     per_step: list = []
-    check = scaler._check_and_unscale
+    check = scaler.unscale_once
 
     def counted(*args, **kwargs):
         calls: list = []
@@ -146,7 +146,7 @@ def count_collectives(scaler) -> list:
             dist.all_reduce, funcol.all_reduce = originals
             per_step.append(calls)
 
-    scaler._check_and_unscale = counted
+    scaler.unscale_once = counted
     return per_step
 
 
