@@ -52,30 +52,16 @@ from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
 from mp_callbacks.settings import StateDictError
 
-from .checkpoint import (
-    check_scaler_record,
-    load_parts,
-    loaded_from,
-    name_the_file,
-    plugin_record,
-    resume_plan,
-    saved_fp32_rules,
-)
-from .distributed import CommCounter, DDPWatch
-from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales_in_step
-from .forward_state import ForwardState
+from .checkpoint import loaded_from, plugin_record
+from .checkpoint.record import check_scaler_record, load_parts, name_the_file, resume_plan, saved_fp32_rules
+from .distributed import CommCounter, DDPWatch, ShardedLayout, fsdp_policy
 from .fp8 import TorchFP8
-from .fsdp import ShardedLayout, fsdp_policy
-from .low_bit import EightBitAdamW
-from .masters import MasterWeights
+from .loss_scale import ExternalScaler, ForwardState
+from .loss_scale.external import loss_scaler_for, optimizer_unscales_in_step
 from .policy import ModulePolicyHandle, torch_dtype
-from .rounding import UpdateRounding, weight_store
-from .scaler import unwrap_optimizer
 from .setup import RecipeSetup
-from .support import (
-    cast_floats,
-    recipe_name,
-)
+from .support import cast_floats, recipe_name, unwrap_optimizer
+from .weights import EightBitAdamW, MasterWeights, UpdateRounding, weight_store
 
 __all__ = ["MixedPrecision"]
 

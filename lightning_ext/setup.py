@@ -39,12 +39,11 @@ from torch.optim import Optimizer
 
 from mp_callbacks.advice import cpu_flags, cpu_float16_notice
 
-from .distributed import DDPWatch, register_comm_hook
-from .fsdp import inspect_sharded
-from .low_bit import RECORD_KEY, EightBitAdamW, plain_state_checkpoints
+from .distributed import DDPWatch, inspect_sharded, register_comm_hook
 from .policy import apply_module_policy, cast_module_storage
-from .scaler import unwrap_optimizer
-from .support import check_optimizer
+from .support import check_optimizer, unwrap_optimizer
+from .weights import EightBitAdamW
+from .weights.low_bit import RECORD_KEY, plain_state_checkpoints
 
 __all__ = ["RecipeSetup"]
 

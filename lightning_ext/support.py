@@ -13,17 +13,18 @@ masters cannot wrap).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
 from torch.optim import LBFGS
 
 from mp_callbacks.recipes import RecipeError, canonical_recipe_name
 
-__all__ = ["autocast_device", "cast_floats", "check_optimizer", "check_strategy", "is_fabric_strategy", "is_sharded",
-           "recipe_name"]
+__all__ = ["check_strategy"]
 
 _UNSUPPORTED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed's own fp16/bf16 config: Trainer(strategy='deepspeed', precision='16-mixed')",
@@ -34,6 +35,24 @@ _UNSUPPORTED_STRATEGIES = {
     "XLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
     "SingleDeviceXLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
 }
+
+
+def tensors_in(value: Any) -> Iterator[Tensor]:
+    """Every tensor in a nested structure of tensors, mappings, lists and tuples."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` (or Fabric's ``_FabricOptimizer``): the
+    wrapper's own ``_optimizer`` attribute only (a ``Mock`` would make one up on access)."""
+    return getattr(optimizer, "__dict__", {}).get("_optimizer", optimizer)
 
 
 def recipe_name(precision: Any) -> str:

@@ -11,7 +11,7 @@ from lightning.fabric import Fabric
 
 from lightning_ext import CheckedCheckpointIO
 from lightning_ext.fabric import MixedPrecision
-from lightning_ext.plugin import MixedPrecision as TrainerMixedPrecision
+from lightning_ext.trainer import MixedPrecision as TrainerMixedPrecision
 from mp_callbacks.settings import StateDictError
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 from tests.lightning.test_fabric import setup, train

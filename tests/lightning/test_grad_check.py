@@ -1,11 +1,11 @@
-"""The step's non-finite check and unscale (``lightning_ext.scaler.unscale_and_check``) against torch's
+"""The step's non-finite check and unscale (``lightning_ext.loss_scale.unscale_and_check``) against torch's
 ``GradScaler``: the same flag, the same unscaled gradients bit for bit, one fused kernel call per device and
 dtype, and with loss scaling off (inverse scale 1) the gradients' values unchanged."""
 
 import pytest
 import torch
 
-from lightning_ext.scaler import unscale_and_check
+from lightning_ext.loss_scale import unscale_and_check
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_ext import MixedPrecision
-from lightning_ext.memory import memory_report
+from lightning_ext.diagnostics import memory_report
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 torchao_optim = pytest.importorskip("torchao.optim")

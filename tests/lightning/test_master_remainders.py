@@ -12,8 +12,8 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_ext import FabricMonitor
+from lightning_ext.diagnostics import memory_report
 from lightning_ext.fabric import MixedPrecision
-from lightning_ext.memory import memory_report
 from mp_callbacks.memory import bytes_per_param
 from mp_callbacks.recipes import get_recipe
 from mp_callbacks.weights import bf16_bits, split_master

@@ -1,4 +1,4 @@
-"""bf16-kahan and bf16-sr in Lightning (lightning_ext.rounding): the torch rules are the core's bit for
+"""bf16-kahan and bf16-sr in Lightning (lightning_ext.weights.rounding): the torch rules are the core's bit for
 bit, the wrapped optimizer is the same optimizer on FP32 copies, skipped steps change nothing, resumes are
 bit-for-bit, the step holds the estimator's bytes, and both beat swamping like bf16-master."""
 
@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext import rounding as rounding_module
-from lightning_ext.rounding import UpdateRounding
-from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
+from lightning_ext.weights import UpdateRounding
+from lightning_ext.weights import rounding as rounding_module
+from lightning_ext.weights.rounding_ops import TORCH_ROUNDING_OPS as T
 from mp_callbacks import RecipeError, get_recipe
 from mp_callbacks.app.lightning_runner import state_bytes
 from mp_callbacks.diagnostics import update_swamped_fraction

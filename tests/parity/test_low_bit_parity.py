@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from keras_ext.low_bit import AdamW8bit
-from lightning_ext.low_bit import EightBitAdamW
+from lightning_ext.weights import EightBitAdamW
 
 
 def test_keras_and_lightning_8bit_states_are_the_same_on_the_same_gradients():

@@ -20,9 +20,9 @@ from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
 from lightning_ext import CommCounter
+from lightning_ext.diagnostics import FabricMonitor
+from lightning_ext.distributed import fully_shard_model, local
 from lightning_ext.fabric import MixedPrecision
-from lightning_ext.fabric_monitor import FabricMonitor
-from lightning_ext.fsdp import fully_shard_model, local
 from tests.lightning.helpers.models import regression_data
 
 INF_STEP, STEPS, BATCH = 2, 5, 8

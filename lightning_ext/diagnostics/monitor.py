@@ -44,13 +44,13 @@ from mp_callbacks.diagnostics import (
     memory_metrics,
 )
 
+from ..fabric import MixedPrecision
+from ..policy import policy_report
 from .attribution import OverflowTracer, blame
-from .fabric import MixedPrecision
 from .memory import memory_report, optimizer_params, storage_dtypes
 from .meters import grad_norm, sample, swamped_counts, underflow_counts
-from .policy import policy_report
 
-__all__ = ["FABRIC_MONITOR_SCHEMA", "FabricMonitor"]
+__all__ = ["FabricMonitor"]
 
 FABRIC_MONITOR_SCHEMA = "lightning_ext.FabricMonitor"
 """The ``schema`` tag of the Fabric monitor's state record."""

@@ -17,8 +17,6 @@ from torch import Tensor
 
 from mp_callbacks.fp8 import AMAX_EPSILON, E8M0_BIAS, E8M0_NAN, FP8Granularity, block_shape
 
-__all__ = ["block_cast"]
-
 
 def _sizes(shape: torch.Size, blocks: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(n if b == 0 else min(b, n) if n else 1 for n, b in zip(shape, blocks))

@@ -29,8 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["mha_forward", "mha_matmuls"]
-
 
 def mha_matmuls(module: nn.MultiheadAttention) -> list[str]:
     """The FP8 matmuls of ``module``, by name (see the module docstring)."""

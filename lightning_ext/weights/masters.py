@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 
 from mp_callbacks.settings import StateDictError
 
-from .policy import restore_module_storage
+from ..policy import restore_module_storage
 from .remainders import join_into, joined, split_into
 
 __all__ = ["MasterEntry", "MasterWeights"]

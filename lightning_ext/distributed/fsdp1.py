@@ -33,9 +33,9 @@ from torch.nn import Module
 from mp_callbacks.memory import sharded_dtypes
 from mp_callbacks.recipes import Recipe, get_recipe
 
-from .policy import torch_dtype
-from .scaler import TorchLossScaler, scaler_config_from
-from .support import recipe_name
+from ..loss_scale import TorchLossScaler, scaler_config_from
+from ..policy import torch_dtype
+from ..support import recipe_name
 
 __all__ = ["FSDPMixedPrecision"]
 

@@ -62,12 +62,11 @@ from mp_callbacks.weights import (
     read_rounding_state,
 )
 
-from .masters import MasterWeights
-from .policy import restore_module_storage, torch_dtype
-from .rounding_ops import TORCH_ROUNDING_OPS, TorchRoundingOps  # TorchRoundingOps: re-exported
+from ..policy import restore_module_storage, torch_dtype
+from .rounding_ops import TORCH_ROUNDING_OPS
 from .rounding_step import CHUNK, Scratch, update_parameter
 
-__all__ = ["RoundingEntry", "TorchRoundingOps", "UpdateRounding", "rounding_record", "weight_store"]
+__all__ = ["RoundingEntry", "UpdateRounding"]
 
 
 class RoundingEntry(NamedTuple):
@@ -339,18 +338,3 @@ class UpdateRounding:
         elif self.kahan:
             self._pending = {k: v for k, v in comps.items()}
         self.stream = stream
-
-
-def rounding_record(rounding: UpdateRounding | None) -> dict[str, Any]:
-    """The plugin checkpoint's ``{"rounding": UpdateRounding.state_dict()}`` entry (empty without rounding)."""
-    return {} if rounding is None else {"rounding": rounding.state_dict()}
-
-
-def weight_store(recipe: Recipe, seed: int = 0,
-                 free_weights_during_step: bool = True) -> MasterWeights | UpdateRounding | None:
-    """What keeps the optimizer's weights right under ``recipe``: :class:`~lightning_ext.masters.MasterWeights`
-    (``*-master``, ``fp8-mixed``), :class:`UpdateRounding` (``bf16-kahan``, ``bf16-sr``), None (the optimizer
-    updates the parameters as they are)."""
-    if recipe.master.master_weights:
-        return MasterWeights(free_weights_during_step, remainders=recipe.master.master_remainders)
-    return UpdateRounding.for_recipe(recipe, seed)

@@ -40,9 +40,9 @@ from mp_callbacks.dtypes import canonical_dtype
 from mp_callbacks.memory import MemoryEstimate, ShardedDtypes, is_optimizer_state, memory_report, sharded_dtypes
 from mp_callbacks.policy import class_names
 
-from .fp8 import fp8_modules
-from .fp8_allgather import wrap_weights
-from .policy import torch_dtype
+from ..fp8 import fp8_modules
+from ..fp8.allgather import wrap_weights
+from ..policy import torch_dtype
 
 __all__ = ["ShardedLayout", "fsdp_policy", "fully_shard_model", "inspect_sharded", "local", "prepare_fp8_all_gather"]
 
@@ -149,8 +149,7 @@ class ShardedLayout:
         A parameter gathered in low precision is its own FP32 master (counted in
         ``masters``, as the estimate does); grads and optimizer states are the local shards.
         """
-        from .attribution import tensors_in
-        from .scaler import unwrap_optimizer
+        from ..support import tensors_in, unwrap_optimizer
 
         params = list({id(p): p for p in module.parameters()}.values())
         weights = masters = grads = state = 0

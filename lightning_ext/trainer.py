@@ -32,13 +32,13 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION, masters_as_weights, missing_state_warning
+from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION
+from .checkpoint.record import masters_as_weights, missing_state_warning
 from .distributed import register_comm_hook
-from .external_scaler import ExternalScaler, optimizer_unscales_in_step
 from .fabric import MixedPrecision as FabricMixedPrecision
-from .scaler import unwrap_optimizer
-from .scheduler_hold import hold_schedulers
-from .support import autocast_device, check_optimizer, check_strategy, is_sharded
+from .loss_scale import ExternalScaler, hold_schedulers
+from .loss_scale.external import optimizer_unscales_in_step
+from .support import autocast_device, check_optimizer, check_strategy, is_sharded, unwrap_optimizer
 
 __all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
 

@@ -11,7 +11,7 @@ agree on one answer.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,20 +19,9 @@ from torch import Tensor, nn
 
 from mp_callbacks.diagnostics import LOSS_SOURCE, first_culprit
 
-__all__ = ["OverflowTracer", "blame", "tensors_in"]
+from ..support import tensors_in
 
-
-def tensors_in(value: Any) -> Iterator[Tensor]:
-    """Every tensor in a nested structure of tensors, mappings, lists and tuples."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from tensors_in(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensors_in(v)
-
+__all__ = ["OverflowTracer", "blame"]
 
 
 class OverflowTracer:

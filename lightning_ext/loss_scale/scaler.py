@@ -61,10 +61,11 @@ from mp_callbacks.loss_scale import (
     state_from_dict,
 )
 
+from ..ops import TorchOps
+from ..support import unwrap_optimizer
 from .divergence import TorchDivergence
-from .ops import TorchOps
 
-__all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unscale_and_check", "unwrap_optimizer"]
+__all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unscale_and_check"]
 
 
 class OptState(enum.Enum):
@@ -91,12 +92,6 @@ def scaler_config_from(value: Any) -> ScalerConfig | None:
             "torch", init_scale=float(value.get_scale()), growth_factor=float(value.get_growth_factor()),
             backoff_factor=float(value.get_backoff_factor()), growth_interval=int(value.get_growth_interval()))
     return ScalerConfig.coerce(value)
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer behind Lightning's ``LightningOptimizer`` (or Fabric's ``_FabricOptimizer``): the
-    wrapper's own ``_optimizer`` attribute only (a ``Mock`` would make one up on access)."""
-    return getattr(optimizer, "__dict__", {}).get("_optimizer", optimizer)
 
 
 def unscale_and_check(optimizer: Any, inv_scale: Tensor, device: torch.device) -> Tensor:

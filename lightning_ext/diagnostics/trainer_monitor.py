@@ -51,13 +51,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from mp_callbacks.diagnostics import MONITOR_SCHEMA_VERSION  # re-exported: the record's version
-
-from .fabric import MixedPrecision
-from .fabric_monitor import FabricMonitor, Loop
+from ..fabric import MixedPrecision
 from .memory import memory_report
+from .monitor import FabricMonitor, Loop
 
-__all__ = ["MONITOR_SCHEMA", "MONITOR_SCHEMA_VERSION", "MixedPrecisionMonitor"]
+__all__ = ["MixedPrecisionMonitor"]
 
 MONITOR_SCHEMA = "lightning_ext.MixedPrecisionMonitor"
 """The ``schema`` tag of the callback's checkpoint record."""

@@ -33,8 +33,7 @@ from torch import Tensor, nn
 
 from mp_callbacks.fp8 import FP8_GATHER_ROLE, gather_reduces_amax
 
-__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "gathered_parts", "link_weight", "local_weight",
-           "wrap_weights"]
+__all__ = ["FP8AllGatherWeight"]
 
 
 @dataclass

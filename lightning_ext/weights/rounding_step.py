@@ -33,8 +33,6 @@ from mp_callbacks.weights import BF16_NAN_BITS, MIX_MUL1, MIX_MUL2, kahan_apply,
 
 from .rounding_ops import TORCH_ROUNDING_OPS
 
-__all__ = ["CHUNK", "ELEMENTWISE", "FUSED_DEVICES", "Scratch", "is_elementwise", "update_parameter"]
-
 CHUNK = 1 << 18
 """Elements updated at a time (a multiple of 64): the chunk's FP32 buffers stay about 1 MB each."""
 

@@ -25,9 +25,10 @@ from torch import Tensor
 from mp_callbacks.loss_scale import ScalerConfig
 from mp_callbacks.recipes import Recipe
 
-from .scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
+from ..support import unwrap_optimizer
+from .scaler import TorchLossScaler, scaler_config_from
 
-__all__ = ["ExternalScaler", "is_external_scaler", "loss_scaler_for", "optimizer_unscales_in_step"]
+__all__ = ["ExternalScaler"]
 
 _API = ("scale", "unscale_", "step", "update")
 

@@ -48,14 +48,14 @@ from mp_callbacks.fp8 import FP8_ROLES, FP8Recipe, FP8State, fp8_state_from_dict
 from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.settings import StateDictError
 
-from .fp8_allgather import link_weight
-from .fp8_attention import mha_forward, mha_matmuls
-from .fp8_blocks import block_cast
-from .fp8_matmul import fp8_linear
-from .ops import TorchOps
-from .policy import fp32_compute_modules
+from ..ops import TorchOps
+from ..policy import fp32_compute_modules
+from .allgather import link_weight
+from .attention import mha_forward, mha_matmuls
+from .blocks import block_cast
+from .matmul import fp8_linear
 
-__all__ = ["TorchFP8", "fp8_linear", "fp8_modules"]
+__all__ = ["TorchFP8", "fp8_modules"]
 
 FP8_SCHEMA_VERSION = 1
 """Version of :meth:`TorchFP8.state_dict`'s record."""

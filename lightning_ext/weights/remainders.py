@@ -15,8 +15,6 @@ from torch import Tensor
 
 from mp_callbacks.weights import forward_half, upper_half
 
-__all__ = ["join_into", "joined", "split_into"]
-
 if sys.byteorder != "little":  # pragma: no cover - torch's devices are little-endian
     raise ImportError("lightning_ext.remainders reads float32 halves in little-endian order")
 

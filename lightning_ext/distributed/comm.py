@@ -49,7 +49,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from mp_callbacks.dtypes import canonical_dtype
 
-from .fp8_allgather import FP8AllGatherWeight
+from ..fp8 import FP8AllGatherWeight
 
 __all__ = ["CommCounter", "DDPWatch", "cast_hook", "comm_hook", "count_fsdp_collectives", "fsdp_comm_units",
            "register_comm_hook"]

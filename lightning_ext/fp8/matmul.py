@@ -19,9 +19,7 @@ from torch import Tensor
 
 from mp_callbacks.fp8 import FP8Granularity
 
-from .fp8_allgather import gathered_parts
-
-__all__ = ["Quantizer", "fp8_linear"]
+from .allgather import gathered_parts
 
 
 class Quantizer(Protocol):

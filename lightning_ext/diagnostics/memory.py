@@ -20,9 +20,8 @@ from mp_callbacks.fp8 import fp8_state_bytes
 from mp_callbacks.memory import MemoryEstimate, is_optimizer_state
 from mp_callbacks.memory import memory_report as core_memory_report
 
-from .attribution import tensors_in
-from .fabric import MixedPrecision
-from .scaler import unwrap_optimizer
+from ..fabric import MixedPrecision
+from ..support import tensors_in, unwrap_optimizer
 
 __all__ = ["held_tensors", "memory_report", "optimizer_params", "storage_dtypes"]
 

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from mp_callbacks.weights import BLOCK_SIZE
 
-__all__ = ["RECORD_KEY", "EightBitAdamW", "plain_state_checkpoints"]
+__all__ = ["EightBitAdamW"]
 
 RECORD_KEY = "torchao_state"
 """The key naming the torchao subclass of a quantized state saved as plain data (``{RECORD_KEY: class name,

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from mp_callbacks.weights import s32
 
-__all__ = ["TORCH_ROUNDING_OPS", "TorchRoundingOps"]
+__all__ = ["TorchRoundingOps"]
 
 
 class TorchRoundingOps:

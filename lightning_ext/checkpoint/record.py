@@ -9,16 +9,10 @@ error), then asks the core's :func:`~mp_callbacks.recipes.plan_resume` what
 to restore: everything under the same recipe; under another recipe (opt-in)
 the masters where both keep them, and the scaler restarts with a warning.
 A ``*-master`` checkpoint's model weights are the FP32 masters
-(:func:`masters_as_weights`), so an FP32 model loads them exactly.
-
-The file itself is checked before torch reads it (:func:`check_checkpoint_file`, and
-:class:`CheckedCheckpointIO` for the Trainer and Fabric): a missing, truncated or foreign file is a
-:class:`CheckpointFileError` naming the file, what is wrong and what to do, not torch's
-``PytorchStreamReader failed reading zip archive``.  A state the plugin refuses names the file it came
-from: the Trainer's ``ckpt_path``, or under Fabric the file :class:`CheckedCheckpointIO` read it from
-(:func:`loaded_from`).  A checkpoint without the plugin's state (a run
-without it, or Lightning's native ``bf16-mixed``/``32-true``) starts the plugin's state fresh with a
-warning (:func:`missing_state_warning`).
+(:func:`masters_as_weights`), so an FP32 model loads them exactly.  A state the plugin refuses names the file
+it came from (:func:`name_the_file`).  A checkpoint without the plugin's state (a run without it, or
+Lightning's native ``bf16-mixed``/``32-true``) starts the plugin's state fresh with a warning
+(:func:`missing_state_warning`).
 
 These functions read and write plain data and the parts they are given (the
 loss scaler, the weight store, the FP8 state); what a restore changes in the
@@ -29,23 +23,17 @@ plugin itself (its recipe, FP32 moves) is the plugin's own
 from __future__ import annotations
 
 import os
-import zipfile
 from collections.abc import Mapping
 from typing import Any
-
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from mp_callbacks.loss_scale import check_state_dict
 from mp_callbacks.policy import PrecisionPolicy, added_fp32_rules
 from mp_callbacks.recipes import Recipe, ResumePlan, plan_resume
 from mp_callbacks.settings import StateDictError
 
-from .masters import MasterWeights
-from .rounding import rounding_record
+from ..weights import MasterWeights
 
-__all__ = ["PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "CheckedCheckpointIO", "CheckpointFileError",
-           "check_checkpoint_file", "check_scaler_record", "load_parts", "loaded_from", "masters_as_weights",
-           "missing_state_warning", "name_the_file", "plugin_record", "resume_plan", "saved_fp32_rules"]
+__all__ = ["PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION", "plugin_record"]
 
 PLUGIN_SCHEMA = "lightning_ext.MixedPrecision"
 """The ``schema`` tag of the plugin's checkpoint record."""
@@ -58,8 +46,11 @@ def plugin_record(recipe: Recipe, loss_scaler: Any, store: Any, fp8: Any) -> dic
     masters = store.state_dict() if isinstance(store, MasterWeights) else {}
     return {"schema": PLUGIN_SCHEMA, "schema_version": PLUGIN_SCHEMA_VERSION, "recipe": recipe.name,
             "scaler": loss_scaler.state_dict(), "masters": masters, "policy": recipe.policy.to_dict(),
-            **rounding_record(None if isinstance(store, MasterWeights) else store),
+            **({} if store is None or isinstance(store, MasterWeights) else {"rounding": store.state_dict()}),
             **({"fp8": fp8.state_dict()} if fp8 is not None else {})}
+
+
+_DROP = "ckpt = torch.load(path); del ckpt['MixedPrecision']; torch.save(ckpt, path)"
 
 
 def _check_schema(state_dict: Any, here: str) -> None:
@@ -76,79 +67,6 @@ def _check_schema(state_dict: Any, here: str) -> None:
     if version != PLUGIN_SCHEMA_VERSION:
         raise StateDictError(f"the checkpoint holds plugin schema v{version!r} (recipe {state_dict.get('recipe')!r}); "
                              f"this trainer uses {here}")
-
-
-_DROP = "ckpt = torch.load(path); del ckpt['MixedPrecision']; torch.save(ckpt, path)"
-_EARLIER = ("resume from an earlier checkpoint (ModelCheckpoint keeps last.ckpt and the top-k), or save this one "
-            "again")
-
-
-class CheckpointFileError(ValueError):
-    """A checkpoint file that cannot be loaded: missing, truncated, or not a torch checkpoint."""
-
-
-def check_checkpoint_file(path: str | os.PathLike[str]) -> None:
-    """:class:`CheckpointFileError` unless ``path`` is a complete ``torch.save`` file (a zip archive holding
-    ``data.pkl``, or the legacy pickle format); a directory (a sharded checkpoint) or a remote URL is left to
-    its loader."""
-    path = os.fspath(path)
-    if "://" in path or os.path.isdir(path):
-        return
-    if not os.path.exists(path):
-        raise CheckpointFileError(f"{path}: no such checkpoint file (check the path, or ModelCheckpoint's dirpath)")
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if head.startswith(b"PK"):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
-        except zipfile.BadZipFile as exc:
-            raise CheckpointFileError(f"{path} ({size} bytes) is a truncated or damaged checkpoint: it starts as "
-                                      f"torch.save's zip archive but cannot be read ({exc}; was the save "
-                                      f"interrupted?); {_EARLIER}") from None
-        if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
-            raise CheckpointFileError(f"{path} is a zip archive but not a torch checkpoint (it holds {names[:6]}, no "
-                                      "data.pkl); pass the .ckpt file Lightning saved")
-    elif not head.startswith(b"\x80"):  # neither zip nor the legacy pickle format
-        kind = "an HDF5 file (Keras weights?)" if head.startswith(b"\x89HDF") else f"starts with {head!r}"
-        what = "empty" if size == 0 else f"not a torch checkpoint: {kind}"
-        raise CheckpointFileError(f"{path} ({size} bytes) is {what}; {_EARLIER}")
-
-
-class CheckedCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` that checks the file first (:func:`check_checkpoint_file`):
-    ``Trainer(plugins=[MixedPrecision(...), CheckedCheckpointIO()])`` or ``Fabric(plugins=[...])``.  The
-    entries of the checkpoint it read last are known by the file (:func:`loaded_from`)."""
-
-    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        check_checkpoint_file(path)
-        try:
-            checkpoint = super().load_checkpoint(path, *args, **kwargs)
-        except (RuntimeError, EOFError, OSError) as exc:  # torch's reader: damaged past the checks above
-            raise CheckpointFileError(f"{os.fspath(path)} cannot be read as a torch checkpoint "
-                                      f"({type(exc).__name__}: {str(exc).splitlines()[0]}); {_EARLIER}") from exc
-        _LAST_READ[:] = [(path, {id(v): _fingerprint(v) for v in checkpoint.values() if isinstance(v, Mapping)})]
-        return checkpoint
-
-
-_LAST_READ: list[tuple[Any, dict[int, Any]]] = []
-"""``[(file, {id(entry): fingerprint})]`` of the mappings in the checkpoint :class:`CheckedCheckpointIO` read last
-(no reference kept: a master weights record is as large as the model)."""
-
-
-def _fingerprint(entry: Mapping[str, Any]) -> tuple[Any, ...]:
-    return tuple(sorted(map(str, entry))), entry.get("recipe"), entry.get("schema_version")
-
-
-def loaded_from(state_dict: Any) -> Any:
-    """The file :class:`CheckedCheckpointIO` read ``state_dict`` from (an entry of the last checkpoint it read,
-    known by identity and keys), or None."""
-    for path, entries in _LAST_READ:
-        known = entries.get(id(state_dict))
-        if known is not None and isinstance(state_dict, Mapping) and known == _fingerprint(state_dict):
-            return path
-    return None
 
 
 def name_the_file(exc: StateDictError, path: Any) -> None:
