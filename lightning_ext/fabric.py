@@ -56,11 +56,11 @@ from .checkpoint import loaded_from, plugin_record
 from .checkpoint.record import check_scaler_record, load_parts, name_the_file, resume_plan, saved_fp32_rules
 from .distributed import CommCounter, DDPWatch, ShardedLayout, fsdp_policy
 from .fp8 import TorchFP8
-from .loss_scale import ExternalScaler, ForwardState
+from .loss_scale import ExternalScaler, ForwardState, unwrap_optimizer
 from .loss_scale.external import loss_scaler_for, optimizer_unscales_in_step
 from .policy import ModulePolicyHandle, torch_dtype
 from .setup import RecipeSetup
-from .support import cast_floats, recipe_name, unwrap_optimizer
+from .support import cast_floats, recipe_name
 from .weights import EightBitAdamW, MasterWeights, UpdateRounding, weight_store
 
 __all__ = ["MixedPrecision"]

@@ -40,8 +40,9 @@ from torch.optim import Optimizer
 from mp_callbacks.advice import cpu_flags, cpu_float16_notice
 
 from .distributed import DDPWatch, inspect_sharded, register_comm_hook
+from .loss_scale import unwrap_optimizer
 from .policy import apply_module_policy, cast_module_storage
-from .support import check_optimizer, unwrap_optimizer
+from .support import check_optimizer
 from .weights import EightBitAdamW
 from .weights.low_bit import RECORD_KEY, plain_state_checkpoints
 

@@ -49,12 +49,6 @@ def tensors_in(value: Any) -> Iterator[Tensor]:
             yield from tensors_in(v)
 
 
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer behind Lightning's ``LightningOptimizer`` (or Fabric's ``_FabricOptimizer``): the
-    wrapper's own ``_optimizer`` attribute only (a ``Mock`` would make one up on access)."""
-    return getattr(optimizer, "__dict__", {}).get("_optimizer", optimizer)
-
-
 def recipe_name(precision: Any) -> str:
     """The canonical recipe of ``MixedPrecision(precision=...)``; a ``RecipeError`` in the plugin's words."""
     try:

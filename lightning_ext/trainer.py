@@ -36,9 +36,9 @@ from .checkpoint import PLUGIN_SCHEMA, PLUGIN_SCHEMA_VERSION
 from .checkpoint.record import masters_as_weights, missing_state_warning
 from .distributed import register_comm_hook
 from .fabric import MixedPrecision as FabricMixedPrecision
-from .loss_scale import ExternalScaler, hold_schedulers
+from .loss_scale import ExternalScaler, hold_schedulers, unwrap_optimizer
 from .loss_scale.external import optimizer_unscales_in_step
-from .support import autocast_device, check_optimizer, check_strategy, is_sharded, unwrap_optimizer
+from .support import autocast_device, check_optimizer, check_strategy, is_sharded
 
 __all__ = ["MixedPrecision", "PLUGIN_SCHEMA", "PLUGIN_SCHEMA_VERSION"]
 

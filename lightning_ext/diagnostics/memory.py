@@ -21,7 +21,8 @@ from mp_callbacks.memory import MemoryEstimate, is_optimizer_state
 from mp_callbacks.memory import memory_report as core_memory_report
 
 from ..fabric import MixedPrecision
-from ..support import tensors_in, unwrap_optimizer
+from ..loss_scale import unwrap_optimizer
+from ..support import tensors_in
 
 __all__ = ["held_tensors", "memory_report", "optimizer_params", "storage_dtypes"]
 

@@ -149,7 +149,8 @@ class ShardedLayout:
         A parameter gathered in low precision is its own FP32 master (counted in
         ``masters``, as the estimate does); grads and optimizer states are the local shards.
         """
-        from ..support import tensors_in, unwrap_optimizer
+        from ..loss_scale import unwrap_optimizer
+        from ..support import tensors_in
 
         params = list({id(p): p for p in module.parameters()}.values())
         weights = masters = grads = state = 0

@@ -21,8 +21,8 @@ finite is skipped (nothing the model learns from changes) and the scale moves by
 from .divergence import TorchDivergence
 from .external import ExternalScaler
 from .forward_state import ForwardState
-from .scaler import OptState, TorchLossScaler, scaler_config_from, unscale_and_check
+from .scaler import OptState, TorchLossScaler, scaler_config_from, unscale_and_check, unwrap_optimizer
 from .schedulers import HeldScheduler, hold_schedulers
 
 __all__ = ["ExternalScaler", "ForwardState", "HeldScheduler", "OptState", "TorchDivergence", "TorchLossScaler",
-           "hold_schedulers", "scaler_config_from", "unscale_and_check"]
+           "hold_schedulers", "scaler_config_from", "unscale_and_check", "unwrap_optimizer"]

@@ -25,8 +25,7 @@ from torch import Tensor
 from mp_callbacks.loss_scale import ScalerConfig
 from mp_callbacks.recipes import Recipe
 
-from ..support import unwrap_optimizer
-from .scaler import TorchLossScaler, scaler_config_from
+from .scaler import TorchLossScaler, scaler_config_from, unwrap_optimizer
 
 __all__ = ["ExternalScaler"]
 

@@ -62,10 +62,9 @@ from mp_callbacks.loss_scale import (
 )
 
 from ..ops import TorchOps
-from ..support import unwrap_optimizer
 from .divergence import TorchDivergence
 
-__all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unscale_and_check"]
+__all__ = ["OptState", "TorchLossScaler", "scaler_config_from", "unscale_and_check", "unwrap_optimizer"]
 
 
 class OptState(enum.Enum):
@@ -92,6 +91,12 @@ def scaler_config_from(value: Any) -> ScalerConfig | None:
             "torch", init_scale=float(value.get_scale()), growth_factor=float(value.get_growth_factor()),
             backoff_factor=float(value.get_backoff_factor()), growth_interval=int(value.get_growth_interval()))
     return ScalerConfig.coerce(value)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` (or Fabric's ``_FabricOptimizer``): the
+    wrapper's own ``_optimizer`` attribute only (a ``Mock`` would make one up on access)."""
+    return getattr(optimizer, "__dict__", {}).get("_optimizer", optimizer)
 
 
 def unscale_and_check(optimizer: Any, inv_scale: Tensor, device: torch.device) -> Tensor:
