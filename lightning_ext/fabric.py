@@ -1,10 +1,10 @@
 """``lightning_ext.fabric.MixedPrecision``: the core's recipes as a Lightning Fabric precision plugin.
 
 ``Fabric(plugins=[MixedPrecision("bf16-master")])`` trains with every recipe.  This class holds the
-adapter's logic; the Trainer plugin (:class:`lightning_ext.plugin.MixedPrecision`) is a thin subclass
+adapter's logic; the Trainer plugin (:class:`lightning_ext.trainer.MixedPrecision`) is a thin subclass
 of it and of Lightning's Trainer ``Precision``, the pattern of Lightning's ``TransformerEnginePrecision``.
-It hands off as the Trainer plugin does: the loss scaler to :class:`~lightning_ext.scaler.TorchLossScaler`,
-the weights to one weight store (:func:`~lightning_ext.rounding.weight_store`: FP32 masters or update
+It hands off as the Trainer plugin does: the loss scaler to :class:`~lightning_ext.loss_scale.TorchLossScaler`,
+the weights to one weight store (:func:`~lightning_ext.weights.weight_store`: FP32 masters or update
 rounding), FP32 regions and storage to :mod:`~lightning_ext.policy`, FP8 to :class:`~lightning_ext.fp8.TorchFP8`;
 set-up and teardown (the recipe on the model, the weight store around the optimizers) are
 :class:`~lightning_ext.setup.RecipeSetup`'s.
@@ -22,7 +22,7 @@ Rules of the Fabric side:
 * setup: ``fabric.setup(model, optimizer)`` applies the recipe to the model; the weight store goes around
   each optimizer at its first step, or earlier with :meth:`setup_optimizers` (call it before a ``fabric.load``
   that restores optimizer state); under ``ModelParallelStrategy`` pass the plugin to
-  :func:`~lightning_ext.fsdp.fully_shard_model` in the ``parallelize_fn`` (:mod:`lightning_ext.setup`);
+  :func:`~lightning_ext.distributed.fully_shard_model` in the ``parallelize_fn`` (:mod:`lightning_ext.setup`);
 * a skipped step changes no parameter, master, optimizer state or step count; clipping on such a step
   sees no parameters (no ``error_if_nonfinite`` raise);
 * checkpoints: pass the plugin in the state, ``{"model": model, "optimizer": optimizer, "mp":
@@ -31,8 +31,8 @@ Rules of the Fabric side:
 * ``*-master``: ``optimizer.zero_grad()`` clears the masters' gradients; a backward never stepped leaves the
   model's low-precision ones (``model.zero_grad()``);
 * LR schedulers: Fabric never shows them to the plugin; step one when ``not mp.last_step_skipped(optimizer)``;
-* the divergence rule raises from ``optimizer.step()`` (:mod:`lightning_ext.divergence`); the monitor is a
-  Fabric callback (:class:`lightning_ext.fabric_monitor.FabricMonitor`).
+* the divergence rule raises from ``optimizer.step()`` (:mod:`lightning_ext.loss_scale.divergence`); the monitor is a
+  Fabric callback (:class:`lightning_ext.diagnostics.monitor.FabricMonitor`).
 """
 
 from __future__ import annotations
@@ -74,11 +74,11 @@ class MixedPrecision(RecipeSetup, Precision):
         ``"bf16-master"``, ``"bf16-kahan"``, ``"bf16-sr"``, ``"fp8-mixed"``) or an alias (``"mixed_float16"``...).
       device: the device type for ``torch.autocast`` (``"cpu"``, ``"cuda"``...; the training device wins).
       scaler: a ``torch.amp.GradScaler`` (its settings are taken), a
-        :class:`~mp_callbacks.loss_scale.config.ScalerConfig`, a preset name (``"torch"``,
+        :class:`~mp_callbacks.loss_scale.ScalerConfig`, a preset name (``"torch"``,
         ``"megatron"``...), a dict of fields, or None for the recipe's default
         (dynamic ``torch`` preset for fp16, off for bf16/fp32).  Another object with
         ``GradScaler``'s API is used as it is, as Lightning uses it (``16-mixed`` only, no
-        monitors: :mod:`lightning_ext.external_scaler`).
+        monitors: :mod:`lightning_ext.loss_scale.external`).
       policy: the operator policy (a :class:`~mp_callbacks.policy.PrecisionPolicy`,
         a policy string or dict), or None for the recipe's.
       count_overflows: with ``scaler={"enabled": False, "skip_nonfinite": False}``
@@ -90,21 +90,21 @@ class MixedPrecision(RecipeSetup, Precision):
       allow_recipe_change: resume checkpoints saved under another recipe
         (:func:`mp_callbacks.recipes.plan_resume`); refused by default.
       divergence: when to stop a run that cannot recover
-        (:class:`~mp_callbacks.diagnostics.divergence.DivergenceRule`; None: the default rule, False: never).
+        (:class:`~mp_callbacks.diagnostics.DivergenceRule`; None: the default rule, False: never).
       state_dtype: ``"bfloat16"`` optimizer states (``bf16-kahan``/``bf16-sr``), ``"8bit"`` (master and rounding
-        recipes: the AdamW becomes torchao's ``AdamW8bit``, :mod:`lightning_ext.low_bit`); None: FP32.
+        recipes: the AdamW becomes torchao's ``AdamW8bit``, :mod:`lightning_ext.weights.low_bit`); None: FP32.
       seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.weights`).
       comm_dtype: the dtype gradients are reduced across ranks in (``"float32"`` default,
         ``"bfloat16"``, ``"float16"``): a DDP communication hook (:mod:`lightning_ext.distributed`),
         FSDP2's ``reduce_dtype`` (:meth:`fsdp_policy`).
       fp8: ``fp8-mixed`` only: the FP8 scaling settings (a preset name, ``"transformer-engine"``
         default, ``"keras"``, ``"torchao"``, or a dict such as ``{"mode": "current"}``:
-        :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).
+        :class:`~mp_callbacks.fp8.FP8Recipe`).
       master_remainders: ``bf16-master``/``fp8-mixed``: hold each FP32 master as its bf16 weight plus a
         16-bit remainder between steps (:mod:`mp_callbacks.weights.remainders`: the same exact masters, 2 B/param
         less; the forward weight rounds ties away from zero); None: the recipe's default.
       restore_forward_state: on a skipped step, put back the buffers the forward wrote (BatchNorm
-        running statistics...: :mod:`lightning_ext.forward_state`); False saves a copy per step.
+        running statistics...: :mod:`lightning_ext.loss_scale.forward_state`); False saves a copy per step.
 
     Raises:
       RecipeError: an unknown recipe name (the message lists the valid ones).
@@ -141,7 +141,7 @@ class MixedPrecision(RecipeSetup, Precision):
         self._started = False  # the first forward ran (lightning_ext.setup)
         self.forward_state = ForwardState() if restore_forward_state else None
         self.pending_fp32_paths: list[str] = []
-        self.sharded: ShardedLayout | None = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
+        self.sharded: ShardedLayout | None = None  # under ModelParallelStrategy (FSDP2): lightning_ext.distributed.fsdp
         self.comm_counter: CommCounter | None = None  # counts DDP all-reduce / FSDP2 bytes (lightning_ext.distributed)
 
     # ------------------------------------------------------------ reading
@@ -156,7 +156,7 @@ class MixedPrecision(RecipeSetup, Precision):
     @scaler.setter
     def scaler(self, value: Any) -> None:
         """Before training: the loss scaler for ``value`` (the ``scaler`` argument's meanings:
-        :func:`~lightning_ext.external_scaler.loss_scaler_for`)."""
+        :func:`~lightning_ext.loss_scale.external.loss_scaler_for`)."""
         self.recipe, self.loss_scaler = loss_scaler_for(value, self.recipe, *self._scaler_args)
 
     @property
@@ -186,7 +186,7 @@ class MixedPrecision(RecipeSetup, Precision):
 
     @property
     def can_skip(self) -> bool:
-        """True when a step can be skipped (:attr:`~mp_callbacks.loss_scale.config.ScalerConfig.can_skip`)."""
+        """True when a step can be skipped (:attr:`~mp_callbacks.loss_scale.ScalerConfig.can_skip`)."""
         return self.loss_scaler.config.can_skip
 
     @property
@@ -201,7 +201,7 @@ class MixedPrecision(RecipeSetup, Precision):
 
     @property
     def checks_overflow(self) -> bool:
-        """True when steps look for inf/NaN gradients (:func:`mp_callbacks.loss_scale.scaler.checks_overflow`)."""
+        """True when steps look for inf/NaN gradients (:func:`mp_callbacks.loss_scale.checks_overflow`)."""
         return self.loss_scaler.checks_overflow
 
     @property
@@ -226,7 +226,7 @@ class MixedPrecision(RecipeSetup, Precision):
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Forward passes run under the recipe's autocast (a ``torch.autocast`` object, as native); a step's
-        first training forward keeps the buffers it may write (:mod:`lightning_ext.forward_state`)."""
+        first training forward keeps the buffers it may write (:mod:`lightning_ext.loss_scale.forward_state`)."""
         if not self._started or self._ddp_watch is not None:
             self._start()
         if self.forward_state is not None:

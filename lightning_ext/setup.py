@@ -9,7 +9,7 @@ and teardown; the step protocol and checkpoints stay in the plugin.  The rules:
   masters).  Fabric shows a precision plugin neither its strategy nor the optimizers, so under Fabric:
 
   - a model that the strategy shards (``ModelParallelStrategy``): pass the plugin to
-    :func:`~lightning_ext.fsdp.fully_shard_model` in the ``parallelize_fn`` (or call :meth:`prepare_sharding`
+    :func:`~lightning_ext.distributed.fully_shard_model` in the ``parallelize_fn`` (or call :meth:`prepare_sharding`
     before ``fully_shard``), which gives the parameters back their FP32 values; the sharded recipe goes on
     at the first forward;
   - DDP: the ``DistributedDataParallel`` that adopts the model is noted
@@ -70,7 +70,7 @@ class RecipeSetup:
     def prepare_sharding(self, module: nn.Module) -> None:
         """Before ``fully_shard`` shards ``module`` under Fabric: undo the recipe ``convert_module`` put on it (the
         parameters get their FP32 values back: the FP32 shards are the masters); the recipe for a sharded
-        model goes on at the first forward.  :func:`~lightning_ext.fsdp.fully_shard_model` calls it when given
+        model goes on at the first forward.  :func:`~lightning_ext.distributed.fully_shard_model` calls it when given
         the plugin."""
         if self._root is not module or self._await_sharding:
             return
@@ -145,7 +145,7 @@ class RecipeSetup:
         """Put the weight store around ``optimizers`` (all of them: rounding re-installs whole), then apply
         FP32 moves that waited for the masters.  Under FSDP2 masters are not installed (the shards are).
         Under ``state_dtype="8bit"`` each optimizer gets its 8-bit update
-        (:class:`~lightning_ext.low_bit.EightBitAdamW`); torchao optimizers save quantized states as plain data."""
+        (:class:`~lightning_ext.weights.EightBitAdamW`); torchao optimizers save quantized states as plain data."""
         for opt in optimizers:
             if type(opt).__module__.startswith("torchao.optim"):
                 plain_state_checkpoints(opt)

@@ -1,9 +1,9 @@
 """What the plugin trains with: recipe names, strategies and optimizers.
 
 Supported, under the Trainer and under Fabric alike: single-device strategies, DDP (``ddp``, ``ddp_spawn``...),
-``ModelParallelStrategy`` (FSDP2 ``fully_shard``, :mod:`lightning_ext.fsdp`),
+``ModelParallelStrategy`` (FSDP2 ``fully_shard``, :mod:`lightning_ext.distributed.fsdp`),
 and first-order optimizers.  FSDP1 (``FSDPStrategy``) takes
-:class:`lightning_ext.fsdp1.FSDPMixedPrecision` instead; other strategies that
+:class:`lightning_ext.FSDPMixedPrecision` instead; other strategies that
 shard state or bring their own precision handling are refused with the
 setting to use instead; so is LBFGS under any recipe but ``32-true`` (it
 re-evaluates the closure inside ``step()``, which loss scaling, skipping and
@@ -28,7 +28,7 @@ __all__ = ["check_strategy"]
 
 _UNSUPPORTED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed's own fp16/bf16 config: Trainer(strategy='deepspeed', precision='16-mixed')",
-    "FSDPStrategy": "lightning_ext.fsdp1.FSDPMixedPrecision(recipe) as the FSDP strategy's precision plugin, or "
+    "FSDPStrategy": "lightning_ext.FSDPMixedPrecision(recipe) as the FSDP strategy's precision plugin, or "
                     "FSDP's mixed precision: Trainer(strategy='fsdp', precision='bf16-mixed')",
     "FabricFSDPStrategy": "ModelParallelStrategy (FSDP2) with this plugin, or FSDP's mixed precision: "
                           "Fabric(strategy='fsdp', precision='bf16-mixed')",
@@ -62,7 +62,7 @@ def recipe_name(precision: Any) -> str:
 
 
 def is_sharded(strategy: Any) -> bool:
-    """True under ``ModelParallelStrategy`` (FSDP2: the plugin follows :mod:`lightning_ext.fsdp`)."""
+    """True under ``ModelParallelStrategy`` (FSDP2: the plugin follows :mod:`lightning_ext.distributed.fsdp`)."""
     return any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__)
 
 

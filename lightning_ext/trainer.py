@@ -7,7 +7,7 @@ Lightning's Trainer ``Precision`` and of it, in that order (Lightning's own
 ``post_backward`` and closure machinery come first, the Fabric plugin supplies
 the rest).  What only the Trainer has lives here: the model from
 ``module.trainer``, ``connect`` (the weight store around the optimizers, the DDP
-comm hook, the LR schedulers held on skipped steps: :mod:`~lightning_ext.scheduler_hold`),
+comm hook, the LR schedulers held on skipped steps: :mod:`~lightning_ext.loss_scale.schedulers`),
 the loss scaled in ``pre_backward`` (the hooks see the scaled loss, as native),
 the closure step, ``clip_gradients`` and the checkpoint's FP32 weights.
 
@@ -71,7 +71,7 @@ class MixedPrecision(Precision, FabricMixedPrecision):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         """Check the optimizers, install FP32 masters or update rounding, register the DDP communication hook;
         under automatic optimization the step-interval LR schedulers come back held on skipped steps
-        (:func:`~lightning_ext.scheduler_hold.hold_schedulers`)."""
+        (:func:`~lightning_ext.loss_scale.schedulers.hold_schedulers`)."""
         raws = [unwrap_optimizer(o) for o in optimizers]
         for raw in raws:
             check_optimizer(raw, self.recipe.name)

@@ -1,7 +1,6 @@
 """The plugin's checkpoint record: what ``MixedPrecision.state_dict`` writes and ``load_state_dict`` accepts.
 
-The twin of :mod:`keras_ext.checkpoint`.  The record is plain data under a
-schema tag and version: recipe name, scaler record (config + state +
+The record is plain data under a schema tag and version: recipe name, scaler record (config + state +
 counters), FP32 masters, the policy (with the FP32 module rules a fallback
 added), the update-rounding record and the FP8 states.  Loading checks the
 schema first (a native GradScaler state or anything else is named in the

@@ -3,7 +3,7 @@
 :class:`OverflowTracer` hooks every sub-module and queues device flags
 (no host sync) as the step runs; :func:`blame` reads them once on an overflow
 step and applies the core's blame order
-(:func:`~mp_callbacks.diagnostics.attribution.first_culprit`: forward outputs in call
+(:func:`~mp_callbacks.diagnostics.first_culprit`: forward outputs in call
 order, then the loss, then gradients in backward order).  Under DDP the ranks
 agree on one answer.
 """
@@ -35,7 +35,7 @@ class OverflowTracer:
     :meth:`first_bad` reads the flags (one sync) and hands the non-finite
     forward records (call order), the loss flag and the non-finite backward
     records (the order they fired: backward order) to the core's
-    :func:`~mp_callbacks.diagnostics.attribution.first_culprit`.  The root module is
+    :func:`~mp_callbacks.diagnostics.first_culprit`.  The root module is
     not hooked (its forward is the whole model); when several modules receive
     the same input tensor the innermost (last to register) owns its gradient record.
     """
@@ -135,7 +135,7 @@ class OverflowTracer:
 
     @staticmethod
     def first_bad(records: list[tuple[str, str, Tensor]]) -> str | None:
-        """The core's :func:`~mp_callbacks.diagnostics.attribution.first_culprit` of ``records``
+        """The core's :func:`~mp_callbacks.diagnostics.first_culprit` of ``records``
         (reads the flags: one sync), None if all are finite."""
         if not records:
             return None

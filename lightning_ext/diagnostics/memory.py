@@ -1,8 +1,8 @@
 """What a Lightning module and its optimizers hold under :class:`lightning_ext.MixedPrecision`, and the estimate.
 
-The torch twin of :mod:`keras_ext.memory`: the bytes are counted from the
+The same report as the Keras adapter's: the bytes are counted from the
 tensors that exist (real ``nbytes``); the estimate and the report's layout are
-the core's :func:`mp_callbacks.memory.estimate.memory_report`.  The monitor
+the core's :func:`mp_callbacks.memory.memory_report`.  The monitor
 (:class:`lightning_ext.MixedPrecisionMonitor`) logs it at train start and end
 and reads :func:`storage_dtypes` for its swamping meter.
 """
@@ -48,7 +48,7 @@ def storage_dtypes(plugin: MixedPrecision, module: nn.Module,
 
     The stored dtype is the low-precision weight's (the FP32 master's low twin
     under ``*-master``, the gathered dtype under FSDP2); the swamping dtype is
-    the core's :func:`~mp_callbacks.diagnostics.attribution.swamp_storage_dtype`.
+    the core's :func:`~mp_callbacks.diagnostics.swamp_storage_dtype`.
     """
     kept: dict[int, bool] = {}
     for path, sub in module.named_modules():
@@ -73,12 +73,12 @@ def memory_report(plugin: MixedPrecision, module: nn.Module, optimizers: Sequenc
     parameters), ``grads`` (their ``.grad`` plus the FP32 masters'),
     ``masters`` (optimizer parameters that are not module parameters: the
     FP32 masters of ``*-master``), ``optimizer_state`` (optimizer state
-    tensors per :func:`mp_callbacks.memory.estimate.is_optimizer_state`).  The
-    report is the core's :func:`mp_callbacks.memory.estimate.memory_report` (the
+    tensors per :func:`mp_callbacks.memory.is_optimizer_state`).  The
+    report is the core's :func:`mp_callbacks.memory.memory_report` (the
     estimate at the optimizer step, with ``weights_released`` as the
     plugin's ``free_weights_during_step``).  Gradients and optimizer state
     that do not exist yet (before the first step) are not counted in ``actual``.
-    Under FSDP2 it is this rank's shards (:meth:`lightning_ext.fsdp.ShardedLayout.memory_report`).
+    Under FSDP2 it is this rank's shards (:meth:`lightning_ext.distributed.fsdp.ShardedLayout.memory_report`).
     """
     if plugin.sharded is not None:  # FSDP2: this rank's shards, estimate with n_shards
         return plugin.sharded.memory_report(plugin.recipe, module, optimizers)

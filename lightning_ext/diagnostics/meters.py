@@ -38,7 +38,7 @@ def _dense(t: Tensor) -> Tensor:
 
 def sample(t: Tensor, samples: int | None = None) -> Tensor:
     """The elements a meter reads from ``t``: a strided view of the flattened tensor
-    (:func:`mp_callbacks.diagnostics.meters.sample_stride`; ``samples=None``: every element)."""
+    (:func:`mp_callbacks.diagnostics.sample_stride`; ``samples=None``: every element)."""
     flat = _dense(t).detach().reshape(-1)
     return flat[::sample_stride(flat.numel(), samples)]
 

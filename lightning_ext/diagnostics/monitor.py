@@ -1,12 +1,12 @@
 """``lightning_ext.FabricMonitor``: the core's diagnostics in a Fabric loop, and the step logic the Trainer's shares.
 
-A thin translation, like the Trainer callback (:class:`lightning_ext.monitor.MixedPrecisionMonitor`, a
-subclass of this one): :class:`~mp_callbacks.diagnostics.monitor.MonitorCore` decides the cadence, keeps
-the :class:`~mp_callbacks.diagnostics.metrics.History`, records overflow attributions, runs the
+A thin translation, like the Trainer callback (:class:`lightning_ext.MixedPrecisionMonitor`, a
+subclass of this one): :class:`~mp_callbacks.diagnostics.MonitorCore` decides the cadence, keeps
+the :class:`~mp_callbacks.diagnostics.History`, records overflow attributions, runs the
 divergence guard and the auto-fallback tracker; this class gathers the numbers from torch and the
-plugin and writes the shared metric names (:data:`mp_callbacks.diagnostics.metrics.METRICS`) to every
+plugin and writes the shared metric names (:data:`mp_callbacks.diagnostics.METRICS`) to every
 logger with ``logger.log_metrics``.  The step numbering and host syncs are the Trainer callback's
-(see :mod:`lightning_ext.monitor`).
+(see :mod:`lightning_ext.diagnostics.trainer_monitor`).
 
 In a Fabric loop it is a Fabric callback; nothing is called per step::
 
@@ -152,7 +152,7 @@ class FabricMonitor(MonitorFacade):
         self.uninstall()
 
     def memory_report(self) -> dict[str, Any]:
-        """Model state actually held, next to the core's estimate: :func:`lightning_ext.memory.memory_report`."""
+        """Model state actually held, next to the core's estimate: :func:`lightning_ext.diagnostics.memory_report`."""
         loop = self._fabric_loop()
         return memory_report(loop.plugin, loop.module, loop.optimizers)
 

@@ -1,12 +1,12 @@
 """``lightning_ext.MixedPrecisionMonitor``: the core's diagnostics as a Lightning Trainer callback.
 
-The step logic is :class:`lightning_ext.fabric_monitor.FabricMonitor`'s (this callback subclasses it
+The step logic is :class:`lightning_ext.diagnostics.monitor.FabricMonitor`'s (this callback subclasses it
 and maps the Trainer's hooks onto it, as the Trainer plugin subclasses the Fabric one).  A thin
-translation: :class:`~mp_callbacks.diagnostics.monitor.MonitorCore` decides the cadence, keeps the
-:class:`~mp_callbacks.diagnostics.metrics.History`, records overflow attributions, runs the divergence
+translation: :class:`~mp_callbacks.diagnostics.MonitorCore` decides the cadence, keeps the
+:class:`~mp_callbacks.diagnostics.History`, records overflow attributions, runs the divergence
 guard and the auto-fallback tracker; this callback gathers the numbers from torch and
 :class:`lightning_ext.MixedPrecision`, and writes the shared metric names
-(:data:`mp_callbacks.diagnostics.metrics.METRICS`) to every Lightning logger with
+(:data:`mp_callbacks.diagnostics.METRICS`) to every Lightning logger with
 ``logger.log_metrics`` (CSVLogger, TensorBoardLogger...).
 ``mp/overflow_module`` is text: it goes to the history, to the checkpoint and
 to loggers that take text (TensorBoard's ``add_text``), never to a metric.
@@ -68,7 +68,7 @@ class MixedPrecisionMonitor(FabricMonitor, Callback):
       log_every_n_steps: log a full record (all shared metrics) every N steps;
         overflow steps are always recorded.  Between logging steps no host
         sync is added (see the module docstring).
-      divergence_patience: raise :class:`~mp_callbacks.diagnostics.meters.DivergenceError`
+      divergence_patience: raise :class:`~mp_callbacks.diagnostics.DivergenceError`
         after this many consecutive overflows with the scale at its floor
         (None: never).  The message names the scale, the step, the first
         non-finite module and a checklist.
@@ -76,13 +76,13 @@ class MixedPrecisionMonitor(FabricMonitor, Callback):
         move it to FP32 with :meth:`MixedPrecision.keep_in_fp32` (None: never).
       attribute_overflows: name the first non-finite module on overflow steps
         (forward hooks + gradient hooks queue one device reduction per module
-        output and gradient every step: 5-50% slower steps on small models).
+        output and gradient every step).
         Default None: on exactly when ``auto_fallback_after`` is set.
       measure_grads: compute ``mp/grad_norm`` and ``mp/grad_underflow_frac`` on logging steps.
       measure_swamping: compute ``mp/update_swamped_frac`` on logging steps
         (snapshots the optimizer's parameters before the step).
       meter_samples: elements per tensor that the underflow and swamping
-        meters read (a strided sample, :func:`mp_callbacks.diagnostics.meters.sample_stride`),
+        meters read (a strided sample, :func:`mp_callbacks.diagnostics.sample_stride`),
         which bounds a logging step's cost per tensor; ``None`` reads every element.
         ``mp/grad_norm`` always reads every element.
       log_memory: log :meth:`memory_report` at train start and end.
@@ -93,14 +93,14 @@ class MixedPrecisionMonitor(FabricMonitor, Callback):
     While attached, the monitor turns on the plugin's per-step overflow check
     for recipes without loss scaling (``mp/overflow``, ``mp/overflows_total``
     count inf/NaN gradients there too; see
-    :func:`mp_callbacks.loss_scale.scaler.checks_overflow`): one pass over the gradients
+    :func:`mp_callbacks.loss_scale.checks_overflow`): one pass over the gradients
     per step, the monitor's main per-step cost under bf16 recipes.
 
     ``mp/update_swamped_frac`` measures the applied update of every optimizer
     parameter (the FP32 master under ``*-master``; under ``bf16-kahan`` and
     ``bf16-sr`` the optimizer's FP32 update before the rounding rule writes
     it into the bf16 weight) against the dtype chosen by
-    :func:`~mp_callbacks.diagnostics.attribution.swamp_storage_dtype`: the actual
+    :func:`~mp_callbacks.diagnostics.swamp_storage_dtype`: the actual
     low-precision storage under ``*-master``, the policy's compute dtype under
     ``*-mixed`` (float32 for modules the policy keeps in FP32); skipped steps
     have no update and log no value.
@@ -126,7 +126,7 @@ class MixedPrecisionMonitor(FabricMonitor, Callback):
         return Loop(self._plugin(trainer), trainer.lightning_module, trainer.optimizers, trainer.loggers)
 
     def memory_report(self, trainer: pl.Trainer) -> dict[str, Any]:  # type: ignore[override]
-        """Model state actually held, next to the core's estimate: :func:`lightning_ext.memory.memory_report`."""
+        """Model state actually held, next to the core's estimate: :func:`lightning_ext.diagnostics.memory_report`."""
         return memory_report(self._plugin(trainer), trainer.lightning_module, trainer.optimizers)
 
     # ------------------------------------------------------------- lifecycle

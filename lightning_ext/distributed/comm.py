@@ -30,13 +30,13 @@ the hook on it before the first forward.
 
 Under FSDP2 (``ModelParallelStrategy``, ``fully_shard``) the precision of
 gradient communication is the ``MixedPrecisionPolicy``'s ``reduce_dtype``
-(:func:`lightning_ext.fsdp.fsdp_policy`); there is no hook to register.  The
+(:func:`lightning_ext.distributed.fsdp.fsdp_policy`); there is no hook to register.  The
 same ``plugin.comm_counter`` counts there too: :func:`count_fsdp_collectives`
 gives every unit a counting reduce-scatter and all-gather through FSDP2's public
 ``set_custom_reduce_scatter`` / ``set_custom_all_gather``, each the collective FSDP2 runs by default
 (``torch.distributed``'s single-tensor all-gather and reduce-scatter) after counting the call's whole
 (unsharded) buffer; :func:`fsdp_comm_units` reads the units for the core's estimate
-(:func:`mp_callbacks.memory.sharding.fsdp_step_bytes`).
+(:func:`mp_callbacks.memory.fsdp_step_bytes`).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def _gather_name(fsdp_param: Any, gather: str) -> str:
 
 
 def fsdp_comm_units(module: torch.nn.Module) -> tuple[list[tuple[list[tuple[int, ...]], str, str, int]], int]:
-    """``module``'s FSDP2 units as :func:`mp_callbacks.memory.sharding.fsdp_step_bytes` takes them, and the shard count.
+    """``module``'s FSDP2 units as :func:`mp_callbacks.memory.fsdp_step_bytes` takes them, and the shard count.
 
     Per unit: its parameters' unsharded shapes, the gather dtype (the policy's ``param_dtype``, else the
     parameters'; one per parameter when a weight gathers in FP8: ``float8_e4m3fn``), the reduce dtype

@@ -1,7 +1,7 @@
 """The plugin under Lightning's ``ModelParallelStrategy`` (torch FSDP2, ``fully_shard``).
 
 The core decides what a recipe means when sharded
-(:func:`mp_callbacks.memory.sharding.sharded_dtypes`); this module translates:
+(:func:`mp_callbacks.memory.sharded_dtypes`); this module translates:
 
 * :func:`fsdp_policy`: the recipe as torch's ``MixedPrecisionPolicy``
   (``plugin.fsdp_policy(module)`` in ``configure_model``); a module the
@@ -9,7 +9,7 @@ The core decides what a recipe means when sharded
 * :func:`fully_shard_model`: ``fully_shard`` applied the way the recipe needs
   (FP32-kept modules with parameters first, then the given units, then the root; under
   ``fp8={"fsdp_float8_all_gather": True}`` the FP8 Linear weights get their FP8 all-gather hooks
-  first: :func:`prepare_fp8_all_gather`, :mod:`lightning_ext.fp8_allgather`);
+  first: :func:`prepare_fp8_all_gather`, :mod:`lightning_ext.fp8.allgather`);
 * :func:`inspect_sharded`: at setup, what the model was sharded with, checked
   against the recipe (a mismatch is an error naming the parameter and the fix);
 * :class:`ShardedLayout`: what the plugin and the monitor need afterwards:
@@ -22,7 +22,7 @@ plugin keeps no second copy, the optimizer updates the FP32 shards (its
 states are FP32 shards), and FSDP2 casts them to bf16/fp16 when it gathers a
 unit for compute.  The loss scaler's overflow check runs on each rank's
 gradient shards and its flag is all-reduced (MAX) over every rank before the
-decision (:class:`~lightning_ext.scaler.TorchLossScaler`): torch's
+decision (:class:`~lightning_ext.loss_scale.TorchLossScaler`): torch's
 ``ShardedGradScaler`` semantics, every rank skips together.
 """
 
@@ -123,7 +123,7 @@ def fully_shard_model(model: nn.Module, recipe: Any, mesh: Any = None, units: Se
 def prepare_fp8_all_gather(model: nn.Module, recipe: Any, policy: Any = None) -> list[str]:
     """Under ``fp8={"fsdp_float8_all_gather": True}``: before ``fully_shard``, give the weight of every FP8
     ``nn.Linear`` of ``model`` (:func:`lightning_ext.fp8.fp8_modules` under ``policy``, default the recipe's)
-    the FP8 all-gather hooks (:mod:`lightning_ext.fp8_allgather`); returns their paths (none without the
+    the FP8 all-gather hooks (:mod:`lightning_ext.fp8.allgather`); returns their paths (none without the
     setting).  :func:`fully_shard_model` calls it; call it yourself when you call ``fully_shard``."""
     fp8 = getattr(recipe, "fp8", None)
     if fp8 is None or not fp8.fsdp_float8_all_gather:
@@ -247,7 +247,7 @@ def inspect_sharded(module: nn.Module, recipe: Any) -> ShardedLayout:
         raise MisconfigurationException(
             f"lightning_ext.MixedPrecision({recipe.name!r}) under ModelParallelStrategy: {shown}. In configure_model "
             "use fully_shard(m, mp_policy=self.trainer.precision_plugin.fsdp_policy(m)) per unit, or "
-            "lightning_ext.fsdp.fully_shard_model(model, self.trainer.precision_plugin.recipe, mesh); under Fabric, "
+            "lightning_ext.fully_shard_model(model, self.trainer.precision_plugin.recipe, mesh); under Fabric, "
             "fully_shard_model(model, plugin, mesh) in the parallelize_fn (or plugin.prepare_sharding(model) before "
             "fully_shard).")
     return layout

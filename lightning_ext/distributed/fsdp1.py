@@ -5,11 +5,11 @@ in its ``precision_plugin`` setter) and builds FSDP1's ``MixedPrecision``
 from the plugin's ``mixed_precision_config``.  This class is one:
 
 * ``mixed_precision_config``: the core's sharded mapping
-  (:func:`mp_callbacks.memory.sharding.sharded_dtypes`): ``*-master`` gathers in
+  (:func:`mp_callbacks.memory.sharded_dtypes`): ``*-master`` gathers in
   fp16/bf16 with the FP32 flat shards as the masters, ``*-mixed`` and
   ``32-true`` keep FP32 parameters (``*-mixed`` computes under autocast),
   gradients reduce in the recipe's ``comm_dtype``; buffers stay as they are;
-* ``scaler``: the core's loss scaler (:class:`~lightning_ext.scaler.TorchLossScaler`,
+* ``scaler``: the core's loss scaler (:class:`~lightning_ext.loss_scale.TorchLossScaler`,
   ``GradScaler``'s API, overflow flag all-reduced over every rank before the
   decision, as ``ShardedGradScaler``) for recipes that scale the loss, else None;
   ``FSDPPrecision.optimizer_step`` drives it;

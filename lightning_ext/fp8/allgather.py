@@ -16,8 +16,8 @@ are.  FSDP2 lets a parameter's local tensor choose what is gathered (``fsdp_pre_
   dequantized values (``data * scale_inv`` in the compute dtype).
 
 :func:`wrap_weights` puts the sharded class in place before ``fully_shard`` (FSDP2 looks for the
-hooks when it shards; :func:`lightning_ext.fsdp.fully_shard_model` and
-:func:`lightning_ext.fsdp.prepare_fp8_all_gather` call it); :func:`link_weight` ties a weight to its
+hooks when it shards; :func:`lightning_ext.distributed.fully_shard_model` and
+:func:`lightning_ext.distributed.prepare_fp8_all_gather` call it); :func:`link_weight` ties a weight to its
 FP8 matmul when the plugin installs them (after sharding).
 """
 

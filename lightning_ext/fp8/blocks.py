@@ -1,7 +1,7 @@
 """The core's FP8 granularities in torch: rowwise, blockwise and MXFP8 casts with current scales.
 
 The rule of each kind is :mod:`mp_callbacks.fp8.granularity` (whose NumPy reference
-:func:`~mp_callbacks.fp8.granularity.quantize` this equals bit for bit, and through it torchao's
+:func:`~mp_callbacks.fp8.quantize` this equals bit for bit, and through it torchao's
 casts): the amax of every block along the matmul's contraction axis, its scale (float64 then
 float32, power-of-two rounding down where the kind asks; MX: the E8M0 exponent by ``floor`` or
 ``rceil``), the saturating cast to the FP8 dtype.  :func:`block_cast` returns the FP8 tensor and

@@ -5,16 +5,16 @@
 
 * replaces the ``forward`` of every ``nn.Linear`` the policy runs in low
   precision (not inside an FP32 region) and of every ``nn.MultiheadAttention``
-  (its in/out projections, :mod:`lightning_ext.fp8_attention`) by an FP8
+  (its in/out projections, :mod:`lightning_ext.fp8.attention`) by an FP8
   matmul (:class:`_FP8Matmul`): inputs and weights quantize-dequantize to
   e4m3 with their own scales, the output gradient to e5m2 in the backward,
   as :mod:`mp_callbacks.fp8.recipe` describes (the matmul of the dequantized
-  values in float32, the output in the autocast dtype; :mod:`lightning_ext.fp8_matmul`);
+  values in float32, the output in the autocast dtype; :mod:`lightning_ext.fp8.matmul`);
 * keeps, for the three tensors of every FP8 matmul, the core's
-  :class:`~mp_callbacks.fp8.scaling.FP8State` as batched device tensors (one batch per
+  :class:`~mp_callbacks.fp8.FP8State` as batched device tensors (one batch per
   tensor role), records each tensor's amax during the step (a running max,
   no host read) and steps the states with the core's
-  :func:`~mp_callbacks.fp8.scaling.next_fp8_state` evaluated with
+  :func:`~mp_callbacks.fp8.next_fp8_state` evaluated with
   :class:`~lightning_ext.ops.TorchOps` after the optimizer step:
   3 batched transitions per step, no host synchronisation;
 * folds "an amax was not finite" into the step's ``found_inf`` before the
@@ -84,7 +84,7 @@ class TorchFP8:
     """The FP8 matmuls of one model and their per-tensor scaling states (see the module docstring).
 
     Args:
-      recipe: the :class:`~mp_callbacks.fp8.recipe.FP8Recipe` (``plugin.recipe.fp8``).
+      recipe: the :class:`~mp_callbacks.fp8.FP8Recipe` (``plugin.recipe.fp8``).
     """
 
     def __init__(self, recipe: FP8Recipe) -> None:
@@ -138,8 +138,8 @@ class TorchFP8:
             raise MisconfigurationException(
                 f"fp8={{'fsdp_float8_all_gather': True}} all-gathers FP8 Linear weights under FSDP2, but "
                 f"{', '.join(unlinked[:4])}{' ...' if len(unlinked) > 4 else ''} is not an FSDP2-sharded FP8 weight. "
-                "Use ModelParallelStrategy and shard with lightning_ext.fsdp.fully_shard_model(model, "
-                "plugin.recipe, mesh), or call lightning_ext.fsdp.prepare_fp8_all_gather(model, plugin.recipe) "
+                "Use ModelParallelStrategy and shard with lightning_ext.distributed.fully_shard_model(model, "
+                "plugin.recipe, mesh), or call lightning_ext.distributed.prepare_fp8_all_gather(model, plugin.recipe) "
                 "before fully_shard; without FSDP2 drop the setting")
         return list(self.names)
 
@@ -243,7 +243,7 @@ class TorchFP8:
 
     def _quantize_blocks(self, role: str, index: int, x: Tensor, amax: Tensor, record: bool,
                          axis: int) -> tuple[Tensor, Tensor]:
-        """A finer granularity's cast (:mod:`lightning_ext.fp8_blocks`): current scales per row or block.
+        """A finer granularity's cast (:mod:`lightning_ext.fp8.blocks`): current scales per row or block.
         The tensor's amax is still recorded, so a non-finite block skips the step as per-tensor does."""
         q, inv, _ = block_cast(x, self.granularity, self._fp8_dtypes[role], axis=axis, weight=role == "weights")
         if record:
@@ -324,7 +324,7 @@ class TorchFP8:
         self.discard_step()
 
     def host_metrics(self) -> dict[str, float] | None:
-        """The latest step's ``mp/fp8_*`` metrics (:func:`mp_callbacks.diagnostics.metrics.fp8_metrics`): one host
+        """The latest step's ``mp/fp8_*`` metrics (:func:`mp_callbacks.diagnostics.fp8_metrics`): one host
         read (the monitor's logging steps); None before the first step."""
         latest = self.latest
         if not latest or "scale" not in latest:

@@ -1,16 +1,16 @@
 """``TorchDivergence``: the core's divergence rule at the loss scaler's step decision.
 
-The twin of :class:`keras_ext.divergence.KerasDivergence`, with the same rule
-(:class:`mp_callbacks.diagnostics.divergence.DivergenceRule`) and the same message
+The Keras adapter applies the same rule
+(:class:`mp_callbacks.diagnostics.DivergenceRule`) and the same message
 (:meth:`DivergenceRule.error`).  In torch the decision is on the host already
 (the scaler reads ``found_inf`` once per step), so the rule runs there:
 
 * :meth:`TorchDivergence.record_loss` (from ``scaler.scale(loss)``) keeps the scalar loss
   (detached: no op runs; whether it is finite is asked only on a skipped step);
-* :meth:`TorchDivergence.observe` (from ``scaler.step``) feeds the rule: an applied
+* :meth:`TorchDivergence.observe` (from ``scaler.update``, with the step's decision) feeds the rule: an applied
   step resets the streaks for free; a skipped one costs one more host read (the
   loss flag, the scale the step ran with, its 1-based number) and raises
-  :class:`~mp_callbacks.diagnostics.divergence.DivergenceError` when the run cannot recover.
+  :class:`~mp_callbacks.diagnostics.DivergenceError` when the run cannot recover.
 
 So a Trainer and a Fabric loop get the rule with no call of their own: the
 error comes out of ``optimizer.step()``.
@@ -32,7 +32,7 @@ class TorchDivergence:
     """The divergence rule of one loss scaler.
 
     Args:
-      rule: a :class:`~mp_callbacks.diagnostics.divergence.DivergenceRule`, a dict of its
+      rule: a :class:`~mp_callbacks.diagnostics.DivergenceRule`, a dict of its
         fields, True/None (the default rule) or False (off).
     """
 

@@ -45,7 +45,7 @@ def optimizer_unscales_in_step(optimizer: Any) -> bool:
 
 
 class ExternalScaler:
-    """The subset of :class:`~lightning_ext.scaler.TorchLossScaler` the plugin calls, forwarded to ``scaler``.
+    """The subset of :class:`~lightning_ext.loss_scale.TorchLossScaler` the plugin calls, forwarded to ``scaler``.
 
     Args:
       scaler: the user's object with ``scale``/``unscale_``/``step``/``update``.

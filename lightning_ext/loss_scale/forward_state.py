@@ -54,11 +54,6 @@ class ForwardState:
         self._tree: tuple[weakref.ref, int] | None = None  # (root, registrations) the owners were found at
         _watch_registrations()
 
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes of the kept copies (allocated at the first step, reused after)."""
-        return sum(t.numel() * t.element_size() for t in self._kept)
-
     def begin(self, root: nn.Module | None) -> None:
         """Keep the buffers of ``root``'s training-mode modules, unless this step already did."""
         if self._armed or root is None or not root.training:

@@ -27,7 +27,7 @@ twice or after the step is an error, as in torch.  Rules:
 * ``step``: the decision (:meth:`~TorchLossScaler.skips`: one host read of ``found_inf``
   where the step can be skipped, as ``GradScaler.step``; none otherwise), then
   ``optimizer.step()`` unless skipped.  A skipped step calls nothing.
-* ``update``: the divergence rule sees the step (:class:`~lightning_ext.divergence.TorchDivergence`),
+* ``update``: the divergence rule sees the step (:class:`~lightning_ext.loss_scale.divergence.TorchDivergence`),
   then one transition with the flags of every optimizer unscaled since the last update; a
   floor hit reacts per ``on_min_scale`` (:func:`~mp_callbacks.loss_scale.react_to_floor_hit`).
 

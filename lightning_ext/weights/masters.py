@@ -10,8 +10,8 @@ their own master.  :class:`MasterWeights` is that rule in torch:
   storage was cast (the masters start from them, not from rounded weights);
 * :meth:`install` swaps masters into the optimizers' param groups (moving any
   existing optimizer state onto them; under DDP the masters follow rank 0);
-* :meth:`grads_to_masters` makes each low-precision gradient its master's FP32
-  gradient and releases the low one;
+* :meth:`collect_grads` (:meth:`grads_to_masters`) makes each low-precision gradient its
+  master's FP32 gradient and releases the low one, before the overflow check;
 * :meth:`updating` wraps ``optimizer.step()``: the low-precision weights'
   storage is released while the step runs (nothing reads them), the user's
   optimizer steps the masters as torch wrote it (``AdamW(fused=True)`` or
@@ -28,10 +28,10 @@ for the step and splits it back after; :meth:`value` / :meth:`value_of` read a
 master at any time (joined), so checkpoints, meters and FP32 moves see the FP32
 master.  A parameter whose bf16 weight is not contiguous keeps an FP32 copy.
 
-It is one of the plugin's two weight stores (:func:`lightning_ext.rounding.weight_store`):
-:class:`~lightning_ext.rounding.UpdateRounding` has the same interface
-(``record_originals``, ``install``, ``collect_grads``, ``step``, ``store_fp32``,
-``state_dict``/``load_state_dict``, ``clear_cache``).
+It is one of the plugin's two weight stores (:func:`lightning_ext.weights.weight_store`):
+:class:`~lightning_ext.weights.rounding.UpdateRounding` has the same interface
+(``record_originals``, ``restore_originals``, ``install``, ``collect_grads``, ``step``,
+``store_fp32``, ``state_dict``/``load_state_dict``, ``clear_cache``).
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ class MasterWeights:
     def step(self, optimizer: Optimizer, stepper: Any = None, **kwargs: Any) -> Any:
         """``optimizer.step()`` on the masters, then the weights rounded from them (:meth:`updating`).
 
-        ``stepper``: an :class:`~lightning_ext.low_bit.EightBitAdamW` of ``optimizer`` (``state_dtype="8bit"``),
+        ``stepper``: an :class:`~lightning_ext.weights.low_bit.EightBitAdamW` of ``optimizer`` (``state_dtype="8bit"``),
         whose ``step()`` runs instead.
         """
         with self.updating(optimizer) if self._entries else contextlib.nullcontext():

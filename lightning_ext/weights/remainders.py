@@ -1,8 +1,8 @@
 """The core's bf16 + 16-bit remainder split of FP32 masters (:mod:`mp_callbacks.weights.remainders`) on torch tensors.
 
 A contiguous float32 tensor viewed as int16 holds ``(lower, upper)`` pairs (every
-device torch runs on is little-endian); the core's :func:`~mp_callbacks.weights.remainders.forward_half`
-and :func:`~mp_callbacks.weights.remainders.upper_half` run on those halves as int16 tensors, written
+device torch runs on is little-endian); the core's :func:`~mp_callbacks.weights.forward_half`
+and :func:`~mp_callbacks.weights.upper_half` run on those halves as int16 tensors, written
 into the destination (per tensor: one strided copy and one int16 subtraction, no FP32 temporary).
 """
 
@@ -16,7 +16,7 @@ from torch import Tensor
 from mp_callbacks.weights import forward_half, upper_half
 
 if sys.byteorder != "little":  # pragma: no cover - torch's devices are little-endian
-    raise ImportError("lightning_ext.remainders reads float32 halves in little-endian order")
+    raise ImportError("lightning_ext.weights.remainders reads float32 halves in little-endian order")
 
 
 def _halves(fp32: Tensor) -> tuple[Tensor, Tensor]:

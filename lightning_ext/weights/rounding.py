@@ -11,7 +11,7 @@ that it computes that update in FP32 with FP32 states:
   ``bfloat16``: bf16 tensors, FP32 only while the parameter is updated);
 * :meth:`step` calls ``optimizer.step()`` once (hooks and LR-scheduler
   bookkeeping as usual) with a closure that, before the optimizer's own loop,
-  updates each bf16 parameter in turn (:func:`~lightning_ext.rounding_step.update_parameter`):
+  updates each bf16 parameter in turn (:func:`~lightning_ext.weights.rounding_step.update_parameter`):
   an optimizer update of an FP32 value ``t`` (``f32(w) + f32(c)`` under Kahan,
   ``f32(w)`` under SR) with the FP32 gradient and the parameter's state, and the
   core's rule writes ``t`` into the weight (:func:`~mp_callbacks.weights.kahan_apply` /
@@ -20,13 +20,13 @@ that it computes that update in FP32 with FP32 states:
   tensor's result; the spent bf16 gradient is released.  The optimizer's own
   loop then updates what is left: FP32 parameters (kept by the policy), exactly
   as without the plugin (under ``state_dtype="8bit"`` torchao's ``AdamW8bit``
-  computes both: :class:`~lightning_ext.low_bit.EightBitAdamW`);
+  computes both: :class:`~lightning_ext.weights.low_bit.EightBitAdamW`);
 * so a step holds the core estimate (weights, gradients, compensation,
-  states: :func:`mp_callbacks.memory.estimate.estimate_memory`) plus the chunk
+  states: :func:`mp_callbacks.memory.estimate_memory`) plus the chunk
   buffers (two FP32 buffers of at most 2**18 elements, two more for bf16 states;
   a full-size FP32 copy of the parameter for a non-elementwise optimizer);
 * stochastic rounding draws from the core's counter-based stream (seed,
-  parameter index, update counter, element index): :class:`~lightning_ext.rounding_ops.TorchRoundingOps`
+  parameter index, update counter, element index): :class:`~lightning_ext.weights.rounding_ops.TorchRoundingOps`
   computes the same bits as the NumPy reference and ``keras.ops``;
 * checkpoints: :meth:`state_dict` carries the compensation buffers and the
   stream (plain tensors and ints); optimizer checkpoints keep their FP32
@@ -36,9 +36,8 @@ that it computes that update in FP32 with FP32 states:
 A skipped step never calls :meth:`step`: weights, buffers, the counter and
 the optimizer state stay bit-for-bit as they were.
 
-:func:`weight_store` picks the plugin's one weight store for a recipe (the
-name and job of :func:`keras_ext.rounding.weight_store`): this class or
-:class:`~lightning_ext.masters.MasterWeights`, which share their interface.
+:func:`~lightning_ext.weights.weight_store` picks the plugin's one weight store for a recipe: this class or
+:class:`~lightning_ext.weights.masters.MasterWeights`, which share their interface.
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ class UpdateRounding:
     """Kahan-compensated or stochastically rounded updates of bf16 weights, around the user's optimizer.
 
     Args:
-      plan: the recipe's :class:`~mp_callbacks.memory.estimate.MasterPlan` (``update_rounding``
+      plan: the recipe's :class:`~mp_callbacks.memory.MasterPlan` (``update_rounding``
         ``kahan`` or ``stochastic``, ``state_dtype``).
       seed: the stochastic-rounding seed (any integer >= 0; used mod ``2**32``).
     """
@@ -115,7 +114,7 @@ class UpdateRounding:
         self._loading: dict[int, Mapping[str, Any]] = {}
         self._sample: tuple[int | None] | None = None  # (meter samples,) when requested
         self.update_samples: dict[int, Tensor] = {}
-        self._scratch = Scratch()  # the chunk buffers every step reuses (lightning_ext.rounding_step)
+        self._scratch = Scratch()  # the chunk buffers every step reuses (lightning_ext.weights.rounding_step)
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, seed: int = 0) -> UpdateRounding | None:
@@ -226,7 +225,7 @@ class UpdateRounding:
     # ----------------------------------------------------------------- step
     def request_update_samples(self, samples: int | None) -> None:
         """Keep, for the next applied step, each rounded parameter's FP32 update (``t_new - t``) on the
-        elements :func:`~lightning_ext.meters.sample` reads: the swamping meter's input."""
+        elements :func:`~lightning_ext.diagnostics.meters.sample` reads: the swamping meter's input."""
         self._sample = (samples,)
         self.update_samples = {}
 
@@ -240,7 +239,7 @@ class UpdateRounding:
     def step(self, optimizer: Optimizer, stepper: Any = None, **kwargs: Any) -> Any:
         """``optimizer.step()`` with the bf16 parameters updated by the recipe's rule (see the module docstring).
 
-        ``stepper``: an :class:`~lightning_ext.low_bit.EightBitAdamW` of ``optimizer`` (``state_dtype="8bit"``):
+        ``stepper``: an :class:`~lightning_ext.weights.low_bit.EightBitAdamW` of ``optimizer`` (``state_dtype="8bit"``):
         its 8-bit optimizer computes the updates, of the FP32 parameters too.
         """
         if "closure" in kwargs:

@@ -1,8 +1,8 @@
-"""The core's rounding ops (:class:`mp_callbacks.weights.rounding.RoundingOps`) over torch tensors.
+"""The core's rounding ops (:class:`mp_callbacks.weights.RoundingOps`) over torch tensors.
 
-What :mod:`lightning_ext.rounding` evaluates the core's Kahan and
+What :mod:`lightning_ext.weights.rounding` evaluates the core's Kahan and
 stochastic-rounding rules with: bit for bit the NumPy reference's numbers and
-:mod:`keras_ext.rounding_ops`' (u32 values held as int32 with the same bits).
+the Keras adapter's (u32 values held as int32 with the same bits).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ __all__ = ["TorchRoundingOps"]
 
 
 class TorchRoundingOps:
-    """:class:`mp_callbacks.weights.rounding.RoundingOps` over torch tensors; u32 values live in int32 tensors
+    """:class:`mp_callbacks.weights.RoundingOps` over torch tensors; u32 values live in int32 tensors
     (same bits; multiplication and addition wrap modulo ``2**32``, ``shr`` masks the sign extension).
     The integer operations work in place on their first argument, as the protocol allows."""
 

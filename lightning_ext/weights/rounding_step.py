@@ -1,6 +1,6 @@
 """One rounded parameter's update in cache-sized chunks: the step of ``bf16-kahan`` and ``bf16-sr`` in torch.
 
-The rule (what :class:`~lightning_ext.rounding.UpdateRounding` computes): an optimizer update of an FP32
+The rule (what :class:`~lightning_ext.weights.rounding.UpdateRounding` computes): an optimizer update of an FP32
 value ``t`` of the bf16 weight (``f32(w) + f32(c)`` under Kahan, ``f32(w)`` under SR) from the FP32 gradient
 and FP32 state; the core's rule writes the result back (:func:`~mp_callbacks.weights.kahan_apply`,
 :func:`~mp_callbacks.weights.stochastic_round`).  The update is the user's optimizer's own (its class's
@@ -95,7 +95,7 @@ def update_parameter(opt: Optimizer, inner: Callable[..., Any], group: dict, p: 
     unhooked step ``inner`` on FP32 values, and write it back by the core's rule (see the module docstring).
 
     ``group`` is ``p``'s param group, emptied by the caller.  Returns the FP32 update ``t_new - t`` on
-    :func:`~lightning_ext.meters.sample`'s elements when ``samples`` is given (the swamping meter's input).
+    :func:`~lightning_ext.diagnostics.meters.sample`'s elements when ``samples`` is given (the swamping meter's input).
     """
     n, grad, state = p.numel(), p.grad, opt.state
     whole = not (p.is_contiguous() and grad.is_contiguous() and (comp is None or comp.is_contiguous())) or (

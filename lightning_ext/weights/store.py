@@ -1,6 +1,6 @@
 """The plugin's one weight store for a recipe: FP32 masters, update rounding, or none.
 
-The name and job of :func:`keras_ext.weights.weight_store`.  The two stores share their interface
+The name and job of the Keras adapter's ``weight_store``.  The two stores share their interface
 (``record_originals``, ``restore_originals``, ``install``, ``collect_grads``, ``step``, ``store_fp32``,
 ``state_dict``/``load_state_dict``, ``clear_cache``).
 """
