@@ -11,6 +11,7 @@ kept); :func:`policy_report` says what the policy decided per module.
 from .modules import (
     ModulePolicyHandle,
     apply_module_policy,
+    buffers_to_fp32,
     cast_module_storage,
     fp32_compute_modules,
     policy_report,
@@ -18,5 +19,5 @@ from .modules import (
     torch_dtype,
 )
 
-__all__ = ["ModulePolicyHandle", "apply_module_policy", "cast_module_storage", "fp32_compute_modules",
-           "policy_report", "restore_module_storage", "torch_dtype"]
+__all__ = ["ModulePolicyHandle", "apply_module_policy", "buffers_to_fp32", "cast_module_storage",
+           "fp32_compute_modules", "policy_report", "restore_module_storage", "torch_dtype"]

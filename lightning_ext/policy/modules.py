@@ -35,8 +35,8 @@ from torch import nn
 
 from mp_callbacks.policy import PrecisionPolicy, class_names
 
-__all__ = ["ModulePolicyHandle", "apply_module_policy", "cast_module_storage", "fp32_compute_modules", "policy_report",
-           "restore_module_storage", "torch_dtype"]
+__all__ = ["ModulePolicyHandle", "apply_module_policy", "buffers_to_fp32", "cast_module_storage",
+           "fp32_compute_modules", "policy_report", "restore_module_storage", "torch_dtype"]
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -192,9 +192,14 @@ def restore_module_storage(root: nn.Module, originals: dict[str, torch.Tensor]) 
             param = named.get(name)
             if param is not None:
                 param.data = value.to(param.device)
+    buffers_to_fp32(root)
+
+
+def buffers_to_fp32(root: nn.Module) -> None:
+    """Every floating buffer of ``root``'s modules that is not FP32 becomes FP32."""
     for module in root.modules():
         for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+            if buf.is_floating_point() and buf.dtype != torch.float32:
                 setattr(module, name, buf.float())
 
 

@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 
 from mp_callbacks.settings import StateDictError
 
-from ..policy import restore_module_storage
+from ..policy import buffers_to_fp32, restore_module_storage
 from .remainders import join_into, joined, split_into
 
 __all__ = ["MasterEntry", "MasterWeights"]
@@ -314,10 +314,7 @@ class MasterWeights:
                     entry = self._entries.get(id(param))
                     value = self.value(entry) if entry is not None and entry.low is param else param.detach()
                     param.data = value.to(torch.float32, copy=True)
-            for sub in module.modules():
-                for name, buf in sub.named_buffers(recurse=False):
-                    if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                        setattr(sub, name, buf.float())
+        buffers_to_fp32(module)
 
     # --------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Tensor]:

@@ -61,7 +61,7 @@ from mp_callbacks.weights import (
     read_rounding_state,
 )
 
-from ..policy import restore_module_storage, torch_dtype
+from ..policy import buffers_to_fp32, restore_module_storage, torch_dtype
 from .rounding_ops import TORCH_ROUNDING_OPS
 from .rounding_step import CHUNK, Scratch, update_parameter
 
@@ -302,10 +302,7 @@ class UpdateRounding:
                 for opt in opts:
                     if p in opt.state:
                         opt.state[p] = self._cast_state(opt.state[p], torch.float32)
-            for sub in module.modules():
-                for name, buf in sub.named_buffers(recurse=False):
-                    if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                        setattr(sub, name, buf.float())
+        buffers_to_fp32(module)
 
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
