@@ -105,11 +105,12 @@ def unscale_and_check(optimizer: Any, inv_scale: Tensor, device: torch.device) -
 
     ``GradScaler._unscale_grads_``'s rule: the gradients grouped per device and dtype, one
     ``torch._amp_foreach_non_finite_check_and_unscale_`` call per group; a DTensor's (FSDP2 shard's) local
-    shard; a sparse gradient's values (a float16 one coalesced first).  An object without ``param_groups``
-    has no gradients.
+    shard; a sparse gradient's values (a float16 one coalesced first).  An object without a list of
+    ``param_groups`` (a test double) has no gradients.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
-    for group in getattr(optimizer, "param_groups", None) or ():
+    param_groups = getattr(optimizer, "param_groups", None)
+    for group in param_groups if isinstance(param_groups, (list, tuple)) else ():
         for p in group["params"]:
             grad = p.grad
             if grad is None:
