@@ -186,7 +186,7 @@ class DDPWatch:
     def _seen(self, parent: torch.nn.Module, name: str, child: torch.nn.Module) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        if child is self._module() and isinstance(parent, DistributedDataParallel):
+        if self._module is not None and child is self._module() and isinstance(parent, DistributedDataParallel):
             self.wrapper = parent
             self.remove()
 
@@ -195,6 +195,9 @@ class DDPWatch:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a pickled plugin (a spawned process) watches nothing
+        return {"wrapper": None, "_module": None, "_handle": None}
 
 
 # ---------------------------------------------------------------------- FSDP2
