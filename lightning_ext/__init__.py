@@ -1,40 +1,31 @@
 """lightning_ext: the mp_callbacks core as a PyTorch Lightning precision plugin, for the Trainer and Fabric.
 
 ``Trainer(plugins=[lightning_ext.MixedPrecision("bf16-master")])`` and
-``Fabric(plugins=[lightning_ext.FabricMixedPrecision("bf16-master")])`` train with
-the core's recipes, its dynamic loss scaler (:class:`TorchLossScaler`, torch
-``GradScaler``'s API, evaluated on the device through :class:`TorchOps`), its
-operator policy, one weight store (FP32 master weights, :class:`MasterWeights`, or, for
-``bf16-kahan``/``bf16-sr``, update rounding around the user's optimizer, :class:`UpdateRounding`);
-``callbacks=[lightning_ext.MixedPrecisionMonitor()]`` (Trainer) or ``[lightning_ext.FabricMonitor()]``
-(Fabric) logs the shared diagnostics.
+``Fabric(plugins=[lightning_ext.FabricMixedPrecision("bf16-master")])`` train with the core's recipes,
+its dynamic loss scaler (:class:`TorchLossScaler`, torch ``GradScaler``'s API, evaluated on the device
+through :class:`TorchOps`), its operator policy and one weight store (FP32 master weights,
+:class:`MasterWeights`, or, for ``bf16-kahan``/``bf16-sr``, update rounding around the user's optimizer,
+:class:`UpdateRounding`); ``callbacks=[lightning_ext.MixedPrecisionMonitor()]`` (Trainer) or
+``[lightning_ext.FabricMonitor()]`` (Fabric) logs the shared diagnostics.
 
-Modules, one job each: ``fabric`` (the precision plugin's logic, Fabric's hooks), ``plugin`` (the
-Trainer's hooks, a thin subclass), ``scaler``, ``divergence``, ``masters``, ``rounding`` (with
-``rounding_ops``: the core's rounding ops in torch), ``scheduler_hold``, ``support``, ``policy``,
-``checkpoint``, ``attribution``, ``fabric_monitor`` and ``monitor`` (the diagnostics as a Fabric and a
-Trainer callback), ``memory`` (bytes held next to the core's estimate), ``meters``, ``ops``, ``fp8``;
-scaling out: ``fsdp`` (ModelParallelStrategy / FSDP2), ``fsdp1`` (:class:`FSDPMixedPrecision` for
-FSDPStrategy), ``distributed`` (the recipe's ``comm_dtype`` as a DDP communication hook, :class:`CommCounter`).
+Layout, by the core's concepts: :mod:`lightning_ext.fabric` (the Fabric precision plugin, holding the logic;
+its set-up in :mod:`lightning_ext.setup`), :mod:`lightning_ext.trainer` (the Trainer plugin, a thin
+subclass), :mod:`lightning_ext.ops` (the core's array ops over torch) and the subpackages
+:mod:`~lightning_ext.loss_scale`, :mod:`~lightning_ext.weights`, :mod:`~lightning_ext.fp8`,
+:mod:`~lightning_ext.policy`, :mod:`~lightning_ext.diagnostics`, :mod:`~lightning_ext.distributed`,
+:mod:`~lightning_ext.checkpoint`, each introduced by its ``__init__``.
 """
 
-from .attribution import OverflowTracer
 from .checkpoint import CheckedCheckpointIO, CheckpointFileError
-from .distributed import CommCounter
+from .diagnostics import FabricMonitor, MixedPrecisionMonitor, OverflowTracer
+from .distributed import CommCounter, FSDPMixedPrecision, fully_shard_model
 from .fabric import MixedPrecision as FabricMixedPrecision
-from .fabric_monitor import FabricMonitor
-from .fsdp import fully_shard_model
-from .fsdp1 import FSDPMixedPrecision
-from .masters import MasterWeights
-from .monitor import MixedPrecisionMonitor
+from .loss_scale import OptState, TorchLossScaler
 from .ops import TorchOps
-from .plugin import MixedPrecision
 from .policy import apply_module_policy, cast_module_storage
-from .rounding import UpdateRounding, weight_store
-from .rounding_ops import TorchRoundingOps
-from .scaler import TorchLossScaler
-from .scaler_compat import OptState
 from .support import check_strategy
+from .trainer import MixedPrecision
+from .weights import MasterWeights, TorchRoundingOps, UpdateRounding, weight_store
 
 __all__ = ["CheckedCheckpointIO", "CheckpointFileError", "CommCounter", "FSDPMixedPrecision", "FabricMixedPrecision",
            "FabricMonitor", "MasterWeights", "MixedPrecision", "MixedPrecisionMonitor", "OptState", "OverflowTracer",

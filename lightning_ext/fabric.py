@@ -1,10 +1,10 @@
 """``lightning_ext.fabric.MixedPrecision``: the core's recipes as a Lightning Fabric precision plugin.
 
 ``Fabric(plugins=[MixedPrecision("bf16-master")])`` trains with every recipe.  This class holds the
-adapter's logic; the Trainer plugin (:class:`lightning_ext.plugin.MixedPrecision`) is a thin subclass
+adapter's logic; the Trainer plugin (:class:`lightning_ext.trainer.MixedPrecision`) is a thin subclass
 of it and of Lightning's Trainer ``Precision``, the pattern of Lightning's ``TransformerEnginePrecision``.
-It hands off as the Trainer plugin does: the loss scaler to :class:`~lightning_ext.scaler.TorchLossScaler`,
-the weights to one weight store (:func:`~lightning_ext.rounding.weight_store`: FP32 masters or update
+It hands off as the Trainer plugin does: the loss scaler to :class:`~lightning_ext.loss_scale.TorchLossScaler`,
+the weights to one weight store (:func:`~lightning_ext.weights.weight_store`: FP32 masters or update
 rounding), FP32 regions and storage to :mod:`~lightning_ext.policy`, FP8 to :class:`~lightning_ext.fp8.TorchFP8`;
 set-up and teardown (the recipe on the model, the weight store around the optimizers) are
 :class:`~lightning_ext.setup.RecipeSetup`'s.
@@ -19,10 +19,10 @@ One Fabric step::
 
 Rules of the Fabric side:
 
-* setup: ``fabric.setup(model, optimizer)`` (or ``setup_module`` then ``setup_optimizers``) puts the
-  weight store around each optimizer as it is set up (:func:`lightning_ext.support.watch_fabric_setup`),
-  so a ``fabric.load`` keeps FP32 optimizer state; without it the store is installed at the first step,
-  with a warning;
+* setup: ``fabric.setup(model, optimizer)`` applies the recipe to the model; the weight store goes around
+  each optimizer at its first step, or earlier with :meth:`setup_optimizers` (call it before a ``fabric.load``
+  that restores optimizer state); under ``ModelParallelStrategy`` pass the plugin to
+  :func:`~lightning_ext.distributed.fully_shard_model` in the ``parallelize_fn`` (:mod:`lightning_ext.setup`);
 * a skipped step changes no parameter, master, optimizer state or step count; clipping on such a step
   sees no parameters (no ``error_if_nonfinite`` raise);
 * checkpoints: pass the plugin in the state, ``{"model": model, "optimizer": optimizer, "mp":
@@ -31,8 +31,8 @@ Rules of the Fabric side:
 * ``*-master``: ``optimizer.zero_grad()`` clears the masters' gradients; a backward never stepped leaves the
   model's low-precision ones (``model.zero_grad()``);
 * LR schedulers: Fabric never shows them to the plugin; step one when ``not mp.last_step_skipped(optimizer)``;
-* the divergence rule raises from ``optimizer.step()`` (:mod:`lightning_ext.divergence`); the monitor is a
-  Fabric callback (:class:`lightning_ext.fabric_monitor.FabricMonitor`).
+* the divergence rule raises from ``optimizer.step()`` (:mod:`lightning_ext.loss_scale.divergence`); the monitor is a
+  Fabric callback (:class:`lightning_ext.diagnostics.monitor.FabricMonitor`).
 """
 
 from __future__ import annotations
@@ -52,29 +52,16 @@ from mp_callbacks.policy import PrecisionPolicy
 from mp_callbacks.recipes import Recipe, get_recipe
 from mp_callbacks.settings import StateDictError
 
-from .checkpoint import (
-    check_scaler_record,
-    fabric_loading_path,
-    load_parts,
-    name_the_file,
-    plugin_record,
-    resume_plan,
-    saved_fp32_rules,
-)
-from .distributed import CommCounter
-from .external_scaler import ExternalScaler, loss_scaler_for, optimizer_unscales_in_step
-from .forward_state import ForwardState
+from .checkpoint import loaded_from, plugin_record
+from .checkpoint.record import check_scaler_record, load_parts, name_the_file, resume_plan, saved_fp32_rules
+from .distributed import CommCounter, DDPWatch, ShardedLayout, fsdp_policy
 from .fp8 import TorchFP8
-from .fsdp import ShardedLayout, fsdp_policy
-from .masters import MasterWeights
+from .loss_scale import ExternalScaler, ForwardState, unwrap_optimizer
+from .loss_scale.external import loss_scaler_for, optimizer_unscales_in_step
 from .policy import ModulePolicyHandle, torch_dtype
-from .rounding import UpdateRounding, weight_store
-from .scaler import unwrap_optimizer
 from .setup import RecipeSetup
-from .support import (
-    cast_floats,
-    recipe_name,
-)
+from .support import cast_floats, recipe_name
+from .weights import EightBitAdamW, MasterWeights, UpdateRounding, weight_store
 
 __all__ = ["MixedPrecision"]
 
@@ -87,11 +74,11 @@ class MixedPrecision(RecipeSetup, Precision):
         ``"bf16-master"``, ``"bf16-kahan"``, ``"bf16-sr"``, ``"fp8-mixed"``) or an alias (``"mixed_float16"``...).
       device: the device type for ``torch.autocast`` (``"cpu"``, ``"cuda"``...; the training device wins).
       scaler: a ``torch.amp.GradScaler`` (its settings are taken), a
-        :class:`~mp_callbacks.loss_scale.config.ScalerConfig`, a preset name (``"torch"``,
+        :class:`~mp_callbacks.loss_scale.ScalerConfig`, a preset name (``"torch"``,
         ``"megatron"``...), a dict of fields, or None for the recipe's default
         (dynamic ``torch`` preset for fp16, off for bf16/fp32).  Another object with
         ``GradScaler``'s API is used as it is, as Lightning uses it (``16-mixed`` only, no
-        monitors: :mod:`lightning_ext.external_scaler`).
+        monitors: :mod:`lightning_ext.loss_scale.external`).
       policy: the operator policy (a :class:`~mp_callbacks.policy.PrecisionPolicy`,
         a policy string or dict), or None for the recipe's.
       count_overflows: with ``scaler={"enabled": False, "skip_nonfinite": False}``
@@ -103,21 +90,21 @@ class MixedPrecision(RecipeSetup, Precision):
       allow_recipe_change: resume checkpoints saved under another recipe
         (:func:`mp_callbacks.recipes.plan_resume`); refused by default.
       divergence: when to stop a run that cannot recover
-        (:class:`~mp_callbacks.diagnostics.divergence.DivergenceRule`; None: the default rule, False: never).
+        (:class:`~mp_callbacks.diagnostics.DivergenceRule`; None: the default rule, False: never).
       state_dtype: ``"bfloat16"`` optimizer states (``bf16-kahan``/``bf16-sr``), ``"8bit"`` (master and rounding
-        recipes: the AdamW becomes torchao's ``AdamW8bit``, :mod:`lightning_ext.low_bit`); None: FP32.
+        recipes: the AdamW becomes torchao's ``AdamW8bit``, :mod:`lightning_ext.weights.low_bit`); None: FP32.
       seed: ``bf16-sr``'s stochastic-rounding seed (:mod:`mp_callbacks.weights`).
       comm_dtype: the dtype gradients are reduced across ranks in (``"float32"`` default,
         ``"bfloat16"``, ``"float16"``): a DDP communication hook (:mod:`lightning_ext.distributed`),
         FSDP2's ``reduce_dtype`` (:meth:`fsdp_policy`).
       fp8: ``fp8-mixed`` only: the FP8 scaling settings (a preset name, ``"transformer-engine"``
         default, ``"keras"``, ``"torchao"``, or a dict such as ``{"mode": "current"}``:
-        :class:`~mp_callbacks.fp8.recipe.FP8Recipe`).
+        :class:`~mp_callbacks.fp8.FP8Recipe`).
       master_remainders: ``bf16-master``/``fp8-mixed``: hold each FP32 master as its bf16 weight plus a
         16-bit remainder between steps (:mod:`mp_callbacks.weights.remainders`: the same exact masters, 2 B/param
         less; the forward weight rounds ties away from zero); None: the recipe's default.
       restore_forward_state: on a skipped step, put back the buffers the forward wrote (BatchNorm
-        running statistics...: :mod:`lightning_ext.forward_state`); False saves a copy per step.
+        running statistics...: :mod:`lightning_ext.loss_scale.forward_state`); False saves a copy per step.
 
     Raises:
       RecipeError: an unknown recipe name (the message lists the valid ones).
@@ -147,13 +134,14 @@ class MixedPrecision(RecipeSetup, Precision):
         self._hooked_module: nn.Module | None = None
         self._root: nn.Module | None = None  # the model the recipe was applied to
         self._optimizers: list[Optimizer] = []  # what the weight store is installed around
-        self._prepared: set[int] = set()  # optimizers unscaled (and FP8-checked) for the coming step
-        self._watched: Any = None  # the Fabric strategy whose setup calls this plugin (watch_fabric_setup)
-        self._warned_lazy = False
-        self._noticed = False  # the float16-on-CPU notice (mp_callbacks.advice.cpu_float16_notice), said once
+        self._low_bit: dict[int, EightBitAdamW] = {}  # id(optimizer) -> its 8-bit update (state_dtype="8bit")
+        self._unscaled: dict[int, Tensor | None] = {}  # id(optimizer) -> found_inf of the coming step
+        self._ddp_watch: DDPWatch | None = None  # Fabric: the DDP wrapper of the model, seen at set-up
+        self._await_sharding = False  # Fabric: the model is sharded after convert_module (prepare_sharding)
+        self._started = False  # the first forward ran (lightning_ext.setup)
         self.forward_state = ForwardState() if restore_forward_state else None
         self.pending_fp32_paths: list[str] = []
-        self.sharded: ShardedLayout | None = None  # under ModelParallelStrategy (FSDP2): lightning_ext.fsdp
+        self.sharded: ShardedLayout | None = None  # under ModelParallelStrategy (FSDP2): lightning_ext.distributed.fsdp
         self.comm_counter: CommCounter | None = None  # counts DDP all-reduce / FSDP2 bytes (lightning_ext.distributed)
 
     # ------------------------------------------------------------ reading
@@ -168,8 +156,8 @@ class MixedPrecision(RecipeSetup, Precision):
     @scaler.setter
     def scaler(self, value: Any) -> None:
         """Before training: the loss scaler for ``value`` (the ``scaler`` argument's meanings:
-        :func:`~lightning_ext.external_scaler.loss_scaler_for`)."""
-        self.recipe, self.loss_scaler = loss_scaler_for(value, self.recipe, self.weight_store, *self._scaler_args)
+        :func:`~lightning_ext.loss_scale.external.loss_scaler_for`)."""
+        self.recipe, self.loss_scaler = loss_scaler_for(value, self.recipe, *self._scaler_args)
 
     @property
     def masters(self) -> MasterWeights | None:
@@ -198,7 +186,7 @@ class MixedPrecision(RecipeSetup, Precision):
 
     @property
     def can_skip(self) -> bool:
-        """True when a step can be skipped (:attr:`~mp_callbacks.loss_scale.config.ScalerConfig.can_skip`)."""
+        """True when a step can be skipped (:attr:`~mp_callbacks.loss_scale.ScalerConfig.can_skip`)."""
         return self.loss_scaler.config.can_skip
 
     @property
@@ -213,7 +201,7 @@ class MixedPrecision(RecipeSetup, Precision):
 
     @property
     def checks_overflow(self) -> bool:
-        """True when steps look for inf/NaN gradients (:func:`mp_callbacks.loss_scale.scaler.checks_overflow`)."""
+        """True when steps look for inf/NaN gradients (:func:`mp_callbacks.loss_scale.checks_overflow`)."""
         return self.loss_scaler.checks_overflow
 
     @property
@@ -238,7 +226,9 @@ class MixedPrecision(RecipeSetup, Precision):
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Forward passes run under the recipe's autocast (a ``torch.autocast`` object, as native); a step's
-        first training forward keeps the buffers it may write (:mod:`lightning_ext.forward_state`)."""
+        first training forward keeps the buffers it may write (:mod:`lightning_ext.loss_scale.forward_state`)."""
+        if not self._started or self._ddp_watch is not None:
+            self._start()
         if self.forward_state is not None:
             self.forward_state.begin(self.root_module)
         return self.autocast_context_manager()
@@ -261,53 +251,84 @@ class MixedPrecision(RecipeSetup, Precision):
             monitor.on_loss(tensor)
         self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 
-    def _prepare_step(self, optimizer: Any) -> tuple[Any, Tensor | None]:
-        """Unscale and check the coming step's gradients (once; FP8 amaxes join the check)."""
-        raw = self._ensure_installed(optimizer)
-        found = self.loss_scaler.unscale_once(raw)
-        if id(raw) not in self._prepared:
-            self._prepared.add(id(raw))
-            if self.fp8 is not None:  # a non-finite FP8 amax skips the step like an overflow
-                self.fp8.before_step(found)
-        return raw, found
-
     def unscale_gradients(self, optimizer: Any) -> Tensor | None:
         """Unscale (under ``*-master``: onto the masters) ``optimizer``'s gradients; returns ``found_inf``.
         A second call before the step returns the first result."""
         raw = unwrap_optimizer(optimizer)
         if isinstance(self.loss_scaler, ExternalScaler) and optimizer_unscales_in_step(raw):
             raise NotImplementedError("Gradient clipping is not implemented for optimizers handling the unscaling.")
-        return self._prepare_step(raw)[1]
+        return self._unscale(self._ensure_installed(raw))
 
     def main_params(self, optimizer: Any) -> Iterator[nn.Parameter]:
         """What clipping sees: the unscaled parameters the optimizer updates (FP32 masters under ``*-master``);
         none on a step that will be skipped (the step's one host read, made early)."""
-        raw, _ = self._prepare_step(optimizer)
+        raw = self._ensure_installed(optimizer)
+        self._unscale(raw)
         if not isinstance(self.loss_scaler, ExternalScaler) and self.loss_scaler.skips(raw):
             return iter(())
         return (p for group in raw.param_groups for p in group["params"])
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Unscale and check (once), then step (or skip) the optimizer and update the scale."""
-        raw = unwrap_optimizer(optimizer)
+        """Unscale and check (once), then step or skip the optimizer and update the scale."""
+        raw = self._ensure_installed(optimizer)
         if isinstance(raw, LBFGS) and self.recipe.name == "32-true":
             return raw.step(**kwargs)
-        raw, found = self._prepare_step(raw)
-        self._prepared.discard(id(raw))
+        self._unscale(raw)
         monitor = getattr(self.loss_scaler, "monitor", None)
         if monitor is not None and hasattr(monitor, "before_optimizer_step"):
             monitor.before_optimizer_step(self, raw)  # unscaled FP32 gradients, before the decision
-        step_output = self.loss_scaler.step(raw, **kwargs)
-        self.loss_scaler.update()
-        self._after_step(raw)
-        return step_output
+        return self._step_and_update(raw, **kwargs)
 
-    def _after_step(self, raw: Any) -> None:
-        """What a step's outcome moves: the FP8 scales on applied steps, the forward's buffers back on skipped."""
+    # ------------------------------------------------- the step, in order
+    def _unscale(self, raw: Any) -> Tensor | None:
+        """Once per step: the gradients onto the FP32 masters (the weight store), then checked and unscaled
+        (the loss scaler); a non-finite FP8 amax joins ``found_inf`` (FP8)."""
+        key = id(raw)
+        if key in self._unscaled:
+            return self._unscaled[key]
+        if self.weight_store is not None:
+            self.weight_store.collect_grads(raw)
+        found_inf = self.loss_scaler.unscale_once(raw)
+        if self.fp8 is not None:
+            self.fp8.before_step(found_inf)
+        self._unscaled[key] = found_inf
+        return found_inf
+
+    def _step_and_update(self, raw: Any, **kwargs: Any) -> Any:
+        """The step's decision, in one place, and what follows it.
+
+        The loss scaler decides (:meth:`TorchLossScaler.skips`: one host read of ``found_inf`` where the step
+        can be skipped; an external scaler decides in its own ``step``); an applied step is the weight store's
+        (masters or update rounding, with the 8-bit update where ``state_dtype="8bit"``) or the user's
+        ``optimizer.step()`` as torch wrote it; then the scale's transition (the divergence rule sees the
+        decision), the FP8 scales on applied steps, the forward's buffers back on skipped ones.
+        """
+        self._unscaled.pop(id(raw), None)
+        scaler = self.loss_scaler
+        skipped = False
+        if isinstance(scaler, ExternalScaler):
+            output = scaler.step(raw, **kwargs)
+        elif scaler.skips(raw):
+            output, skipped = None, True
+        elif self.weight_store is not None:
+            output = self.weight_store.step(raw, self._low_bit.get(id(raw)), **kwargs)
+        else:
+            output = raw.step(**kwargs)
+        scaler.update()
         if self.fp8 is not None:  # no host read: the FP8 states select on the device
-            self.fp8.after_step(not self.loss_scaler.last_step_skipped(raw))
+            self.fp8.after_step(not skipped)
         if self.forward_state is not None:
-            self.forward_state.end(self.loss_scaler.last_step_skipped(raw))
+            self.forward_state.end(skipped)
+        return output
+
+    def _abandon_step(self, raw: Any) -> None:
+        """A closure that ran no backward (``training_step`` returned None): no decision, no transition."""
+        self._unscaled.pop(id(raw), None)
+        self.loss_scaler.forget_step(raw)
+        if self.fp8 is not None:
+            self.fp8.discard_step()
+        if self.forward_state is not None:
+            self.forward_state.end(False)
 
     def last_step_skipped(self, optimizer: Any | None = None) -> bool:
         """True when the latest step (of ``optimizer``, or of any) applied no update: step your LR
@@ -335,7 +356,7 @@ class MixedPrecision(RecipeSetup, Precision):
                 return self.policy  # not fitting yet: convert_module applies the rule
             module = root.get_submodule(path)
         if self.recipe.low_precision and self._policy_handle is not None:
-            self._policy_handle.add_region(module, path, self._device_type)
+            self._policy_handle.add_region(module, path)
         if self.weight_store is not None:  # low-precision parameters re-stored in FP32 (from masters / w + c)
             self.weight_store.store_fp32(module)
         if self.fp8 is not None:  # an FP32 region has no FP8 matmuls
@@ -358,12 +379,12 @@ class MixedPrecision(RecipeSetup, Precision):
         try:
             self._load_state_dict(state_dict)
         except StateDictError as exc:
-            name_the_file(exc, self._ckpt_path())
+            name_the_file(exc, self._ckpt_path(state_dict))
             raise
 
-    def _ckpt_path(self) -> Any:
-        """The checkpoint file being loaded, when known (Fabric: the ``fabric.load`` in progress)."""
-        return fabric_loading_path()
+    def _ckpt_path(self, state_dict: Any = None) -> Any:
+        """The checkpoint file ``state_dict`` came from, when known (Fabric: read by ``CheckedCheckpointIO``)."""
+        return loaded_from(state_dict)
 
     def _load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         plan = resume_plan(state_dict, self.recipe, self.allow_recipe_change)

@@ -1,13 +1,13 @@
 """The scaler's array-ops vocabulary over 0-d torch tensors on one device.
 
-:class:`TorchOps` lets :func:`mp_callbacks.loss_scale.scaler.next_state` run on the
+:class:`TorchOps` lets :func:`mp_callbacks.loss_scale.next_state` run on the
 training device: every value is a 0-d tensor (float32 scale, int32 trackers and
 counters, boolean predicates) and no method reads a value back to the host, so
 one scaler transition costs a handful of tiny kernels and no synchronisation.
 
-It also provides the five vector ops of :class:`mp_callbacks.fp8.scaling.FP8ArrayOps`
+It also provides the five vector ops of :class:`mp_callbacks.fp8.FP8ArrayOps`
 (``divide``, ``reduce_max``, ``roll_left``, ``set_first``, ``zeros``), so the
-FP8 scaling transition (:func:`mp_callbacks.fp8.scaling.next_fp8_state`) runs on the
+FP8 scaling transition (:func:`mp_callbacks.fp8.next_fp8_state`) runs on the
 device too, for one tensor's state or for a batch of them (leading axes on
 every field; a condition with fewer axes selects along the leading ones).
 """
@@ -137,7 +137,7 @@ class TorchOps:
         """``a != b``."""
         return torch.not_equal(a, b)
 
-    # -- the FP8 vector ops (mp_callbacks.fp8.scaling.FP8ArrayOps) -----------------------------
+    # -- the FP8 vector ops (mp_callbacks.fp8.FP8ArrayOps) -----------------------------
     def divide(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a / b`` in ``a``'s dtype (IEEE: ``x / 0`` is inf, ``0 / 0`` NaN, overflow inf)."""
         return torch.div(a, self._like(b, a))

@@ -1,9 +1,9 @@
-"""What the plugin trains with: recipe names, strategies and optimizers; how it meets a Fabric's setup.
+"""What the plugin trains with: recipe names, strategies and optimizers.
 
 Supported, under the Trainer and under Fabric alike: single-device strategies, DDP (``ddp``, ``ddp_spawn``...),
-``ModelParallelStrategy`` (FSDP2 ``fully_shard``, :mod:`lightning_ext.fsdp`),
+``ModelParallelStrategy`` (FSDP2 ``fully_shard``, :mod:`lightning_ext.distributed.fsdp`),
 and first-order optimizers.  FSDP1 (``FSDPStrategy``) takes
-:class:`lightning_ext.fsdp1.FSDPMixedPrecision` instead; other strategies that
+:class:`lightning_ext.FSDPMixedPrecision` instead; other strategies that
 shard state or bring their own precision handling are refused with the
 setting to use instead; so is LBFGS under any recipe but ``32-true`` (it
 re-evaluates the closure inside ``step()``, which loss scaling, skipping and
@@ -12,30 +12,41 @@ masters cannot wrap).
 
 from __future__ import annotations
 
-import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
 from torch.optim import LBFGS
 
 from mp_callbacks.recipes import RecipeError, canonical_recipe_name
 
-__all__ = ["autocast_device", "cast_floats", "check_optimizer", "check_strategy", "is_fabric_strategy", "is_sharded",
-           "recipe_name", "unwatch_fabric_setup", "watch_fabric_setup"]
+__all__ = ["check_strategy"]
 
 _UNSUPPORTED_STRATEGIES = {
     "DeepSpeedStrategy": "DeepSpeed's own fp16/bf16 config: Trainer(strategy='deepspeed', precision='16-mixed')",
-    "FSDPStrategy": "lightning_ext.fsdp1.FSDPMixedPrecision(recipe) as the FSDP strategy's precision plugin, or "
+    "FSDPStrategy": "lightning_ext.FSDPMixedPrecision(recipe) as the FSDP strategy's precision plugin, or "
                     "FSDP's mixed precision: Trainer(strategy='fsdp', precision='bf16-mixed')",
     "FabricFSDPStrategy": "ModelParallelStrategy (FSDP2) with this plugin, or FSDP's mixed precision: "
                           "Fabric(strategy='fsdp', precision='bf16-mixed')",
     "XLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
     "SingleDeviceXLAStrategy": "Trainer(accelerator='tpu', precision='bf16-true')",
 }
+
+
+def tensors_in(value: Any) -> Iterator[Tensor]:
+    """Every tensor in a nested structure of tensors, mappings, lists and tuples."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
 
 
 def recipe_name(precision: Any) -> str:
@@ -51,7 +62,7 @@ def recipe_name(precision: Any) -> str:
 
 
 def is_sharded(strategy: Any) -> bool:
-    """True under ``ModelParallelStrategy`` (FSDP2: the plugin follows :mod:`lightning_ext.fsdp`)."""
+    """True under ``ModelParallelStrategy`` (FSDP2: the plugin follows :mod:`lightning_ext.distributed.fsdp`)."""
     return any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__)
 
 
@@ -116,54 +127,3 @@ def autocast_device(strategy: Any, device: Any, device_type: str) -> str:
 def cast_floats(data: Any, dtype: Any) -> Any:
     """``data`` with every floating tensor in it (nested collections too) cast to ``dtype``."""
     return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
-
-
-class _After:
-    """A strategy's ``setup_module``/``setup_optimizer``, then ``then(result)`` (a picklable wrapper)."""
-
-    def __init__(self, inner: Callable[[Any], Any], then: Callable[[Any], None]) -> None:
-        self.inner, self.then = inner, then
-
-    def __call__(self, obj: Any) -> Any:
-        out = self.inner(obj)
-        self.then(out)
-        return out
-
-
-def watch_fabric_setup(on_module: Callable[[Any], None],
-                       on_optimizer: Callable[[Any], None]) -> Any | None:
-    """From a precision's ``convert_module``: the strategy of the ``Fabric`` whose ``setup``/``setup_module``
-    is calling (None: no Fabric called), its ``setup_module``/``setup_optimizer`` wrapped on that instance
-    (once) to call ``on_module(model)`` / ``on_optimizer(optimizer)`` after them.
-
-    Why: Fabric shows a precision no optimizer before its first step, but ``fabric.load`` (usually
-    before it) casts loaded optimizer state to the parameters' dtype: the FP32 masters (or update
-    rounding) must be in the optimizer by then.  The strategy's own setup calls come right after the
-    model moved to its device, the moment the Trainer's ``connect`` has.  Fabric 2.x calls
-    ``convert_module`` from ``Fabric.setup``/``setup_module`` directly; the calling frames are searched
-    for that call (up to 8, for subclasses that override ``convert_module``).  :func:`unwatch_fabric_setup` undoes it.
-    """
-    from lightning.fabric import Fabric
-
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return None
-        caller = frame.f_locals.get("self")
-        if isinstance(caller, Fabric) and frame.f_code.co_name in ("setup", "setup_module"):
-            break
-        frame = frame.f_back
-    else:
-        return None
-    strategy = caller.strategy
-    if not isinstance(vars(strategy).get("setup_module"), _After):
-        strategy.setup_module = _After(strategy.setup_module, on_module)
-        strategy.setup_optimizer = _After(strategy.setup_optimizer, on_optimizer)
-    return strategy
-
-
-def unwatch_fabric_setup(strategy: Any) -> None:
-    """Undo :func:`watch_fabric_setup` on ``strategy`` (the class's methods again)."""
-    for name in ("setup_module", "setup_optimizer"):
-        if isinstance(vars(strategy).get(name), _After):
-            delattr(strategy, name)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ext.memory import held_tensors
-from lightning_ext.plugin import MixedPrecision
+from lightning_ext.diagnostics import held_tensors
+from lightning_ext.trainer import MixedPrecision
 
 from ..diagnostics import History, StepStats
 from ..memory import estimate_memory

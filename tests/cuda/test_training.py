@@ -112,3 +112,54 @@ def test_an_injected_inf_is_skipped_and_nothing_changes(recipe):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     if ON_CUDA:
         assert rows[-1]["params"][0].device.type == "cuda"
+
+
+class _Capture(pl.Callback):
+    """Per applied step: the optimizer's parameters (the masters) before the step, their gradients, and the
+    parameters after it."""
+
+    def __init__(self) -> None:
+        self.before: list[list[torch.Tensor]] = []
+        self.grads: list[list[torch.Tensor]] = []
+        self.after: list[list[torch.Tensor]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        opt = trainer.optimizers[0]
+
+        def params():
+            return [p for g in opt.param_groups for p in g["params"]]
+
+        def pre(optimizer, args, kwargs):
+            self.before.append([p.detach().clone() for p in params()])
+            self.grads.append([p.grad.detach().clone() for p in params()])
+
+        def post(optimizer, args, kwargs):
+            self.after.append([p.detach().clone() for p in params()])
+
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+
+
+@pytest.mark.parametrize("recipe", ["bf16-master", "16-master", "fp8-mixed"])
+def test_the_masters_step_is_the_users_adamw_on_fp32_params(recipe):
+    """The user's AdamW steps the FP32 masters on the training device as torch wrote it (torch's default
+    implementation there): fed the gradients the masters received, an FP32 copy stepped by the same AdamW ends
+    where the masters do, bit for bit.  CPU counterpart: tests/lightning/test_masters.py."""
+    capture = _Capture()
+    plugin = MixedPrecision(recipe, device=DEVICE, scaler={"init_scale": 2.0**8} if recipe.startswith("16") else None)
+    model = Net()
+    fit(plugin, model, steps=6, callbacks=[capture])
+    assert plugin.loss_scaler.skipped == 0 and len(capture.after) == 6
+    assert all(p.dtype == torch.float32 and p.device.type == DEVICE for p in capture.before[0])
+    ref = [torch.nn.Parameter(p.clone()) for p in capture.before[0]]
+    opt = torch.optim.AdamW(ref, lr=model.lr)
+    for t, (grads, after) in enumerate(zip(capture.grads, capture.after, strict=True)):
+        for p, g in zip(ref, grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        for i, (a, b) in enumerate(zip(after, ref, strict=True)):
+            assert torch.equal(a, b.detach()), (t, i)
+    masters = plugin.master_state_dict()
+    for name, p in model.named_parameters():  # the weights are the rounded masters
+        if name in masters:
+            assert p.dtype != torch.float32 and torch.equal(p, masters[name].to(p.dtype)), name

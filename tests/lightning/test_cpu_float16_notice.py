@@ -10,7 +10,7 @@ import torch
 from lightning.fabric import Fabric
 
 import lightning_ext.fabric
-import lightning_ext.setup as recipe_setup
+import lightning_ext.setup as recipe_setup  # the module that asks cpu_flags
 from mp_callbacks.advice import FLOAT16_CPU_FEATURES, cpu_float16_notice
 from tests.lightning.test_fabric import tiny, train
 

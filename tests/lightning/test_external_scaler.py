@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision as NativeMixedPrecision
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext.external_scaler import ExternalScaler, is_external_scaler
+from lightning_ext.loss_scale.external import ExternalScaler, is_external_scaler
 
 from .helpers.models import TinyRegressor, loader, params_of, trainer_kwargs
 

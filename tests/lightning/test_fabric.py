@@ -174,6 +174,7 @@ def test_save_load_resume_equals_the_uninterrupted_run(recipe, tmp_path):
 
     plugin = plugin_for(recipe)  # a fresh process's objects
     fabric, model, opt = setup(plugin)
+    plugin.setup_optimizers(opt)  # the weight store in the optimizer before its state loads
     state = {"model": model, "optimizer": opt, "mp": fabric.strategy.precision}
     rest = fabric.load(tmp_path / "ckpt.pt", state)
     assert rest == {"step": 3}
@@ -181,21 +182,27 @@ def test_save_load_resume_equals_the_uninterrupted_run(recipe, tmp_path):
     assert same(snapshot(model, opt, plugin), whole)
 
 
-def test_without_a_fabric_setup_the_store_is_installed_at_the_first_step(monkeypatch):
-    """Fallback: no Fabric found by convert_module -> masters at the first step (one warning), same training."""
+def test_the_store_goes_around_the_optimizer_at_its_first_step_or_when_shown():
+    """Fabric shows a precision plugin no optimizer: the weight store is installed at the optimizer's first step
+    (the same training as when shown earlier with setup_optimizers); state loaded before that is a warning."""
     plugin = plugin_for("bf16-master")
     fabric, model, opt = setup(plugin)
+    plugin.setup_optimizers(opt)
+    assert len(plugin.masters) == 4  # installed now
     train(fabric, model, opt, range(3))
     eager = [p.detach().clone() for p in model.parameters()]
-    monkeypatch.setattr("lightning_ext.setup.watch_fabric_setup", lambda *a: None)
+    saved = opt.state_dict()
     plugin = plugin_for("bf16-master")
     fabric, model, opt = setup(plugin)
     assert len(plugin.masters) == 0  # nothing installed at setup
-    with pytest.warns(UserWarning, match="installed at its first step; optimizer state loaded before then was cast"):
-        train(fabric, model, opt, range(1))
-    train(fabric, model, opt, range(1, 3))  # warned once
+    train(fabric, model, opt, range(3))
     assert len(plugin.masters) == 4
     assert all(torch.equal(a, b.detach()) for a, b in zip(eager, model.parameters()))
+    plugin = plugin_for("bf16-master")
+    fabric, model, opt = setup(plugin)
+    opt.load_state_dict(saved)  # into the bf16 parameters: torch casts the FP32 state
+    with pytest.warns(UserWarning, match="state was loaded before the plugin saw the optimizer.*setup_optimizers"):
+        train(fabric, model, opt, range(1))
 
 
 def test_monitor_as_a_fabric_callback(tmp_path):
@@ -228,6 +235,24 @@ def test_divergence_rule_raises_from_optimizer_step():
     assert plugin.loss_scaler.skipped == 5 and plugin.loss_scaler.get_scale() == 0.125
 
 
+def test_32_true_is_fabrics_own_32_true_bit_for_bit():
+    """The user's optimizer runs as torch wrote it: Fabric's own 32-true loop's weights and optimizer state."""
+    def run(plugins):
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=plugins)
+        net = tiny()
+        model, opt = fabric.setup(net, torch.optim.AdamW([
+            {"params": net[0].parameters(), "weight_decay": 0.1},
+            {"params": net[-1].parameters(), "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2))
+        train(fabric, model, opt, range(8))
+        return model, opt.optimizer
+
+    (model_a, opt_a), (model_b, opt_b) = run([MixedPrecision("32-true")]), run([])
+    for p, q in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(p.view(torch.int32), q.view(torch.int32))
+    for sa, sb in zip(opt_a.state.values(), opt_b.state.values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_one_class_for_both_and_what_each_refuses():
     trainer_cls = lightning_ext.MixedPrecision
     assert lightning_ext.FabricMixedPrecision is MixedPrecision and issubclass(trainer_cls, MixedPrecision)
@@ -242,9 +267,14 @@ def test_one_class_for_both_and_what_each_refuses():
 
     with pytest.raises(Exception, match=r"FSDPStrategy.*ModelParallelStrategy \(FSDP2\).*Fabric\(strategy='fsdp'"):
         check_strategy(FSDPStrategy())
-    fabric, model, _ = setup(MixedPrecision("bf16-master"))
+    plugin = MixedPrecision("bf16-master")
+    fabric, model, _ = setup(plugin)
+    lbfgs = fabric.setup_optimizers(torch.optim.LBFGS(model.parameters()))
     with pytest.raises(Exception, match="LBFGS"):
-        fabric.setup_optimizers(torch.optim.LBFGS(model.parameters()))
+        plugin.setup_optimizers(lbfgs)
+    fabric.backward(model(torch.ones(2, 8)).sum())
+    with pytest.raises(Exception, match="LBFGS"):  # at its first step, where Fabric shows it
+        lbfgs.step(lambda: None)
 
 
 def test_the_trainer_plugin_in_fabric_names_the_fabric_one():

@@ -35,6 +35,7 @@ def test_ddp_overflow_on_one_rank_skips_on_both(ranks):
         for part in ("params", "masters", "states"):
             assert _equal(skipped["before"][part], skipped["after"][part]), part
         assert r["scale"] == 2.0**7 and all(torch.isfinite(torch.tensor(r["losses"])))
+        assert list(r["comm"]) == ["float32"] and r["comm"]["float32"] > 0  # the recipe's hook: FP32 reduction
     for part in ("params", "masters", "states"):  # the ranks stay equal, step after step
         assert all(_equal(a["after"][part], b["after"][part]) for a, b in zip(r0["steps"], r1["steps"])), part
 

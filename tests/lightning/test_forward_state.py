@@ -1,4 +1,4 @@
-"""A skipped step writes nothing, BatchNorm's running statistics included (lightning_ext.forward_state).
+"""A skipped step writes nothing, BatchNorm's running statistics included (lightning_ext.loss_scale.ForwardState).
 
 The forward pass updates BatchNorm's running mean, variance and batch counter before the step
 is known to be skipped.  With one inf batch, under the Trainer plugin and under Fabric: the run
@@ -151,7 +151,7 @@ class _Counter(nn.Module):
 def test_a_buffer_registered_after_the_first_step_is_kept(how):
     # The buffer owners are found once and kept until a module or buffer is registered anywhere:
     # a buffer that appears after the first step (or arrives inside a new submodule) is restored too.
-    from lightning_ext.forward_state import ForwardState
+    from lightning_ext.loss_scale import ForwardState
 
     root = nn.Sequential(nn.Linear(2, 2), _Counter())
     state = ForwardState()

@@ -24,8 +24,8 @@ from torch import nn
 
 from lightning_ext import MixedPrecision
 from lightning_ext.fp8 import TorchFP8, fp8_modules
-from lightning_ext.fp8_attention import mha_forward
-from lightning_ext.fp8_matmul import fp8_linear
+from lightning_ext.fp8.attention import mha_forward
+from lightning_ext.fp8.matmul import fp8_linear
 from mp_callbacks.fp8 import (
     FP8_ROLES,
     FP8Recipe,

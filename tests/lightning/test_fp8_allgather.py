@@ -61,7 +61,7 @@ def test_without_fsdp2_the_setting_is_refused_with_the_fix():
 def test_a_saved_fp8_all_gather_weight_is_its_plain_fp32_tensor(tmp_path):
     from torch import nn
 
-    from lightning_ext.fp8_allgather import FP8AllGatherWeight, wrap_weights
+    from lightning_ext.fp8.allgather import FP8AllGatherWeight, wrap_weights
 
     layer = nn.Linear(4, 3)
     expected = layer.weight.detach().clone()
@@ -142,8 +142,7 @@ def worker(out: str) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_ext import CommCounter
-    from lightning_ext.distributed import count_fsdp_collectives, fsdp_comm_units
-    from lightning_ext.fsdp import fully_shard_model, local
+    from lightning_ext.distributed import count_fsdp_collectives, fsdp_comm_units, fully_shard_model, local
     from mp_callbacks.memory import fsdp_step_bytes
     from tests.lightning.helpers.models import regression_data, trainer_kwargs
 
@@ -225,7 +224,7 @@ def worker(out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from lightning_ext.fsdp import fsdp_policy
+    from lightning_ext.distributed import fsdp_policy
 
     net = make_net(False)
     convert_to_float8_training(net, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True))

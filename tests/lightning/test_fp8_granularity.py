@@ -1,6 +1,6 @@
 """``fp8-mixed`` at a finer granularity in Lightning (``fp8={"granularity": ...}``): rowwise, blockwise, MXFP8.
 
-* The torch cast (lightning_ext.fp8_blocks) equals the core's NumPy reference cast
+* The torch cast (lightning_ext.fp8.blocks) equals the core's NumPy reference cast
   (:func:`mp_callbacks.fp8.granularity.quantize`, itself bit for bit torchao's) for every kind, format,
   axis, rounding and shape, adversarial values included.
 * One FP8 matmul: the output and both gradients equal a NumPy model in which each matmul casts its
@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_ext import MixedPrecision
 from lightning_ext.fp8 import TorchFP8
-from lightning_ext.fp8_blocks import block_cast
+from lightning_ext.fp8.blocks import block_cast
 from mp_callbacks.fp8 import FP8Granularity, dequantize, quantize
 from mp_callbacks.recipes import get_recipe
 from tests.core.test_fp8_granularity import nonfinite, tensors

@@ -83,8 +83,7 @@ def worker(out: str) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_ext import CommCounter, MixedPrecision
-    from lightning_ext.distributed import fsdp_comm_units
-    from lightning_ext.fsdp import fully_shard_model, local
+    from lightning_ext.distributed import fsdp_comm_units, fully_shard_model, local
     from mp_callbacks.memory import fsdp_step_bytes
     from tests.lightning.helpers.models import regression_data, trainer_kwargs
 

@@ -14,8 +14,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ext import MixedPrecision, TorchLossScaler
-from lightning_ext.distributed import comm_hook, register_comm_hook
-from lightning_ext.fsdp1 import FSDPMixedPrecision
+from lightning_ext.distributed import FSDPMixedPrecision, comm_hook, register_comm_hook
 from mp_callbacks.settings import StateDictError
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -1,12 +1,11 @@
-"""The step's non-finite check (``lightning_ext.grad_check``): with loss scaling off it writes nothing and
-decides as ``isfinite`` does, by the native read-only scan where it applies and by torch's fused kernel
-elsewhere; with scaling on the kernel unscales, as ``GradScaler``."""
+"""The step's non-finite check and unscale (``lightning_ext.loss_scale.unscale_and_check``) against torch's
+``GradScaler``: the same flag, the same unscaled gradients bit for bit, one fused kernel call per device and
+dtype, and with loss scaling off (inverse scale 1) the gradients' values unchanged."""
 
 import pytest
 import torch
 
-from lightning_ext import check_native, master_native
-from lightning_ext.grad_check import Flags, UnitScales, any_nonfinite, host_check, non_finite_check
+from lightning_ext.loss_scale import unscale_and_check
 
 CPU = torch.device("cpu")
 
@@ -34,68 +33,54 @@ def _grads(special=None, where=(1, 7)):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    master_native.native_adam()  # built and checked before counting
     calls = []
     original = torch._amp_foreach_non_finite_check_and_unscale_
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
-                        lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+                        lambda grads, *a, **k: (calls.append({g.dtype for g in grads}), original(grads, *a, **k))[1])
     return calls
 
 
 @pytest.mark.parametrize("special", [None, float("inf"), float("-inf"), float("nan"), 3e38, 1e-45])
 @pytest.mark.parametrize("where", [(0, 32), (1, 1039), (3, 0)])
-def test_scaling_off_scans_read_only_and_decides_as_isfinite(special, where, kernel_calls):
-    grads = _grads(special, where)
-    before = [(g.clone(), g._version) for g in grads]
-    found = non_finite_check(_Opt(grads), CPU, None, UnitScales(), reduce=True)
-    want = any(not bool(torch.isfinite(g).all()) for g in grads)
-    assert found.dtype == torch.float32 and found.shape == () and bool(found.item()) == want
-    assert kernel_calls == []  # the scan, not the kernel
-    for g, (old, version) in zip(grads, before):  # nothing written: same bits, no version bump
-        assert torch.equal(g.view(-1).view(torch.int16), old.view(-1).view(torch.int16)) and g._version == version
+def test_the_flag_and_the_unscaled_gradients_are_grad_scalers(special, where, kernel_calls):
+    ours, theirs = _Opt(_grads(special, where)), _Opt(_grads(special, where))
+    scale = 2.0**7
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler._lazy_init_scale_growth_tracker(CPU)
+    inv = torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+    found = unscale_and_check(ours, inv, CPU)
+    want = scaler._unscale_grads_(theirs, inv, torch.zeros((), device=CPU), allow_fp16=True)
+    assert found.dtype == torch.float32 and found.shape == ()
+    assert found.item() == sum(v.item() for v in want.values())
+    assert kernel_calls[:2] == [{torch.float32}, {torch.bfloat16}]  # one call per device and dtype
+    grads = [[p.grad for g in o.param_groups for p in g["params"]] for o in (ours, theirs)]
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a.view(-1).view(torch.int16), b.view(-1).view(torch.int16))
 
 
 @pytest.mark.parametrize("special", [None, float("nan")])
-def test_where_the_scan_does_not_apply_the_kernel_checks_alike(special, kernel_calls, monkeypatch):
-    strided = _grads(special)
-    strided[1] = strided[1].t()  # not contiguous: the kernel's
-    assert bool(non_finite_check(_Opt(strided), CPU, None, UnitScales(), reduce=True).item()) == (special is not None)
-    assert kernel_calls == [1]
-    monkeypatch.setattr(master_native, "NATIVE", False)  # no libraries: the kernel's
-    monkeypatch.setattr(check_native, "NATIVE", False)
-    assert bool(non_finite_check(_Opt(_grads(special)), CPU, None, UnitScales(), reduce=True).item()) == (
-        special is not None)
-    assert kernel_calls == [1, 1]
+def test_with_scaling_off_values_are_unchanged_and_the_flag_is_isfinites(special):
+    grads = _grads(special)
+    before = [g.clone() for g in grads]
+    found = unscale_and_check(_Opt(grads), torch.ones(()), CPU)
+    assert bool(found.item()) == any(not bool(torch.isfinite(g).all()) for g in grads)
+    for g, old in zip(grads, before):  # (a NaN stays a NaN, its payload is the kernel's)
+        assert torch.equal(g.isnan(), old.isnan())
+        assert torch.equal(g[~g.isnan()].view(torch.int16), old[~old.isnan()].view(torch.int16))
 
 
-def test_scaling_on_unscales_with_the_kernel(kernel_calls):
-    grads = [torch.full((4,), 8.0), torch.full((3,), 8.0, dtype=torch.bfloat16)]
-    found = non_finite_check(_Opt(grads), CPU, torch.tensor(0.25), UnitScales(), reduce=True)
-    assert found.item() == 0.0 and kernel_calls == [1]
-    assert all(torch.equal(g.float(), torch.full(g.shape, 2.0)) for g in grads)
+def test_sparse_gradients_are_checked_by_their_values():
+    grad = torch.sparse_coo_tensor([[0, 3]], [1.0, float("inf")], (5,))
+    assert unscale_and_check(_Opt([torch.zeros(2), grad]), torch.ones(()), CPU).item() == 1.0
+    half = torch.sparse_coo_tensor([[1, 1]], [1.0, 2.0], (5,), dtype=torch.float16)
+    opt = _Opt([half])
+    assert unscale_and_check(opt, torch.tensor(0.5), CPU).item() == 0.0
+    grad = opt.param_groups[0]["params"][0].grad  # coalesced first, as GradScaler does
+    assert grad.is_coalesced() and grad._values().tolist() == [1.5]
 
 
-@pytest.mark.parametrize("odd", ["sparse", "strided", "float16", "subclass"])
-def test_the_scan_declines_what_it_cannot_read_before_touching_it(odd):
-    # A sparse gradient has no is_contiguous (it raises): the layout is asked first; a float16 or strided one
-    # and a tensor subclass (a DTensor's kind) are declined too; a decline is None, never a guess.
-    master_native.native_adam()
-    grads = _grads()
-    grads[2] = {"sparse": torch.zeros(5).to_sparse(), "strided": torch.zeros(4, 2).t(),
-                "float16": torch.zeros(5, dtype=torch.float16),
-                "subclass": torch.nn.Parameter(torch.zeros(5))}[odd]
-    assert any_nonfinite(grads) is None
-    assert any_nonfinite(_grads(float("nan"))) is True and any_nonfinite(_grads()) is False
+def test_an_object_without_param_groups_has_no_gradients():
+    from unittest.mock import Mock
 
-
-def test_host_check_decides_on_the_cpu_only_and_flags_are_fresh_once_written(kernel_calls):
-    grads = _grads(float("inf"))
-    assert host_check(_Opt(grads), CPU, reduce=True) is True and host_check(_Opt(_grads()), CPU, True) is False
-    assert host_check(_Opt(grads), torch.device("meta"), reduce=True) is None  # another device: the kernel's
-    assert kernel_calls == []
-    flags = Flags()
-    one = flags.of(True, CPU)
-    assert one.item() == 1.0 and flags.of(True, CPU) is one and flags.of(False, CPU).item() == 0.0
-    one.zero_()  # a caller that writes to its flag gets it to itself: the next step's is made again
-    again = flags.of(True, CPU)
-    assert again is not one and again.item() == 1.0
+    assert unscale_and_check(object(), torch.ones(()), CPU).item() == 0.0
+    assert unscale_and_check(Mock(), torch.ones(()), CPU).item() == 0.0  # Lightning's own tests step a Mock

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_ext import MixedPrecision
-from lightning_ext.memory import held_tensors, memory_report
+from lightning_ext.diagnostics import held_tensors, memory_report
 from mp_callbacks.memory import LOW_BIT_STATES, estimate_memory
 from mp_callbacks.recipes import get_recipe
 from mp_callbacks.weights import NUMPY_ROUNDING_OPS as N

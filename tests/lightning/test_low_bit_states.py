@@ -1,6 +1,7 @@
-"""state_dtype="8bit" in Lightning: the user's AdamW becomes torchao's AdamW8bit (whose map, blocks and codes are
-the core's rule, tests/core/test_quantized_states.py); a run under the knob is bit for bit the run with torchao's
-AdamW8bit given directly; the memory report equals the estimate; other optimizers are a clear error."""
+"""state_dtype="8bit" in Lightning: torchao's AdamW8bit (whose map, blocks and codes are the core's rule,
+tests/core/test_quantized_states.py) computes the user's AdamW's step, the user's optimizer object kept; a run
+under the knob is bit for bit the run with torchao's AdamW8bit given directly; the memory report equals the
+estimate; other optimizers are a clear error."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from lightning_ext import MixedPrecision
-from lightning_ext.memory import memory_report
+from lightning_ext.diagnostics import memory_report
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
 
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -41,7 +42,7 @@ def fit(recipe: str, name: str, states: str | None):
 def test_the_knob_runs_torchaos_adamw8bit_bit_for_bit(recipe):
     plugin, model, opt = fit(recipe, "AdamW", "8bit")
     _, direct, _ = fit(recipe, "AdamW8bit", None)
-    assert type(opt) is torchao_optim.AdamW8bit
+    assert type(opt) is torch.optim.AdamW  # the user's object, its state torchao's
     for a, b in zip(model.parameters(), direct.parameters(), strict=True):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
                                                   b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
@@ -58,7 +59,7 @@ def test_other_optimizers_are_a_clear_error():
 
 # ------------------------------------------------------------------ resume
 class Scheduled(Net):
-    """AdamW with a per-step LR schedule (made before the plugin swaps in AdamW8bit) and a skipped step."""
+    """AdamW with a per-step LR schedule (made before the plugin builds its AdamW8bit) and a skipped step."""
 
     def __init__(self):
         super().__init__("AdamW", inf_steps={2}, scheduler=True, optimizer="adamw")
@@ -108,7 +109,7 @@ def test_trainer_resume_from_a_checkpoint_is_bit_for_bit(tmp_path, recipe):
     assert {r["torchao_state"] for r in records} == {"OptimState8bit"}
     assert all(r["tensors"]["codes"].dtype == torch.uint8 for r in records)
     resumed_model, resumed = trainer_fit(recipe, 4, ckpt_path=path)
-    assert type(resumed.optimizers[0]).__name__ == "AdamW8bit"
+    assert type(resumed.optimizers[0]) is torch.optim.AdamW
     assert_same_run(full_model, full.optimizers[0], resumed_model, resumed.optimizers[0])
 
 
@@ -125,6 +126,7 @@ def fabric_run(recipe: str, steps: range, load=None, save=None):
     model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=1e-2))
     state = {"model": model, "optimizer": opt, "mp": plugin}
     if load is not None:
+        plugin.setup_optimizers(opt)  # the 8-bit states' optimizer before its state loads
         fabric.load(load, state)
     batches = list(loader(n=32, dim=64))
     for step in steps:

@@ -12,8 +12,8 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_ext import FabricMonitor
+from lightning_ext.diagnostics import memory_report
 from lightning_ext.fabric import MixedPrecision
-from lightning_ext.memory import memory_report
 from mp_callbacks.memory import bytes_per_param
 from mp_callbacks.recipes import get_recipe
 from mp_callbacks.weights import bf16_bits, split_master
@@ -115,6 +115,7 @@ def test_checkpoint_exports_fp32_masters_and_resume_is_exact(tmp_path):
     assert record.keys() == masters.keys() and all(torch.equal(record[k], masters[k]) for k in masters)
     reference = train(fabric, model, opt, 5)
     fabric2, model2, opt2, plugin2 = setup(True)
+    plugin2.setup_optimizers(opt2)  # the masters in the optimizer before its state loads
     fabric2.load(tmp_path / "c.ckpt", {"model": model2, "optimizer": opt2, "mp": plugin2})
     assert train(fabric2, model2, opt2, 5) == reference
 

@@ -1,7 +1,8 @@
-"""Master weights: ``bf16-master`` keeps learning where pure bf16 stalls (swamping), the op policy holds,
-and a later fit starts from the weights the user set."""
+"""Master weights: the user's optimizer steps the FP32 masters as torch wrote it, ``bf16-master`` keeps learning
+where pure bf16 stalls (swamping), the op policy holds, and a later fit starts from the weights the user set."""
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -155,3 +156,55 @@ def test_refit_uses_the_weights_the_user_set_not_stale_masters():
     for name, p in model.named_parameters():
         assert torch.all(p.float() == 0.5), name
     assert any(not torch.equal(v, plugin.master_state_dict()[k]) for k, v in plugin_masters_before.items())
+
+
+class _Capture(pl.Callback):
+    """Per applied step: the optimizer's parameters (the masters) before the step, their gradients, and the
+    parameters after it."""
+
+    def __init__(self) -> None:
+        self.before: list[list[torch.Tensor]] = []
+        self.grads: list[list[torch.Tensor]] = []
+        self.after: list[list[torch.Tensor]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        opt = trainer.optimizers[0]
+
+        def params():
+            return [p for g in opt.param_groups for p in g["params"]]
+
+        def pre(optimizer, args, kwargs):
+            self.before.append([p.detach().clone() for p in params()])
+            self.grads.append([p.grad.detach().clone() for p in params()])
+
+        def post(optimizer, args, kwargs):
+            self.after.append([p.detach().clone() for p in params()])
+
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+
+
+@pytest.mark.parametrize("recipe", ["bf16-master", "16-master"])
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "fused=True"])
+def test_the_masters_step_is_the_users_adamw_on_fp32_parameters(recipe, fused):
+    """The user's optimizer steps the FP32 masters as torch wrote it: fed the gradients the masters received, an
+    FP32 copy stepped by the same AdamW ends where the masters do, bit for bit; the weights are the rounded
+    masters."""
+    capture = _Capture()
+    plugin = MixedPrecision(recipe, scaler={"init_scale": 2.0**8} if recipe.startswith("16") else None)
+    model = TinyRegressor(optimizer="adam", fused=fused, norm=True)
+    pl.Trainer(plugins=[plugin], callbacks=[capture], max_steps=6, **trainer_kwargs()).fit(model, loader())
+    assert plugin.loss_scaler.skipped == 0 and len(capture.after) == 6
+    assert all(p.dtype == torch.float32 for p in capture.before[0])
+    ref = [nn.Parameter(p.clone()) for p in capture.before[0]]
+    opt = torch.optim.Adam(ref, lr=model.lr, fused=fused or None)
+    for grads, after in zip(capture.grads, capture.after, strict=True):
+        for p, g in zip(ref, grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        for a, b in zip(after, ref, strict=True):
+            assert torch.equal(a, b.detach())
+    masters = plugin.master_state_dict()
+    for name, p in model.named_parameters():  # the weights are the rounded masters
+        if name in masters:
+            assert p.dtype != torch.float32 and torch.equal(p, masters[name].to(p.dtype)), name

@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext.meters import grad_underflow_fraction, underflow_limit, update_swamped_fraction
+from lightning_ext.diagnostics import grad_underflow_fraction, underflow_limit, update_swamped_fraction
 from mp_callbacks import History
 from mp_callbacks.diagnostics import LOSS_SOURCE, METRICS, OVERFLOW_MODULE, DivergenceError, plot
 from mp_callbacks.diagnostics import meters as ref

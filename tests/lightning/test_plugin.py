@@ -176,6 +176,45 @@ def test_32_true_matches_plain_trainer():
     assert trainer.scaler is None and trainer.precision_plugin.loss_scaler.steps == 8
 
 
+OPTIMIZERS = {
+    "adamw, two groups": lambda m: torch.optim.AdamW([
+        {"params": m.net[0].parameters(), "weight_decay": 0.1},
+        {"params": m.net[-1].parameters(), "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2),
+    "adam, L2 decay, beta1 0.3": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, betas=(0.3, 0.99),
+                                                            weight_decay=0.05),
+    "adamw, fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+    "sgd, momentum": lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9),
+}
+
+
+class _WithOptimizer(TinyRegressor):
+    def __init__(self, make_optimizer, **kwargs):
+        super().__init__(dim=37, hidden=45, **kwargs)
+        self.make_optimizer = make_optimizer
+
+    def configure_optimizers(self):
+        return self.make_optimizer(self)
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_32_true_is_lightnings_own_32_true_bit_for_bit(opt):
+    """The user's optimizer runs as torch wrote it: Lightning's own 32-true Trainer's weights, optimizer state
+    and version counters (everything written in place alike)."""
+    def fit(plugins, precision):
+        model = _WithOptimizer(OPTIMIZERS[opt])
+        trainer = pl.Trainer(plugins=plugins, max_steps=6, **trainer_kwargs(**precision))
+        trainer.fit(model, loader(dim=37))
+        return model, trainer.optimizers[0]
+
+    (model_a, opt_a), (model_b, opt_b) = fit([MixedPrecision("32-true")], {}), fit([], {"precision": "32-true"})
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(p.view(torch.int32), q.view(torch.int32)) and p._version == q._version, name
+    for sa, sb in zip(opt_a.state.values(), opt_b.state.values(), strict=True):
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) and sa[k]._version == sb[k]._version, k
+
+
 def test_clean_step_at_the_scale_floor_stays_finite():
     # At min_scale 1/scale is still finite, so a clean step applies a finite update.
     model = TinyRegressor(inf_steps={0, 1})

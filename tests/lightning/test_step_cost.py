@@ -5,7 +5,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_ext import MixedPrecision, MixedPrecisionMonitor, check_native, master_native
+from lightning_ext import MixedPrecision, MixedPrecisionMonitor
 from mp_callbacks.app.lightning_runner import state_bytes
 from mp_callbacks.memory import bytes_per_param
 from tests.lightning.helpers.models import TinyRegressor, loader, trainer_kwargs
@@ -32,26 +32,15 @@ def every_finite_check(monkeypatch):
 
 @pytest.fixture
 def check_calls(monkeypatch):
-    """Counts calls of torch's fused non-finite check, of the one-pass step's native scan and of the native
-    check's one call (what the plugin uses to look at gradients)."""
+    """Counts calls of torch's fused non-finite check (what the plugin uses to look at gradients)."""
     calls = []
-    original, scan = torch._amp_foreach_non_finite_check_and_unscale_, master_native.NativeAdam.scan
-    master_native.native_adam()  # loaded (and checked) before counting
-    native = check_native.native_check()
-    if native is not None:
-        groups = native.groups
-        monkeypatch.setattr(native, "groups", lambda param_groups: (calls.append(1), groups(param_groups))[1])
+    original = torch._amp_foreach_non_finite_check_and_unscale_
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    def scanning(*args, **kwargs):
-        calls.append(1)
-        return scan(*args, **kwargs)
-
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", counting)
-    monkeypatch.setattr(master_native.NativeAdam, "scan", scanning)
     return calls
 
 
@@ -64,7 +53,7 @@ def test_scaling_off_still_skips_nonfinite_steps_by_default(recipe, check_calls)
     assert plugin.scaler is None and plugin.checks_overflow is True and plugin.can_skip
     model = TinyRegressor(inf_steps={2})
     pl.Trainer(plugins=[plugin], max_steps=5, **trainer_kwargs()).fit(model, loader())
-    assert len(check_calls) == 5  # one fused check per step
+    assert len(check_calls) == 5  # one fused check per step (the model's gradients: one device, one dtype)
     view = plugin.loss_scaler
     assert (view.steps, view.overflows, view.skipped) == (5, 1, 1)  # the inf step was skipped
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -140,13 +129,7 @@ def _adamw_model():
     return TinyRegressor(optimizer="adamw", dim=32, hidden=64)
 
 
-@pytest.fixture
-def widened(monkeypatch):
-    """The widened path (FP32 master gradients): the one-pass step off (test_master_native.py holds its bytes)."""
-    monkeypatch.setattr(master_native, "NATIVE", False)
-
-
-def test_master_weights_are_released_during_the_step_and_rebuilt(widened):
+def test_master_weights_are_released_during_the_step_and_rebuilt():
     plugin = MixedPrecision("bf16-master")
     model, watch = _adamw_model(), _Watch()
     pl.Trainer(plugins=[plugin], callbacks=[watch], max_steps=4, **trainer_kwargs()).fit(model, loader(dim=32))
@@ -160,7 +143,7 @@ def test_master_weights_are_released_during_the_step_and_rebuilt(widened):
     assert watch.state[-1] == 16 * n
 
 
-def test_releasing_can_be_turned_off(widened):
+def test_releasing_can_be_turned_off():
     plugin = MixedPrecision("bf16-master", free_weights_during_step=False)
     model, watch = _adamw_model(), _Watch()
     pl.Trainer(plugins=[plugin], callbacks=[watch], max_steps=2, **trainer_kwargs()).fit(model, loader(dim=32))
@@ -203,7 +186,7 @@ def test_runner_takes_an_optimizer_factory():
     assert isinstance(module.configure_optimizers(), torch.optim.SGD)
 
 
-def test_bytes_at_the_end_of_backward_and_after_the_grad_copy(widened):
+def test_bytes_at_the_end_of_backward_and_after_the_grad_copy():
     """bf16-master + AdamW: 16 B/param at the end of the backward (bf16 weights and grads, FP32 masters and
     m, v), 18 right after the grads move onto the masters (FP32 grads while the bf16 weights are still held:
     the estimator's figure with the weights kept), 16 inside the step (weights released)."""

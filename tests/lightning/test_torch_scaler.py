@@ -114,20 +114,24 @@ def test_scale_takes_iterables():
         scaler.scale(3.0)
 
 
-def test_masters_step_through_the_scaler():
-    """Under *-master the scaler moves grads to the FP32 masters, steps them, rounds them back."""
+def test_masters_collect_unscale_and_step_in_the_plugins_order():
+    """Under *-master the plugin moves grads to the FP32 masters, the scaler unscales them there, the store steps
+    the masters and rounds them back."""
     model = _model().to(torch.bfloat16)
     fp32 = {n: p.detach().float() for n, p in model.named_parameters()}
     masters = MasterWeights()
     masters.record_originals(model, fp32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     masters.install(model, [opt])
-    scaler = TorchLossScaler(ScalerConfig.preset("torch", init_scale=2.0**4), masters)
+    scaler = TorchLossScaler(ScalerConfig.preset("torch", init_scale=2.0**4))
     ref = copy.deepcopy(fp32)
     x, y = _batch(0)
     scaler.scale(nn.functional.mse_loss(model(x.bfloat16()).float(), y)).backward()
     grads = {e.name: e.low.grad.float() / 16 for e in masters.entries()}
-    scaler.step(opt)
+    masters.collect_grads(opt)
+    scaler.unscale_(opt)
+    assert not scaler.skips(opt)
+    masters.step(opt)
     scaler.update()
     for entry in masters.entries():
         expected = ref[entry.name] - 0.1 * grads[entry.name]
@@ -151,12 +155,9 @@ def test_plugin_scaler_is_none_without_loss_scaling():
     ScalerConfig(init_scale=4.0, min_scale=1.0, max_scale=16.0, growth_interval=2, hysteresis=2,
                  consecutive_hysteresis=True),
     ScalerConfig(dynamic=False, init_scale=8.0)], ids=["skip", "count", "torch", "hysteresis", "fixed"])
-def test_host_transition_state_equals_the_reference_step_by_step(config):
-    # Every decision read on the host (scaling on; scaling off, where the native scan decides on the host, with
-    # skip_nonfinite or only counting): the transition runs on the host (PYTHON_OPS); the device state,
-    # latest(), the counters and the scale the next backward runs with (and the unscaled gradients) must equal
-    # the NumPy reference replayed on the same flags, as device tensors of the same dtypes; state is the same
-    # object until the next transition.
+def test_the_device_state_equals_the_reference_step_by_step(config):
+    # The device state, latest(), the counters and the scale the next backward runs with (and the unscaled
+    # gradients) must equal the NumPy reference replayed on the same flags, as device tensors of the same dtypes.
     from mp_callbacks import NUMPY_OPS, initial_state, next_state
 
     scaler = TorchLossScaler(config, count_overflows=True)
@@ -178,11 +179,9 @@ def test_host_transition_state_equals_the_reference_step_by_step(config):
             assert torch.equal(p.grad, g * inv) or flag
         scaler.step(opt)
         scaler.update()
-        assert scaler._mirror.host is not None  # host transition: no device op
         ref, applied = next_state(config, ref, flag, NUMPY_OPS)
         assert scaler.get_scale() == float(ref.scale)
         state = scaler.state
-        assert scaler.state is state
         assert state.scale.dtype == torch.float32 and state.steps.dtype == torch.int32
         for name, value in zip(state._fields, state):
             assert value.item() == getattr(ref, name).item(), (step, name)
@@ -194,16 +193,15 @@ def test_host_transition_state_equals_the_reference_step_by_step(config):
     assert scaler.skipped == (len(INF_STEPS) if config.can_skip else 0)
 
 
-def test_the_opt_out_looks_at_nothing_and_moves_its_state_on_the_host(monkeypatch):
-    # scaler={"enabled": False, "skip_nonfinite": False}, no count: nothing is checked, so the step's overflow
-    # flag is known on the host (False) and the transition runs there, as the reference on False flags; an inf
-    # step is applied and not counted.
+def test_the_opt_out_looks_at_nothing(monkeypatch):
+    # scaler={"enabled": False, "skip_nonfinite": False}, no count: nothing is checked, the step's overflow flag
+    # is 0 and the state moves as the reference on False flags; an inf step is applied and not counted.
     from mp_callbacks import NUMPY_OPS, initial_state, next_state
 
     config = ScalerConfig(enabled=False, skip_nonfinite=False)
     scaler = TorchLossScaler(config, count_overflows=False)
     assert not scaler.checks_overflow
-    monkeypatch.setattr(TorchLossScaler, "record_transition", lambda *a: pytest.fail("a device transition"))
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", lambda *a: pytest.fail("a check"))
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ref = initial_state(config, NUMPY_OPS)
@@ -214,48 +212,38 @@ def test_the_opt_out_looks_at_nothing_and_moves_its_state_on_the_host(monkeypatc
         assert scaler.unscale_(opt).item() == 0.0
         scaler.step(opt)
         scaler.update()
-        assert scaler._mirror.host is not None
         ref, _ = next_state(config, ref, False, NUMPY_OPS)
         for name, value in zip(scaler.state._fields, scaler.state):
             assert value.item() == getattr(ref, name).item(), (step, name)
     assert (scaler.steps, scaler.overflows, scaler.skipped) == (6, 0, 0)
 
 
-@pytest.mark.parametrize("config", [ScalerConfig(enabled=False), ScalerConfig(enabled=False, skip_nonfinite=False)],
-                         ids=["skip", "count"])
-def test_scaling_off_on_the_cpu_decides_on_the_host_with_no_read(config, monkeypatch):
-    # The native scan answers on the host: the step reads no flag back (no item() after the first transition's
-    # one read of the initial state, no device transition), and skips (skip_nonfinite) or counts
-    # (count_overflows) exactly the inf steps, as the reference on the same flags.
-    from lightning_ext import master_native
-    from mp_callbacks import NUMPY_OPS, initial_state, next_state
-
-    master_native.native_adam()
+@pytest.mark.parametrize("config", [ScalerConfig(enabled=False), ScalerConfig(enabled=False, skip_nonfinite=False),
+                                    ScalerConfig.preset("torch", init_scale=2.0**8)], ids=["skip", "count", "torch"])
+def test_the_decision_is_one_host_read_at_most(config, monkeypatch):
+    # As GradScaler.step: one read of found_inf where the step can be skipped, none where it cannot; a skipped
+    # step adds the divergence rule's one read (its loss flag, scale and step number).
     scaler = TorchLossScaler(config, count_overflows=True)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     reads = []
-    item = torch.Tensor.item
-    monkeypatch.setattr(torch.Tensor, "item", lambda t: (reads.append(1), item(t))[1])
-    monkeypatch.setattr(TorchLossScaler, "record_transition", lambda *a: pytest.fail("a device transition"))
-    ref = initial_state(config, NUMPY_OPS)
-    for step in range(12):
+    item, tolist = torch.Tensor.item, torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: (reads.append("item"), item(t))[1])
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (reads.append("tolist"), tolist(t))[1])
+    for step in range(6):
         x, y = _batch(step)
         opt.zero_grad()
         scaler.scale(nn.functional.mse_loss(model(x), y) * (float("inf") if step in INF_STEPS else 1.0)).backward()
-        flag = not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
-        found = scaler.unscale_(opt)
-        assert scaler.step(opt) is None or not (flag and config.can_skip)
+        reads.clear()
+        scaler.unscale_(opt)
+        scaler.step(opt)
         scaler.update()
-        if step == 0:
-            reads.clear()  # the host state starts from the device state, read once
-        assert reads == [] and found.dtype == torch.float32 and found.shape == ()
-        assert item(found) == float(flag)
-        ref, _ = next_state(config, ref, flag, NUMPY_OPS)
-        assert (scaler._mirror.host.steps, scaler._mirror.host.overflows, scaler._mirror.host.skipped) == (
-            int(ref.steps), int(ref.overflows), int(ref.skipped))
-    if config.can_skip:  # (counting only, an applied inf step poisons the weights: every later step overflows)
-        assert (scaler.overflows, scaler.skipped) == (len(INF_STEPS), len(INF_STEPS))
+        skipped = scaler.last_step_skipped(opt)
+        if not config.can_skip:
+            assert reads == [] and not skipped
+        else:
+            assert reads == (["item", "tolist"] if skipped else ["item"]), step
+    assert scaler.skipped == (2 if config.can_skip else 0)
 
 
 def test_host_transition_floor_hit_warns_at_the_callers_line():

@@ -1,4 +1,4 @@
-"""bf16-kahan and bf16-sr in Lightning (lightning_ext.rounding): the torch rules are the core's bit for
+"""bf16-kahan and bf16-sr in Lightning (lightning_ext.weights.rounding): the torch rules are the core's bit for
 bit, the wrapped optimizer is the same optimizer on FP32 copies, skipped steps change nothing, resumes are
 bit-for-bit, the step holds the estimator's bytes, and both beat swamping like bf16-master."""
 
@@ -16,10 +16,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext import rounding as rounding_module
-from lightning_ext.fused_step import fused_implementation
-from lightning_ext.rounding import UpdateRounding
-from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
+from lightning_ext.weights import UpdateRounding
+from lightning_ext.weights import rounding as rounding_module
+from lightning_ext.weights.rounding_ops import TORCH_ROUNDING_OPS as T
 from mp_callbacks import RecipeError, get_recipe
 from mp_callbacks.app.lightning_runner import state_bytes
 from mp_callbacks.diagnostics import update_swamped_fraction
@@ -102,9 +101,10 @@ def test_torch_rules_are_bit_identical_to_the_numpy_reference():
 
 # ------------------------------------------- the optimizer on FP32 copies
 class Replay(pl.Callback):
-    """Replays every step with the same optimizer class on FP32 copies (``f32(w) + f32(c)``), with torch's fused
-    kernel where the user left the implementation to torch (``lightning_ext.fused_step``, the plugin's rule), and
-    the core's NumPy rules, and checks the plugin's weights, compensation, counter and optimizer state against it."""
+    """Replays every step with the same optimizer on FP32 copies (``f32(w) + f32(c)``) and the core's NumPy rules,
+    and checks the plugin's weights, compensation, counter and optimizer state against it.  The rounded
+    parameters' update is the optimizer's own, except exact Adam/AdamW with the implementation left to torch:
+    ``fused=True`` (the rule's fused kernel); FP32 parameters are the user's optimizer as configured."""
 
     def __init__(self, plugin: MixedPrecision, make_optimizer) -> None:
         self.plugin, self.make_optimizer = plugin, make_optimizer
@@ -114,7 +114,15 @@ class Replay(pl.Callback):
         self.opt = trainer.optimizers[0]
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self.shadow = [torch.zeros(p.shape) for p in self.params]
-        self.ref = self.make_optimizer(self.shadow)
+        low = [s for s, p in zip(self.shadow, self.params) if p.dtype != torch.float32]
+        self.refs = [self.make_optimizer(low)]
+        if type(self.refs[0]) in (torch.optim.Adam, torch.optim.AdamW):
+            for group in self.refs[0].param_groups:
+                if not group["foreach"]:
+                    group["fused"] = True
+        fp32 = [s for s, p in zip(self.shadow, self.params) if p.dtype == torch.float32]
+        if fp32:
+            self.refs.append(self.make_optimizer(fp32))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         comps = {id(e.param): e.comp.clone() for e in self.plugin.rounding.entries() if e.comp is not None}
@@ -143,9 +151,10 @@ class Replay(pl.Callback):
             for s, (w, g, c) in zip(self.shadow, self.before):
                 s.copy_(w.float() + c.float() if c is not None else w.float())
                 s.grad = None if g is None else g.float()
-        self.ref.param_groups[0]["lr"] = self.lr
-        with fused_implementation(self.ref):
-            self.ref.step()
+        for ref in self.refs:
+            ref.param_groups[0]["lr"] = self.lr
+            ref.step()
+        ref_state = {id(s): st for ref in self.refs for s, st in ref.state.items()}
         for i, (p, s, (w, _, c)) in enumerate(zip(self.params, self.shadow, self.before)):
             if p.dtype == torch.float32:  # kept in FP32 by the policy: updated by the optimizer's own loop
                 assert torch.equal(p, s), i
@@ -155,7 +164,7 @@ class Replay(pl.Callback):
             else:
                 want_w = stochastic_round(s.numpy(), sr_key(rounding.stream.seed, i, self.counter), N)
                 assert np.array_equal(bits(p), want_w), i
-            got, want = self.opt.state[p], self.ref.state[s]
+            got, want = self.opt.state[p], ref_state[id(s)]
             assert got.keys() == want.keys()
             for k, v in want.items():
                 assert got[k].dtype == v.dtype and torch.equal(got[k], v), (i, k)

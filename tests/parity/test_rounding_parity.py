@@ -41,7 +41,7 @@ def test_both_adapters_draw_the_same_bits_for_corresponding_elements():
     the same threshold per element (and a bias the same vector), from the same (seed, tensor, step)."""
     from keras_ext.weights import KERAS_ROUNDING_OPS as K
     from keras_ext.weights import canonical_perm, element_index
-    from lightning_ext.rounding_ops import TORCH_ROUNDING_OPS as T
+    from lightning_ext.weights.rounding_ops import TORCH_ROUNDING_OPS as T
 
     kernel = keras.Variable(np.zeros((7, 5), "float32"), name="kernel")
     bias = keras.Variable(np.zeros((5,), "float32"), name="bias")
@@ -63,7 +63,7 @@ def test_the_same_gradients_give_bit_identical_weights_in_both(recipe):
     from torch import nn
 
     import keras_ext
-    from lightning_ext.rounding import UpdateRounding
+    from lightning_ext.weights import UpdateRounding
 
     r = np.random.default_rng(5)
     sizes = [(6, 5), (5, 4), (4, 3)]

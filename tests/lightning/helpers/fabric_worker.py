@@ -19,9 +19,10 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
+from lightning_ext import CommCounter
+from lightning_ext.diagnostics import FabricMonitor
+from lightning_ext.distributed import fully_shard_model, local
 from lightning_ext.fabric import MixedPrecision
-from lightning_ext.fabric_monitor import FabricMonitor
-from lightning_ext.fsdp import fully_shard_model, local
 from tests.lightning.helpers.models import regression_data
 
 INF_STEP, STEPS, BATCH = 2, 5, 8
@@ -74,6 +75,7 @@ def train(fabric: Fabric, net, opt, plugin) -> dict:
 
 def ddp_skip(out: Path) -> dict:
     plugin = MixedPrecision("16-master", scaler={"init_scale": 2.0**8, "growth_interval": 1000})
+    plugin.comm_counter = CommCounter()  # the DDP hook Fabric's set-up gets: fp16 buckets reduced in FP32
     fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(), plugins=[plugin])
     fabric.launch()
     net = model()
@@ -81,6 +83,7 @@ def ddp_skip(out: Path) -> dict:
     result = train(fabric, net, opt, plugin)
     result["weight_dtype"] = str(net.module[0].weight.dtype)
     result["scale"] = plugin.loss_scaler.get_scale()
+    result["comm"] = dict(plugin.comm_counter.by_dtype)
     return result
 
 
@@ -109,6 +112,7 @@ def ddp_resume(out: Path) -> dict:
     path = out / "ddp_resume.ckpt"
     fabric.save(path, {"model": net, "optimizer": opt, "mp": plugin})
     plugin, fabric, net, opt = fresh()
+    plugin.setup_optimizers(opt)  # the masters in the optimizer before its state loads
     fabric.load(path, {"model": net, "optimizer": opt, "mp": plugin})
     run(fabric, net, opt, data[2:])
     return {"whole": whole, "resumed": snapshot(net.module, opt.optimizer, plugin)}
@@ -118,7 +122,7 @@ def fsdp_skip(out: Path) -> dict:
     plugin = MixedPrecision("bf16-master")  # no loss scaling; non-finite gradients still skip the step
 
     def parallelize(module: nn.Module, mesh) -> nn.Module:
-        return fully_shard_model(module, plugin.recipe, mesh["data_parallel"], units=["Linear"])
+        return fully_shard_model(module, plugin, mesh["data_parallel"], units=["Linear"])
 
     strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])

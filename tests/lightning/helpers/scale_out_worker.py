@@ -24,9 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_ext import MixedPrecision, MixedPrecisionMonitor
-from lightning_ext.distributed import CommCounter
-from lightning_ext.fsdp import fully_shard_model, local
-from lightning_ext.meters import grad_norm, underflow_counts
+from lightning_ext.diagnostics import grad_norm, underflow_counts
+from lightning_ext.distributed import CommCounter, fully_shard_model, local
 from tests.lightning.helpers.models import regression_data, trainer_kwargs
 
 SCALER = {"init_scale": 2.0**8, "growth_interval": 3}
@@ -127,7 +126,7 @@ def count_collectives(scaler) -> list:
     import torch.distributed._functional_collectives as funcol
 
     per_step: list = []
-    check = scaler._check_and_unscale
+    check = scaler.unscale_once
 
     def counted(*args, **kwargs):
         calls: list = []
@@ -146,7 +145,7 @@ def count_collectives(scaler) -> list:
             dist.all_reduce, funcol.all_reduce = originals
             per_step.append(calls)
 
-    scaler._check_and_unscale = counted
+    scaler.unscale_once = counted
     return per_step
 
 
