@@ -11,7 +11,7 @@ from .loss_scale.config import PRESETS, ScalerConfig
 from .loss_scale.scaler import DynamicLossScaler, ScaleFloorError, ScaleFloorWarning
 from .loss_scale.transition import ScalerState, checks_overflow, initial_state, next_state
 from .memory.estimate import MemoryEstimate, bytes_per_param, estimate_memory
-from .ops import NUMPY_OPS, PYTHON_OPS, ArrayOps, NumpyOps, PythonOps
+from .ops import NUMPY_OPS, ArrayOps, NumpyOps
 from .policy import PolicyError, PrecisionPolicy
 from .recipes import RECIPE_NAMES, Recipe, RecipeError, canonical_recipe_name, get_recipe
 from .settings import ConfigError, StateDictError
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayOps", "ConfigError", "DivergenceError", "DivergenceRule", "DynamicLossScaler", "History", "METRICS",
     "MasterPlan",
-    "MemoryEstimate", "NUMPY_OPS", "NumpyOps", "PYTHON_OPS", "PythonOps", "PRESETS", "PolicyError", "PrecisionPolicy",
+    "MemoryEstimate", "NUMPY_OPS", "NumpyOps", "PRESETS", "PolicyError", "PrecisionPolicy",
     "RECIPE_NAMES", "Recipe", "RecipeError", "ScaleFloorError", "ScaleFloorWarning",
     "ScalerConfig", "ScalerState", "StateDictError", "StepStats", "bytes_per_param",
     "canonical_recipe_name", "checks_overflow", "estimate_memory", "get_recipe", "initial_state", "next_state",

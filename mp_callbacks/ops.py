@@ -2,9 +2,7 @@
 
 The transition in :mod:`mp_callbacks.loss_scale.scaler` never touches a framework
 directly: it calls the methods of an :class:`ArrayOps` object.  The core ships
-the NumPy float32 reference backend (:class:`NumpyOps`) and a plain-Python twin
-for host-side transitions in a training loop (:class:`PythonOps`: the same
-numbers, without NumPy's per-call cost); the Lightning adapter
+the NumPy float32 reference backend (:class:`NumpyOps`); the Lightning adapter
 supplies torch tensors on the device, the Keras adapter supplies ``keras.ops``
 (so the same code runs inside ``tf.function``/XLA and on the torch backend).
 
@@ -18,8 +16,6 @@ Rules every backend follows:
 
 from __future__ import annotations
 
-import math
-import struct
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -134,79 +130,3 @@ class NumpyOps:
 
 NUMPY_OPS = NumpyOps()
 """The shared instance of the reference backend."""
-
-
-_F32 = struct.Struct("<f")
-
-
-def _f32(x: float) -> float:
-    """``x`` rounded to the nearest float32 (overflow gives inf, as NumPy's float32)."""
-    try:
-        return _F32.unpack(_F32.pack(x))[0]
-    except OverflowError:  # beyond float32's range after rounding
-        return math.copysign(math.inf, x)
-
-
-def _i32(x: int) -> int:
-    """``x`` wrapped to int32 (as NumPy's int32 arithmetic)."""
-    return (x + 0x80000000) % 0x100000000 - 0x80000000
-
-
-class PythonOps:
-    """:class:`NumpyOps`' numbers in plain Python scalars: float32 values as Python floats rounded to
-    float32 after every operation, int32 values as wrapped ints, predicates as bools.
-
-    The rule: an operation on float32 inputs is computed in float64 and rounded once to float32,
-    which is the correctly rounded float32 result for ``*``, ``+``, min and max (float64 holds
-    every float32 product and sum exactly enough: 53 >= 2 * 24 + 2 bits, so the double rounding
-    is harmless), so every transition equals :data:`NUMPY_OPS`' bit for bit (tested over every
-    preset).  For host-side evaluation of the rules (a decision already read on the host).
-    """
-
-    def f32(self, value: Any) -> float:
-        return _f32(float(value))
-
-    def i32(self, value: Any) -> int:
-        return _i32(int(value))
-
-    def boolean(self, value: Any) -> bool:
-        return bool(value)
-
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        return a if cond else type(a)(b)
-
-    def mul(self, a: Any, b: Any) -> Any:
-        return _f32(a * float(b)) if isinstance(a, float) else _i32(a * int(b))
-
-    def add(self, a: Any, b: Any) -> Any:
-        return _f32(a + float(b)) if isinstance(a, float) else _i32(a + int(b))
-
-    def minimum(self, a: Any, b: Any) -> Any:
-        return a if (a != a or a <= b) else b  # NaN propagates, as np.minimum
-
-    def maximum(self, a: Any, b: Any) -> Any:
-        return a if (a != a or a >= b) else b
-
-    def isfinite(self, a: Any) -> bool:
-        return math.isfinite(a)
-
-    def logical_and(self, a: Any, b: Any) -> bool:
-        return bool(a) and bool(b)
-
-    def logical_or(self, a: Any, b: Any) -> bool:
-        return bool(a) or bool(b)
-
-    def logical_not(self, a: Any) -> bool:
-        return not a
-
-    def greater_equal(self, a: Any, b: Any) -> bool:
-        return a >= b
-
-    def less_equal(self, a: Any, b: Any) -> bool:
-        return a <= b
-
-    def not_equal(self, a: Any, b: Any) -> bool:
-        return a != b
-
-
-PYTHON_OPS = PythonOps()
